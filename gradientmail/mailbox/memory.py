@@ -1,0 +1,90 @@
+"""MemoryMailbox: the whole contract in a dict, for tests and simulations.
+
+Instances opened with the same name share one store (within a process), so several
+learners in one test see each other, as they would through a bucket.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+
+from gradientmail.mailbox.base import Mailbox, check_key, check_prefix
+
+__all__ = ["MemoryMailbox"]
+
+_STORES: dict[str, _Store] = {}
+_STORES_LOCK = threading.Lock()
+
+
+class _Store:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.objects: dict[str, bytes] = {}
+        self.keys: list[str] = []  # sorted
+
+
+class MemoryMailbox(Mailbox):
+    """A process-local mailbox. `MemoryMailbox()` is private; `MemoryMailbox("x")` is shared."""
+
+    def __init__(self, name: str | None = None) -> None:
+        if name is None:
+            self._store = _Store()
+            self.url = "memory://"
+        else:
+            with _STORES_LOCK:
+                self._store = _STORES.setdefault(name, _Store())
+            self.url = f"memory://{name}"
+
+    @staticmethod
+    def forget(name: str) -> None:
+        """Drop the shared store called `name` (tests call this between cases)."""
+        with _STORES_LOCK:
+            _STORES.pop(name, None)
+
+    async def get(self, key: str) -> bytes | None:
+        check_key(key)
+        with self._store.lock:
+            return self._store.objects.get(key)
+
+    async def put(self, key: str, data: bytes) -> None:
+        check_key(key)
+        data = bytes(data)
+        s = self._store
+        with s.lock:
+            if key not in s.objects:
+                bisect.insort(s.keys, key)
+            s.objects[key] = data
+
+    async def create(self, key: str, data: bytes) -> bool:
+        check_key(key)
+        data = bytes(data)
+        s = self._store
+        with s.lock:
+            if key in s.objects:
+                return False
+            bisect.insort(s.keys, key)
+            s.objects[key] = data
+            return True
+
+    async def list(self, prefix: str = "", start_after: str | None = None) -> list[str]:
+        check_prefix(prefix)
+        s = self._store
+        with s.lock:
+            lo = bisect.bisect_left(s.keys, prefix)
+            if start_after is not None:
+                lo = max(lo, bisect.bisect_right(s.keys, start_after))
+            out: list[str] = []
+            for key in s.keys[lo:]:
+                if not key.startswith(prefix):
+                    break
+                out.append(key)
+            return out
+
+    async def delete(self, key: str) -> None:
+        check_key(key)
+        s = self._store
+        with s.lock:
+            if s.objects.pop(key, None) is not None:
+                i = bisect.bisect_left(s.keys, key)
+                del s.keys[i]
