@@ -1,0 +1,91 @@
+"""The project's own bar: the README's test command is what CI runs; the core stays light."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_test_command() -> str:
+    text = (ROOT / "README.md").read_text()
+    match = re.search(r"<!-- test-command -->\n```sh\n(.+)\n```", text)
+    assert match, "README.md must hold the test command in a sh block after <!-- test-command -->"
+    return match.group(1)
+
+
+def test_ci_runs_exactly_the_readme_test_command() -> None:
+    out = subprocess.run(
+        ["bash", str(ROOT / ".ci" / "run"), "--print-command"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    assert out == readme_test_command()
+
+
+def test_readme_test_command_sets_up_a_fresh_machine() -> None:
+    line = readme_test_command()
+    steps = [s.strip() for s in line.split("&&")]
+    assert steps[0].startswith("python3 -m venv .venv")
+    # torch first, from the local CPU wheel: a plain requirement would pull a CUDA build.
+    torch_at = steps.index("pip install torch==2.13.0")
+    dev_at = steps.index("pip install -e '.[dev]'")
+    assert torch_at < dev_at
+    assert steps[-1].startswith("python -m pytest")
+
+
+def test_core_imports_without_frameworks() -> None:
+    code = (
+        "import sys\n"
+        "import gradientmail, gradientmail.errors, gradientmail.clock, gradientmail.events\n"
+        "import gradientmail.mailbox, gradientmail.algorithms.schedule\n"
+        "heavy = sorted(m for m in ('torch', 'boto3', 'zstandard', 'lightning', 'accelerate')"
+        " if m in sys.modules)\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    assert out == "", f"the core imported {out} at module level"
+
+
+def test_public_names() -> None:
+    import gradientmail
+    import gradientmail.errors as errors
+
+    assert gradientmail.__version__ == "0.1.0"
+    assert "GradientmailError" in gradientmail.__all__
+    for name in gradientmail.__all__:
+        assert hasattr(gradientmail, name), name
+    for name in (
+        "GradientmailError",
+        "ProtocolError",
+        "SchemaMismatch",
+        "RunConfigMismatch",
+        "MissingExtra",
+    ):
+        assert name in errors.__all__
+        cls = getattr(errors, name)
+        assert issubclass(cls, errors.GradientmailError)
+
+
+def test_every_error_derives_from_the_base() -> None:
+    import gradientmail.errors as errors
+
+    for name in errors.__all__:
+        assert issubclass(getattr(errors, name), errors.GradientmailError), name
+
+
+def test_missing_extra_names_the_install_line() -> None:
+    from gradientmail.errors import MissingExtra
+
+    err = MissingExtra("zstd", "zstd payloads")
+    assert str(err) == (
+        "the optional dependency 'zstd' is needed for zstd payloads; "
+        "install it with: pip install 'gradientmail[zstd]'"
+    )
+    assert err.extra == "zstd"
