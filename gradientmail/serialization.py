@@ -1,0 +1,583 @@
+"""Tensors on the wire: `Schema`, `ParameterSpec`, `TensorBytes`, and safetensors payloads.
+
+A model is described by its `Schema` (the ordered `ParameterSpec(name, dtype, shape)` of
+its parameters); a tensor travels as `TensorBytes` (raw little-endian bytes plus dtype and
+shape). A payload is a safetensors blob written by the `safetensors` library (`pack`) and
+read back by `unpack`, which checks every byte of the header before slicing the data, so a
+truncated, corrupted or hostile payload raises `CorruptPayload` naming the key and the
+tensor, never another exception and never an allocation larger than the blob itself.
+
+Dtypes: the storage dtypes "F32", "F16", "BF16" (what a schema may hold) and the transfer
+dtypes "F8_E4M3", "F8_E8M0" (MX block scales) and "F4" (E2M1, two codes per byte, element
+2i in the low nibble). An "F4" `TensorBytes` keeps its logical shape and holds
+ceil(numel / 2) bytes. The safetensors format can only express an F4 tensor whose last
+dimension is even, so `pack` writes any other F4 tensor flat, padded to an even length
+with a zero code, and records its logical shape in the metadata entry
+``gradientmail.f4shape.<name>`` (a JSON list); `unpack` restores it. Every other metadata
+key starting with ``gradientmail.f4shape.`` is reserved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import numpy.typing as npt
+
+from gradientmail.errors import (
+    ConfigError,
+    CorruptPayload,
+    RemoteProtocolError,
+    SchemaMismatch,
+)
+
+__all__ = [
+    "DTYPES",
+    "MAX_HEADER_BYTES",
+    "MAX_TENSORS",
+    "STORAGE_DTYPES",
+    "ParameterSpec",
+    "Schema",
+    "TensorBytes",
+    "dtype_bits",
+    "nbytes_of",
+    "pack",
+    "unpack",
+    "unpack_with_metadata",
+    "validate",
+]
+
+#: Dtypes a schema (a model's parameters) may hold.
+STORAGE_DTYPES: tuple[str, ...] = ("F32", "F16", "BF16")
+#: Every dtype a payload may hold, with its width in bits.
+_BITS: dict[str, int] = {"F32": 32, "F16": 16, "BF16": 16, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4}
+DTYPES: tuple[str, ...] = tuple(_BITS)
+
+#: Default bounds for `unpack`: safetensors itself refuses headers over 100 MB.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_TENSORS = 1_000_000
+
+_F4_SHAPE_PREFIX = "gradientmail.f4shape."
+
+_NUMPY: dict[str, Any] = {
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+}
+_SAFETENSORS_NAME = {
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E8M0": "float8_e8m0fnu",
+    "F4": "float4_e2m1fn_x2",
+}
+
+
+def dtype_bits(dtype: str) -> int:
+    """Width of one element of `dtype` in bits; `ConfigError` for an unknown dtype."""
+    try:
+        return _BITS[dtype]
+    except (KeyError, TypeError):
+        raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}") from None
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def nbytes_of(dtype: str, shape: tuple[int, ...]) -> int:
+    """Bytes that a tensor of `dtype` and `shape` occupies (F4: two elements per byte)."""
+    return (_numel(shape) * dtype_bits(dtype) + 7) // 8
+
+
+def _check_shape(shape: object, what: str) -> tuple[int, ...]:
+    if not isinstance(shape, tuple) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise ConfigError(f"{what}: shape {shape!r} must be a tuple of non-negative ints")
+    return shape
+
+
+@dataclass(frozen=True)
+class TensorBytes:
+    """A tensor as raw little-endian bytes: `len(data) == nbytes_of(dtype, shape)`."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    def __post_init__(self) -> None:
+        dtype_bits(self.dtype)
+        _check_shape(self.shape, "TensorBytes")
+        if not isinstance(self.data, bytes):
+            raise ConfigError(
+                f"TensorBytes data must be bytes, not {type(self.data).__name__}; "
+                "wrap it with bytes(...)"
+            )
+        want = nbytes_of(self.dtype, self.shape)
+        if len(self.data) != want:
+            raise ConfigError(
+                f"TensorBytes {self.dtype}{list(self.shape)} needs {want} bytes "
+                f"but holds {len(self.data)}"
+            )
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return _numel(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Number of data bytes."""
+        return len(self.data)
+
+    @classmethod
+    def from_numpy(cls, array: npt.ArrayLike) -> TensorBytes:
+        """Wrap a float32/float16/bfloat16/float8_e4m3fn/float8_e8m0fnu array (copied).
+
+        A `ml_dtypes.float4_e2m1fn` array (one code per byte) is packed two per byte.
+        """
+        arr = np.asarray(array)
+        if arr.dtype == np.dtype(ml_dtypes.float4_e2m1fn):
+            return cls("F4", tuple(arr.shape), _pack_nibbles(arr.reshape(-1).view(np.uint8)))
+        for name, dt in _NUMPY.items():
+            if arr.dtype == dt or (arr.dtype.kind == "f" and arr.dtype.newbyteorder("<") == dt):
+                data = np.ascontiguousarray(arr, dtype=dt).tobytes()
+                return cls(name, tuple(int(d) for d in arr.shape), data)
+        raise ConfigError(
+            f"cannot wrap a numpy array of dtype {arr.dtype}; use float32, float16, "
+            "ml_dtypes.bfloat16, float8_e4m3fn, float8_e8m0fnu or float4_e2m1fn"
+        )
+
+    def to_numpy(self) -> npt.NDArray[Any]:
+        """A read-only numpy view of the data (F4: unpacked to one float4_e2m1fn per byte)."""
+        if self.dtype == "F4":
+            codes = _unpack_nibbles(self.data, self.numel)
+            out: npt.NDArray[Any] = codes.view(ml_dtypes.float4_e2m1fn).reshape(self.shape)
+        else:
+            out = np.frombuffer(self.data, dtype=_NUMPY[self.dtype]).reshape(self.shape)
+        return out
+
+
+def _pack_nibbles(codes: npt.NDArray[np.uint8]) -> bytes:
+    """Pack 4-bit codes two per byte, element 2i in the low nibble; odd tail padded with 0."""
+    if codes.size % 2:
+        codes = np.concatenate([codes, np.zeros(1, np.uint8)])
+    pairs = codes.reshape(-1, 2) & np.uint8(0x0F)
+    return (pairs[:, 0] | (pairs[:, 1] << np.uint8(4))).tobytes()
+
+
+def _unpack_nibbles(data: bytes, numel: int) -> npt.NDArray[np.uint8]:
+    packed = np.frombuffer(data, dtype=np.uint8)
+    out = np.empty(packed.size * 2, dtype=np.uint8)
+    out[0::2] = packed & np.uint8(0x0F)
+    out[1::2] = packed >> np.uint8(4)
+    return out[:numel]
+
+
+@dataclass(frozen=True)
+class ParameterSpec:
+    """One parameter of a model: its name, storage dtype and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or self.name == "__metadata__":
+            raise ConfigError(f"parameter name {self.name!r} must be a non-empty string")
+        if self.dtype not in STORAGE_DTYPES:
+            raise ConfigError(
+                f"parameter {self.name!r}: dtype {self.dtype!r} is not a storage dtype; "
+                f"use one of {', '.join(STORAGE_DTYPES)}"
+            )
+        _check_shape(self.shape, f"parameter {self.name!r}")
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return _numel(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the parameter in its storage dtype."""
+        return nbytes_of(self.dtype, self.shape)
+
+
+@dataclass(frozen=True)
+class Schema:
+    """The ordered parameters of a model; equal schemas have equal `digest()`."""
+
+    params: tuple[ParameterSpec, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.params, tuple) or not all(
+            isinstance(p, ParameterSpec) for p in self.params
+        ):
+            raise ConfigError("Schema.params must be a tuple of ParameterSpec")
+        names = [p.name for p in self.params]
+        dups = sorted({n for n in names if names.count(n) > 1}) if len(set(names)) < len(
+            names
+        ) else []
+        if dups:
+            raise ConfigError(f"schema names {dups} more than once; names must be unique")
+        object.__setattr__(self, "_index", {p.name: p for p in self.params})
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, TensorBytes]) -> Schema:
+        """The schema of `tensors`, in their iteration order."""
+        return cls(tuple(ParameterSpec(n, t.dtype, t.shape) for n, t in tensors.items()))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Parameter names in schema order."""
+        return tuple(p.name for p in self.params)
+
+    def __getitem__(self, name: str) -> ParameterSpec:
+        index: dict[str, ParameterSpec] = self._index  # type: ignore[attr-defined]
+        try:
+            return index[name]
+        except KeyError:
+            raise KeyError(f"parameter {name!r} is not in the schema") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index  # type: ignore[attr-defined]
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def nbytes(self, name: str) -> int:
+        """Bytes of parameter `name` in its storage dtype."""
+        return self[name].nbytes
+
+    @property
+    def total_nbytes(self) -> int:
+        """Bytes of every parameter in its storage dtype."""
+        return sum(p.nbytes for p in self.params)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict: ``{"params": [{"name", "dtype", "shape"}, ...]}``."""
+        return {
+            "params": [
+                {"name": p.name, "dtype": p.dtype, "shape": list(p.shape)} for p in self.params
+            ]
+        }
+
+    def to_json(self) -> str:
+        """Canonical JSON: sorted keys, no whitespace, parameters in schema order."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    def digest(self) -> str:
+        """SHA-256 hex digest of `to_json()`."""
+        return hashlib.sha256(self.to_json().encode("utf-8")).hexdigest()
+
+    @classmethod
+    def from_dict(cls, obj: object) -> Schema:
+        """Inverse of `to_dict`; `RemoteProtocolError` for anything of another shape."""
+        if not isinstance(obj, dict) or set(obj) != {"params"} or not isinstance(
+            obj["params"], list
+        ):
+            raise RemoteProtocolError(
+                f"schema record must be an object with exactly the key 'params' (a list); "
+                f"got {_brief(obj)}"
+            )
+        params = []
+        for i, entry in enumerate(obj["params"]):
+            if (
+                not isinstance(entry, dict)
+                or set(entry) != {"name", "dtype", "shape"}
+                or not isinstance(entry["shape"], list)
+            ):
+                raise RemoteProtocolError(
+                    f"schema params[{i}] must be an object with exactly 'name', 'dtype' and "
+                    f"'shape' (a list); got {_brief(entry)}"
+                )
+            try:
+                params.append(ParameterSpec(entry["name"], entry["dtype"], tuple(entry["shape"])))
+            except ConfigError as exc:
+                raise RemoteProtocolError(f"schema params[{i}]: {exc}") from None
+        try:
+            return cls(tuple(params))
+        except ConfigError as exc:
+            raise RemoteProtocolError(f"schema record: {exc}") from None
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Schema:
+        """Parse `to_json()` output strictly; `RemoteProtocolError` on anything else."""
+        try:
+            obj = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise RemoteProtocolError(f"schema record is not valid JSON: {exc}") from None
+        return cls.from_dict(obj)
+
+
+def _brief(obj: object) -> str:
+    text = repr(obj)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def validate(
+    schema: Schema,
+    tensors: Mapping[str, TensorBytes],
+    names: Iterable[str] | None = None,
+    *,
+    dtype: str | None = None,
+) -> None:
+    """Check that `tensors` holds exactly `names` (default: the whole schema), each shaped
+    as the schema says and of `dtype` (default: the schema's own dtype of each parameter).
+
+    Raises `SchemaMismatch` naming every missing, extra, mis-shaped or wrong-dtype tensor.
+    """
+    expected = list(schema.names if names is None else names)
+    unknown = [n for n in expected if n not in schema]
+    if unknown:
+        raise ConfigError(f"validate: names {unknown} are not in the schema")
+    want = set(expected)
+    problems = []
+    missing = [n for n in expected if n not in tensors]
+    extra = sorted(n for n in tensors if n not in want)
+    if missing:
+        problems.append(f"missing {missing}")
+    if extra:
+        problems.append(f"extra {extra}")
+    for name in expected:
+        tensor = tensors.get(name)
+        if tensor is None:
+            continue
+        spec = schema[name]
+        want_dtype = spec.dtype if dtype is None else dtype
+        if tuple(tensor.shape) != spec.shape:
+            problems.append(
+                f"{name!r} has shape {list(tensor.shape)}, the schema says {list(spec.shape)}"
+            )
+        if tensor.dtype != want_dtype:
+            problems.append(f"{name!r} has dtype {tensor.dtype}, expected {want_dtype}")
+    if problems:
+        raise SchemaMismatch(
+            f"tensors do not match schema {schema.digest()[:12]}: " + "; ".join(problems)
+        )
+
+
+def pack(tensors: Mapping[str, TensorBytes], metadata: Mapping[str, str] | None = None) -> bytes:
+    """Write `tensors` as one safetensors blob (with the `safetensors` library).
+
+    The bytes depend only on the tensors and metadata (names are sorted), so equal inputs
+    give equal blobs and golden payloads stay stable.
+    """
+    import safetensors
+
+    meta: dict[str, str] = {}
+    for k, v in (metadata or {}).items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise ConfigError(f"payload metadata must map str to str; got {k!r}: {v!r}")
+        if k.startswith(_F4_SHAPE_PREFIX):
+            raise ConfigError(f"payload metadata key {k!r} uses the reserved prefix")
+        meta[k] = v
+    specs: dict[str, Any] = {}
+    keep_alive: list[npt.NDArray[np.uint8]] = []
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        if not isinstance(tensor, TensorBytes):
+            raise ConfigError(f"tensor {name!r} must be TensorBytes, not {type(tensor).__name__}")
+        if name == "__metadata__" or not name:
+            raise ConfigError(f"tensor name {name!r} is reserved by safetensors")
+        data = tensor.data
+        shape = list(tensor.shape)
+        if tensor.dtype == "F4":
+            if shape and shape[-1] % 2 == 0:
+                shape[-1] //= 2  # the binding takes F4's storage shape (two per byte)
+            else:
+                meta[_F4_SHAPE_PREFIX + name] = json.dumps(shape, separators=(",", ":"))
+                shape = [len(data)]
+        buf = np.frombuffer(data, dtype=np.uint8) if data else np.zeros(1, np.uint8)
+        keep_alive.append(buf)
+        specs[name] = safetensors.TensorSpec(
+            dtype=_SAFETENSORS_NAME[tensor.dtype],
+            shape=shape,
+            data_ptr=buf.ctypes.data,
+            data_len=len(data),
+        )
+    out = safetensors.serialize(specs, metadata=meta or None)
+    del keep_alive
+    return bytes(out)
+
+
+def unpack(
+    blob: bytes,
+    *,
+    key: str = "payload",
+    max_tensors: int = MAX_TENSORS,
+    max_header_bytes: int = MAX_HEADER_BYTES,
+) -> dict[str, TensorBytes]:
+    """Read a safetensors blob; `CorruptPayload` naming `key` and the tensor on bad input."""
+    return unpack_with_metadata(
+        blob, key=key, max_tensors=max_tensors, max_header_bytes=max_header_bytes
+    )[0]
+
+
+def unpack_with_metadata(
+    blob: bytes,
+    *,
+    key: str = "payload",
+    max_tensors: int = MAX_TENSORS,
+    max_header_bytes: int = MAX_HEADER_BYTES,
+) -> tuple[dict[str, TensorBytes], dict[str, str]]:
+    """Like `unpack`, also returning the blob's metadata (without reserved entries).
+
+    The header is checked before any data is sliced: its length is bounded by the blob and
+    `max_header_bytes`; it is a JSON object without duplicate keys; every entry has exactly
+    a known dtype, a shape of non-negative ints and data offsets; the offsets tile the data
+    section from 0 to its end, contiguous and non-overlapping; and each span holds exactly
+    shape × dtype bytes.
+    """
+    view = memoryview(blob)
+    if len(view) < 8:
+        raise CorruptPayload(
+            f"{key}: {len(view)} bytes is shorter than the 8-byte safetensors header length"
+        )
+    (header_len,) = struct.unpack("<Q", view[:8])
+    if header_len > len(view) - 8 or header_len > max_header_bytes:
+        raise CorruptPayload(
+            f"{key}: header claims {header_len} bytes but the blob has {len(view) - 8} after "
+            f"the length (limit {max_header_bytes}); the payload is truncated or corrupt"
+        )
+    header = _parse_header(bytes(view[8 : 8 + header_len]), key)
+    data_start = 8 + header_len
+    data_len = len(view) - data_start
+    raw_meta = header.pop("__metadata__", None)
+    if raw_meta is None:
+        raw_meta = {}
+    if not isinstance(raw_meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in raw_meta.items()
+    ):
+        raise CorruptPayload(f"{key}: __metadata__ must map strings to strings")
+    if len(header) > max_tensors:
+        raise CorruptPayload(f"{key}: {len(header)} tensors exceed the limit of {max_tensors}")
+    entries = []
+    for name, entry in header.items():
+        entries.append((*_check_entry(name, entry, key), name))
+    entries.sort()
+    cursor = 0
+    for start, end, _, _, name in entries:
+        if start != cursor:
+            rule = "overlaps the previous tensor" if start < cursor else "leaves a gap"
+            raise CorruptPayload(
+                f"{key}: tensor {name!r} starts at data offset {start}, expected {cursor}; it "
+                f"{rule}. Tensors must be contiguous and non-overlapping"
+            )
+        cursor = end
+    if cursor != data_len:
+        raise CorruptPayload(
+            f"{key}: the header describes {cursor} data bytes but the blob holds {data_len}; "
+            "the payload is truncated or has trailing bytes"
+        )
+    meta = {k: v for k, v in raw_meta.items() if not k.startswith(_F4_SHAPE_PREFIX)}
+    out: dict[str, TensorBytes] = {}
+    for start, end, dtype, shape, name in entries:
+        data = bytes(view[data_start + start : data_start + end])
+        f4_shape = raw_meta.get(_F4_SHAPE_PREFIX + name)
+        if f4_shape is not None:
+            shape = _f4_logical_shape(f4_shape, dtype, shape, name, key)
+        try:
+            out[name] = TensorBytes(dtype, shape, data)
+        except ConfigError as exc:
+            raise CorruptPayload(f"{key}: tensor {name!r}: {exc}") from None
+    stray = [
+        k[len(_F4_SHAPE_PREFIX) :]
+        for k in raw_meta
+        if k.startswith(_F4_SHAPE_PREFIX) and k[len(_F4_SHAPE_PREFIX) :] not in out
+    ]
+    if stray:
+        raise CorruptPayload(f"{key}: F4 shape metadata names tensors {stray} that are absent")
+    return out, meta
+
+
+def _parse_header(raw: bytes, key: str) -> dict[str, Any]:
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        for k, v in pairs:
+            if k in result:
+                raise CorruptPayload(f"{key}: the header names {k!r} twice")
+            result[k] = v
+        return result
+
+    try:
+        text = raw.decode("utf-8")
+        header = json.loads(text, object_pairs_hook=no_duplicates)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CorruptPayload(f"{key}: the safetensors header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise CorruptPayload(f"{key}: the safetensors header must be a JSON object")
+    return header
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _check_entry(
+    name: str, entry: object, key: str
+) -> tuple[int, int, str, tuple[int, ...]]:
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise CorruptPayload(
+            f"{key}: tensor {name!r} must have exactly dtype, shape and data_offsets; "
+            f"got {_brief(entry)}"
+        )
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype not in _BITS:
+        raise CorruptPayload(
+            f"{key}: tensor {name!r} has dtype {_brief(dtype)}; allowed: {', '.join(DTYPES)}"
+        )
+    if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
+        raise CorruptPayload(
+            f"{key}: tensor {name!r} has shape {_brief(shape)}; need a list of non-negative ints"
+        )
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_int(o) for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise CorruptPayload(
+            f"{key}: tensor {name!r} has data_offsets {_brief(offsets)}; need [begin, end] "
+            "with 0 <= begin <= end"
+        )
+    start, end = offsets
+    bits = math.prod(shape) * _BITS[dtype]
+    if bits % 8 or bits // 8 != end - start:
+        raise CorruptPayload(
+            f"{key}: tensor {name!r} is {dtype}{shape} ({bits} bits) but spans "
+            f"{end - start} bytes"
+        )
+    return start, end, dtype, tuple(shape)
+
+
+def _f4_logical_shape(
+    text: str, dtype: str, stored: tuple[int, ...], name: str, key: str
+) -> tuple[int, ...]:
+    try:
+        shape = json.loads(text)
+    except (ValueError, RecursionError):
+        shape = None
+    if (
+        dtype != "F4"
+        or not isinstance(shape, list)
+        or not all(_is_int(d) for d in shape)
+        or len(stored) != 1
+        or stored[0] != 2 * ((math.prod(shape) + 1) // 2)
+    ):
+        raise CorruptPayload(
+            f"{key}: tensor {name!r}: F4 shape metadata {_brief(text)} does not match the "
+            f"stored {dtype}{list(stored)}"
+        )
+    return tuple(shape)
