@@ -1,0 +1,196 @@
+"""The learner's decisions: pure functions over a frozen `LearnerState`.
+
+The training thread owns one `LearnerState` and replaces it on every event: a step
+(`advanced`), a publish (`published`), a commit arriving (`applied`). What to publish and
+when to wait (`publishable`, `due_round`, `overdue`) are answered from the state alone, so
+they are tested exhaustively with no threads, no mailbox and no clock.
+
+Round numbers: `rounds_seen` is the index of the newest commit record applied (-1 before
+any); `last_published` the newest round this learner published (-1 before any).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from gradientmail.algorithms.schedule import RoundSchedule
+
+__all__ = [
+    "FragmentCounters",
+    "LearnerState",
+    "Publish",
+    "advanced",
+    "applied",
+    "due_round",
+    "initial_state",
+    "overdue",
+    "publishable",
+    "published",
+]
+
+EMA_DECAY = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class FragmentCounters:
+    """Steps and tokens trained on a fragment since it was last overwritten, and the
+    committed version the fragment was last aligned with."""
+
+    steps: int = 0
+    tokens: int = 0
+    version: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Publish:
+    """One own publish: the round, the local step it was taken at, and what it counted."""
+
+    round: int
+    at: int
+    steps: int
+    tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerState:
+    local_step: int
+    fragments: tuple[FragmentCounters, ...]
+    rounds_seen: int = -1
+    last_published: int = -1
+    last_publish_step: int = 0
+    publishes: tuple[Publish, ...] = ()
+    step_seconds: float | None = None
+
+
+def initial_state(
+    fragments: int, versions: Sequence[int] | None = None, rounds_seen: int = -1
+) -> LearnerState:
+    """A learner that has just joined: nothing trained, aligned with `versions`."""
+    vs = list(versions) if versions is not None else [0] * fragments
+    if len(vs) != fragments:
+        raise ValueError(f"{len(vs)} versions given for {fragments} fragments")
+    return LearnerState(
+        local_step=0,
+        fragments=tuple(FragmentCounters(version=v) for v in vs),
+        rounds_seen=rounds_seen,
+    )
+
+
+def advanced(state: LearnerState, tokens: int, seconds: float | None = None) -> LearnerState:
+    """One optimizer step over `tokens` tokens, taking `seconds` (EMA with decay 0.1)."""
+    if tokens < 0:
+        raise ValueError(f"tokens={tokens} is negative")
+    ema = state.step_seconds
+    if seconds is not None:
+        ema = seconds if ema is None else (1 - EMA_DECAY) * ema + EMA_DECAY * seconds
+    return dataclasses.replace(
+        state,
+        local_step=state.local_step + 1,
+        fragments=tuple(
+            dataclasses.replace(f, steps=f.steps + 1, tokens=f.tokens + tokens)
+            for f in state.fragments
+        ),
+        step_seconds=ema,
+    )
+
+
+def candidate_round(state: LearnerState) -> int:
+    return max(state.last_published + 1, state.rounds_seen + 1)
+
+
+def publishable(state: LearnerState, schedule: RoundSchedule) -> int | None:
+    """The round this learner may publish next, or None.
+
+    It is the first round after both its own last publish and the newest commit, within
+    τ of the newest commit, and its fragment must have been trained since it was last
+    overwritten (a fresh joiner has nothing to say).
+    """
+    r = candidate_round(state)
+    if r > state.rounds_seen + schedule.in_flight:
+        return None
+    if state.fragments[schedule.fragment_of(r)].steps < 1:
+        return None
+    return r
+
+
+def due_round(
+    state: LearnerState, schedule: RoundSchedule, others: int, effective_quorum: int
+) -> int | None:
+    """The round to publish now, or None.
+
+    Due on schedule (gap steps since the last publish) or by opportunity: `others` learners
+    have published the candidate and they are at most one short of the effective quorum,
+    so the round is about to close and this learner's steps would otherwise miss it.
+    """
+    r = publishable(state, schedule)
+    if r is None:
+        return None
+    if state.local_step - state.last_publish_step >= schedule.gap(r):
+        return r
+    if others >= max(effective_quorum - 1, 1):
+        return r
+    return None
+
+
+def published(state: LearnerState, round_: int, schedule: RoundSchedule) -> LearnerState:
+    """Record an own publish of `round_` taken now; keeps the last τ publishes."""
+    counters = state.fragments[schedule.fragment_of(round_)]
+    entry = Publish(round_, state.local_step, counters.steps, counters.tokens)
+    return dataclasses.replace(
+        state,
+        last_published=max(state.last_published, round_),
+        last_publish_step=state.local_step,
+        publishes=(*state.publishes, entry)[-schedule.in_flight :],
+    )
+
+
+def overdue(state: LearnerState, overlap_steps: int | None) -> bool:
+    """True when training must wait: an own publish still uncommitted was taken at least
+    `overlap_steps` steps ago. None never waits; 0 is standard DiLoCo's barrier."""
+    if overlap_steps is None:
+        return False
+    return any(
+        p.round > state.rounds_seen and state.local_step - p.at >= overlap_steps
+        for p in state.publishes
+    )
+
+
+def applied(
+    state: LearnerState,
+    round_: int,
+    fragment: int,
+    version: int,
+    took_part: bool,
+    mixing: float,
+) -> LearnerState:
+    """Align with the commit of `round_` (fragment `fragment`, now at `version`).
+
+    The commit overwrites the fragment; with mixing α the learner keeps α of the local
+    parameters and so α of the steps and tokens that the commit did not count: those
+    trained after its own contribution to that round, or all of them if it took no part.
+    """
+    own = next((p for p in state.publishes if p.round == round_), None) if took_part else None
+    f = state.fragments[fragment]
+    uncounted_steps = f.steps - (own.steps if own else 0)
+    uncounted_tokens = f.tokens - (own.tokens if own else 0)
+    kept = FragmentCounters(
+        steps=_floor_scaled(mixing, max(uncounted_steps, 0)),
+        tokens=_floor_scaled(mixing, max(uncounted_tokens, 0)),
+        version=version,
+    )
+    frags = list(state.fragments)
+    frags[fragment] = kept
+    return dataclasses.replace(
+        state,
+        fragments=tuple(frags),
+        rounds_seen=max(state.rounds_seen, round_),
+        publishes=tuple(p for p in state.publishes if p.round > round_),
+    )
+
+
+def _floor_scaled(alpha: float, n: int) -> int:
+    # floor(α·n) in exact arithmetic: float rounding must not turn 0.5·4 into 1.9999.
+    from fractions import Fraction
+
+    return int(Fraction(alpha) * n)

@@ -1,0 +1,163 @@
+"""The learner's pure decisions, by direct calls: no threads, no mailbox, no clock."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from gradientmail.algorithms.schedule import RoundSchedule
+from gradientmail.learner_state import (
+    FragmentCounters,
+    LearnerState,
+    Publish,
+    advanced,
+    applied,
+    due_round,
+    initial_state,
+    overdue,
+    publishable,
+    published,
+)
+
+
+def run_alone(schedule: RoundSchedule, steps: int, tokens: int = 8) -> list[tuple[int, int]]:
+    """One learner whose commits land at once: the (round, local step) of every publish."""
+    s = initial_state(schedule.fragments)
+    out: list[tuple[int, int]] = []
+    for _ in range(steps):
+        s = advanced(s, tokens)
+        r = due_round(s, schedule, others=0, effective_quorum=1)
+        if r is not None:
+            s = published(s, r, schedule)
+            out.append((r, s.local_step))
+            s = applied(s, r, schedule.fragment_of(r), r + 1, took_part=True, mixing=0.0)
+    return out
+
+
+def test_alone_publishes_every_round_on_the_gap_schedule() -> None:
+    sch = RoundSchedule(sync_every=10, fragments=4, in_flight=1)
+    pubs = run_alone(sch, 40)
+    assert [r for r, _ in pubs] == list(range(16))
+    # gaps 2,3,2,3: every fragment once every H = 10 steps.
+    assert [at for _, at in pubs[:8]] == [2, 5, 7, 10, 12, 15, 17, 20]
+
+
+@pytest.mark.parametrize(
+    ("h", "p", "tau"),
+    [(h, p, t) for h in (1, 5, 12) for p in (1, 2, 3) for t in (1, 2, 3) if t <= p <= h],
+)
+def test_alone_every_schedule_publishes_each_round_once_in_order(h: int, p: int, tau: int) -> None:
+    sch = RoundSchedule(sync_every=h, fragments=p, in_flight=tau)
+    pubs = run_alone(sch, 5 * h)
+    rounds = [r for r, _ in pubs]
+    assert rounds == list(range(len(rounds)))
+    assert len(rounds) == 5 * p  # every fragment once per H steps
+    for (r0, a0), (_r1, a1) in itertools.pairwise(pubs):
+        assert a1 - a0 == sch.gap(r0 + 1)
+
+
+def test_fresh_joiner_has_nothing_to_publish() -> None:
+    sch = RoundSchedule(sync_every=4, fragments=2, in_flight=2)
+    s = initial_state(2, versions=[3, 3], rounds_seen=5)
+    assert publishable(s, sch) is None
+    s = advanced(s, 1)
+    assert publishable(s, sch) == 6
+
+
+def test_publishable_stays_within_tau_of_the_newest_commit() -> None:
+    sch = RoundSchedule(sync_every=12, fragments=3, in_flight=2)
+    s = advanced(initial_state(3), 4)
+    for r in (0, 1):
+        assert publishable(s, sch) == r
+        s = published(s, r, sch)
+    assert publishable(s, sch) is None  # round 2 would be 3 ahead of rounds_seen=-1
+    s = applied(s, 0, 0, 1, took_part=True, mixing=0.0)
+    assert s.fragments[0] == FragmentCounters(steps=0, tokens=0, version=1)
+    assert publishable(s, sch) == 2
+
+
+def test_publishable_exhaustive_against_the_rule() -> None:
+    """Every small state: the candidate is right after both the last publish and the newest
+    commit, at most τ past the commit, and its fragment was trained."""
+    for p, tau in [(1, 1), (2, 1), (2, 2), (3, 2), (3, 3)]:
+        sch = RoundSchedule(sync_every=6, fragments=p, in_flight=tau)
+        for seen, last, trained in itertools.product(range(-1, 4), range(-1, 6), range(2**p)):
+            frags = tuple(FragmentCounters(steps=(trained >> i) & 1) for i in range(p))
+            s = LearnerState(local_step=9, fragments=frags, rounds_seen=seen, last_published=last)
+            got = publishable(s, sch)
+            cand = max(last, seen) + 1
+            if cand - seen > tau or not (trained >> (cand % p)) & 1:
+                assert got is None, (p, tau, seen, last, trained)
+            else:
+                assert got == cand
+                assert seen < got <= seen + tau
+                assert got > last
+
+
+def test_due_by_opportunity_when_the_round_is_about_to_close() -> None:
+    sch = RoundSchedule(sync_every=100, fragments=1, in_flight=1)
+    s = advanced(initial_state(1), 16)
+    assert due_round(s, sch, others=0, effective_quorum=3) is None
+    assert due_round(s, sch, others=1, effective_quorum=3) is None
+    assert due_round(s, sch, others=2, effective_quorum=3) == 0
+    # quorum 1: one other publisher already closes it; with nobody else it waits.
+    assert due_round(s, sch, others=0, effective_quorum=1) is None
+    assert due_round(s, sch, others=1, effective_quorum=1) == 0
+    # an untrained fragment is never due, opportunity or not
+    assert due_round(initial_state(1), sch, others=5, effective_quorum=2) is None
+
+
+def test_overdue_barrier_and_overlap() -> None:
+    sch = RoundSchedule(sync_every=4, fragments=2, in_flight=2)
+    s = published(advanced(advanced(initial_state(2), 1), 1), 0, sch)  # at step 2
+    assert overdue(s, 0)  # standard DiLoCo: wait right away
+    assert not overdue(s, 1)
+    s = advanced(s, 1)
+    assert overdue(s, 1) and not overdue(s, 2)
+    assert not overdue(s, None)
+    s = applied(s, 0, 0, 1, took_part=True, mixing=0.0)
+    assert not overdue(s, 0)
+
+
+def test_mixing_keeps_alpha_of_the_uncounted_steps() -> None:
+    sch = RoundSchedule(sync_every=10, fragments=2, in_flight=2)
+    s = initial_state(2)
+    for _ in range(5):
+        s = advanced(s, 10)
+    s = published(s, 0, sch)  # counted 5 steps, 50 tokens of fragment 0
+    assert s.publishes == (Publish(0, 5, 5, 50),)
+    for _ in range(4):
+        s = advanced(s, 10)
+    took = applied(s, 0, 0, 7, took_part=True, mixing=0.5)
+    assert took.fragments[0] == FragmentCounters(steps=2, tokens=20, version=7)
+    assert took.fragments[1] == FragmentCounters(steps=9, tokens=90, version=0)
+    missed = applied(s, 0, 0, 7, took_part=False, mixing=0.5)
+    assert missed.fragments[0] == FragmentCounters(steps=4, tokens=45, version=7)
+    plain = applied(s, 0, 0, 7, took_part=True, mixing=0.0)
+    assert plain.fragments[0] == FragmentCounters(steps=0, tokens=0, version=7)
+    assert plain.rounds_seen == 0 and plain.publishes == ()
+
+
+def test_step_seconds_ema() -> None:
+    s = advanced(initial_state(1), 1, seconds=2.0)
+    assert s.step_seconds == 2.0
+    s = advanced(s, 1, seconds=1.0)
+    assert s.step_seconds == pytest.approx(1.9)
+    s = advanced(s, 1)
+    assert s.step_seconds == pytest.approx(1.9)
+
+
+def test_only_the_last_tau_publishes_are_kept() -> None:
+    sch = RoundSchedule(sync_every=9, fragments=3, in_flight=2)
+    s = advanced(initial_state(3), 1)
+    for r in range(3):
+        s = published(s, r, sch)
+    assert [p.round for p in s.publishes] == [1, 2]
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="tokens=-1 is negative"):
+        advanced(initial_state(1), -1)
+    with pytest.raises(ValueError, match="2 versions given for 3 fragments"):
+        initial_state(3, versions=[0, 0])
