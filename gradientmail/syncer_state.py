@@ -1,0 +1,112 @@
+"""The syncer's decisions: when a round may close, who may claim it, when to take over.
+
+All times are the observer's own clock (machines share no clock): a contribution's or a
+claim's time is when this syncer first saw it. Pure functions over plain values, so quorum,
+grace window expiry, the all-live shortcut and takeover are tested without I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Collection, Mapping
+
+from gradientmail.algorithms.schedule import Estimates
+
+__all__ = [
+    "RoundWatch",
+    "close_time",
+    "effective_quorum",
+    "next_claim_attempt",
+    "updated_estimates",
+]
+
+#: Weight of the newest measurement in the estimates each record carries. A single slow
+#: round (a closer on a congested link) must not double every learner's timeouts at once.
+ESTIMATE_DECAY = 0.3
+
+
+def effective_quorum(quorum_size: int, live: int) -> int:
+    """min(quorum_size, live learners), never under 1: a run of one learner still closes."""
+    return max(1, min(quorum_size, live))
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundWatch:
+    """What a syncer has seen of the open round: when each contribution first appeared."""
+
+    round: int
+    first_seen: Mapping[str, float]
+
+    def quorum_time(self, quorum: int) -> float | None:
+        """When the quorum-th contribution was first seen, or None while short of it."""
+        times = sorted(self.first_seen.values())
+        return times[quorum - 1] if len(times) >= quorum else None
+
+    def first_time(self) -> float | None:
+        return min(self.first_seen.values(), default=None)
+
+
+def close_time(
+    watch: RoundWatch, live: Collection[str], quorum_size: int, grace: float
+) -> float | None:
+    """The observer time from which the round may be claimed, or None (quorum not in).
+
+    Once the effective quorum is in, the syncer waits the grace window for stragglers,
+    unless every live learner has contributed already: then nobody is worth waiting for.
+    """
+    q = effective_quorum(quorum_size, len(live))
+    t_quorum = watch.quorum_time(q)
+    if t_quorum is None:
+        return None
+    if live and set(live) <= set(watch.first_seen):
+        return t_quorum
+    return t_quorum + max(grace, 0.0)
+
+
+def next_claim_attempt(
+    claims: Mapping[int, float], now: float, takeover_timeout: float
+) -> int | None:
+    """The claim attempt this syncer should try now, or None (someone else's is current).
+
+    `claims` maps each attempt seen to when it was first seen. No claim: attempt 0. The
+    newest claim whose record has not appeared within the takeover timeout is superseded
+    by the next attempt; a crashed closer costs one timeout, never the run.
+    """
+    if not claims:
+        return 0
+    newest = max(claims)
+    if now - claims[newest] >= takeover_timeout:
+        return newest + 1
+    return None
+
+
+def updated_estimates(
+    previous: Estimates,
+    step_seconds: Collection[float],
+    quorum_seconds: float | None,
+    sync_seconds: float | None,
+) -> Estimates:
+    """Fold one round's measurements into the estimates the next record carries.
+
+    ξ_step is the median of the participants' own step-time EMAs (robust to one slow
+    learner); ξ_quorum and ξ_sync are EMAs of the observed seconds.
+    """
+    finite = sorted(s for s in step_seconds if math.isfinite(s) and s >= 0)
+    step = previous.step
+    if finite:
+        mid = len(finite) // 2
+        step = finite[mid] if len(finite) % 2 else (finite[mid - 1] + finite[mid]) / 2
+    return Estimates(
+        step=step,
+        quorum=_ema(previous.quorum, quorum_seconds),
+        sync=_ema(previous.sync, sync_seconds),
+    )
+
+
+def _ema(old: float | None, new: float | None) -> float | None:
+    if new is None or not math.isfinite(new) or new < 0:
+        return old
+    if old is None:
+        return new
+    return (1 - ESTIMATE_DECAY) * old + ESTIMATE_DECAY * new

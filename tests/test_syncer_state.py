@@ -1,0 +1,68 @@
+"""Syncer decisions with plain numbers for the clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradientmail.algorithms.schedule import Estimates
+from gradientmail.syncer_state import (
+    RoundWatch,
+    close_time,
+    effective_quorum,
+    next_claim_attempt,
+    updated_estimates,
+)
+
+
+def test_effective_quorum() -> None:
+    assert effective_quorum(3, 5) == 3
+    assert effective_quorum(3, 2) == 2
+    assert effective_quorum(3, 0) == 1
+    assert effective_quorum(1, 8) == 1
+
+
+def test_no_close_before_quorum() -> None:
+    w = RoundWatch(4, {"a": 10.0})
+    assert close_time(w, live={"a", "b", "c"}, quorum_size=2, grace=5.0) is None
+
+
+def test_grace_window_runs_from_the_quorum_contribution() -> None:
+    w = RoundWatch(4, {"a": 10.0, "b": 12.5})
+    assert close_time(w, live={"a", "b", "c"}, quorum_size=2, grace=5.0) == 17.5
+    # quorum 1 closes from the first contribution
+    assert close_time(w, live={"a", "b", "c"}, quorum_size=1, grace=5.0) == 15.0
+    # a missing estimate means grace 0
+    assert close_time(w, live={"a", "b", "c"}, quorum_size=2, grace=0.0) == 12.5
+
+
+def test_every_live_learner_in_skips_the_grace_window() -> None:
+    w = RoundWatch(4, {"a": 10.0, "b": 12.5})
+    assert close_time(w, live={"a", "b"}, quorum_size=1, grace=60.0) == 10.0
+    # a contribution from a learner whose lease expired still counts toward quorum
+    w = RoundWatch(4, {"a": 10.0, "z": 11.0})
+    assert close_time(w, live={"a"}, quorum_size=2, grace=60.0) == 10.0
+
+
+def test_quorum_shrinks_with_the_live_learners() -> None:
+    w = RoundWatch(0, {"a": 3.0})
+    assert close_time(w, live={"a", "b"}, quorum_size=4, grace=1.0) == 4.0
+    assert close_time(w, live=set(), quorum_size=4, grace=1.0) == 4.0
+
+
+def test_claim_attempts_and_takeover() -> None:
+    assert next_claim_attempt({}, now=0.0, takeover_timeout=10.0) == 0
+    assert next_claim_attempt({0: 5.0}, now=14.9, takeover_timeout=10.0) is None
+    assert next_claim_attempt({0: 5.0}, now=15.0, takeover_timeout=10.0) == 1
+    assert next_claim_attempt({0: 1.0, 1: 20.0}, now=25.0, takeover_timeout=10.0) is None
+    assert next_claim_attempt({0: 1.0, 1: 20.0}, now=30.0, takeover_timeout=10.0) == 2
+
+
+def test_estimates_fold_in() -> None:
+    e = updated_estimates(Estimates(), [0.5, 0.1, 9.0], quorum_seconds=2.0, sync_seconds=None)
+    assert e == Estimates(step=0.5, quorum=2.0, sync=None)
+    e = updated_estimates(e, [0.2, 0.4], quorum_seconds=4.0, sync_seconds=1.0)
+    assert e.step == pytest.approx(0.3)
+    assert e.quorum == pytest.approx(0.7 * 2.0 + 0.3 * 4.0)
+    assert e.sync == 1.0
+    same = updated_estimates(e, [float("nan")], quorum_seconds=float("inf"), sync_seconds=-1)
+    assert same == e
