@@ -45,7 +45,9 @@ def test_every_live_learner_in_skips_the_grace_window() -> None:
 
 def test_quorum_shrinks_with_the_live_learners() -> None:
     w = RoundWatch(0, {"a": 3.0})
-    assert close_time(w, live={"a", "b"}, quorum_size=4, grace=1.0) == 4.0
+    assert close_time(w, live={"a", "b"}, quorum_size=4, grace=1.0) is None
+    assert close_time(w, live={"a", "b", "c"}, quorum_size=1, grace=1.0) == 4.0
+    # nobody live (every lease lapsed): one contribution is a quorum, after the grace
     assert close_time(w, live=set(), quorum_size=4, grace=1.0) == 4.0
 
 
