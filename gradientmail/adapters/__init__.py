@@ -1,0 +1,21 @@
+"""Adapters: a framework's model seen as a Schema and TensorBytes.
+
+`TorchAdapter` is imported lazily so `import gradientmail.adapters` never imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gradientmail.adapters.torch import TorchAdapter
+
+__all__ = ["TorchAdapter"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TorchAdapter":
+        from gradientmail.adapters.torch import TorchAdapter
+
+        return TorchAdapter
+    raise AttributeError(f"module 'gradientmail.adapters' has no attribute {name!r}")

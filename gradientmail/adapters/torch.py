@@ -1,0 +1,132 @@
+"""TorchAdapter: a torch module's parameters seen as a Schema and TensorBytes.
+
+The training thread calls `snapshot` (a clone on the parameters' own device: on a GPU it is
+queued on the stream, no host sync) and `apply` (in-place `copy_` under `no_grad`, so
+optimizers, hooks and `torch.compile` keep the same Parameter objects). Turning a snapshot
+into bytes (`to_bytes`), the device-to-host copy, is left to the communication thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from gradientmail.errors import ConfigError, SchemaMismatch
+from gradientmail.serialization import ParameterSpec, Schema, TensorBytes
+
+__all__ = ["TorchAdapter", "from_torch", "to_torch"]
+
+_TO_NAME = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+_FROM_NAME = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+}
+
+
+def to_torch(tensor: TensorBytes, device: torch.device | str | None = None) -> torch.Tensor:
+    """A new torch tensor holding `tensor` (F32/F16/BF16/F8_E4M3), on `device`."""
+    try:
+        dtype = _FROM_NAME[tensor.dtype]
+    except KeyError:
+        raise ConfigError(
+            f"cannot load a {tensor.dtype} tensor into torch directly; dequantize it first"
+        ) from None
+    if tensor.numel == 0:
+        out = torch.empty(tensor.shape, dtype=dtype)
+    else:
+        out = torch.frombuffer(bytearray(tensor.data), dtype=dtype).reshape(tensor.shape)
+    return out.to(device) if device is not None else out
+
+
+def from_torch(tensor: torch.Tensor, dtype: str | None = None) -> TensorBytes:
+    """The bytes of `tensor` (cast to `dtype` first, round to nearest even), on the host."""
+    if dtype is None:
+        dtype = _TO_NAME.get(tensor.dtype, "")
+        if not dtype:
+            raise ConfigError(f"torch dtype {tensor.dtype} is not one of float32/float16/bfloat16")
+    target = _FROM_NAME.get(dtype)
+    if target is None or dtype == "F8_E4M3":
+        raise ConfigError(f"from_torch: dtype {dtype!r} must be F32, F16 or BF16")
+    t = tensor.detach().to(device="cpu", dtype=target).contiguous()
+    # Reinterpret as bytes: numpy has no bfloat16, so view the storage as uint8.
+    raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return TensorBytes(dtype, tuple(t.shape), raw)
+
+
+class TorchAdapter:
+    """Exposes `module`'s named parameters (all of them, in module order) to a learner.
+
+    Pass the unwrapped module (`ddp.module`, `accelerator.unwrap_model(model)`), so names
+    carry no wrapper prefix and match across learners.
+    """
+
+    def __init__(self, module: torch.nn.Module, names: Iterable[str] | None = None) -> None:
+        params = dict(module.named_parameters())
+        if names is None:
+            chosen = list(params)
+        else:
+            chosen = list(names)
+            unknown = [n for n in chosen if n not in params]
+            if unknown:
+                raise ConfigError(f"parameters {unknown} are not in the module")
+        specs = []
+        for name in chosen:
+            p = params[name]
+            if p.dtype not in _TO_NAME:
+                raise ConfigError(
+                    f"parameter {name!r} has dtype {p.dtype}; gradientmail syncs float32, "
+                    "float16 and bfloat16 parameters (pass names= to leave it out)"
+                )
+            specs.append(ParameterSpec(name, _TO_NAME[p.dtype], tuple(p.shape)))
+        self.module = module
+        self._params: dict[str, torch.nn.Parameter] = {n: params[n] for n in chosen}
+        self.schema = Schema(tuple(specs))
+
+    @property
+    def device(self) -> torch.device:
+        first = next(iter(self._params.values()), None)
+        return first.device if first is not None else torch.device("cpu")
+
+    def parameter(self, name: str) -> torch.nn.Parameter:
+        return self._params[name]
+
+    @torch.no_grad()
+    def snapshot(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Detached clones of the named parameters on their device (cheap, no host sync)."""
+        return {n: self._params[n].detach().clone() for n in names}
+
+    def read(self, names: Sequence[str] | None = None) -> dict[str, TensorBytes]:
+        """Host bytes of the named parameters (all by default) in their storage dtypes."""
+        chosen = self.schema.names if names is None else names
+        return {n: from_torch(self._params[n]) for n in chosen}
+
+    @torch.no_grad()
+    def apply(self, values: Mapping[str, Any], mixing: float = 0.0) -> None:
+        """Write `values` (TensorBytes or torch tensors) into the parameters in place.
+
+        With `mixing` α the parameter becomes α·θ_local + (1−α)·value.
+        """
+        problems = []
+        for name, value in values.items():
+            p = self._params.get(name)
+            if p is None:
+                problems.append(f"{name!r} is not a synced parameter")
+                continue
+            shape = tuple(value.shape)
+            if shape != tuple(p.shape):
+                problems.append(f"{name!r} has shape {list(shape)}, the model {list(p.shape)}")
+        if problems:
+            raise SchemaMismatch("cannot apply: " + "; ".join(problems))
+        for name, value in values.items():
+            p = self._params[name]
+            t = to_torch(value, p.device) if isinstance(value, TensorBytes) else value.to(p.device)
+            if mixing:
+                mixed = t.to(torch.float32, copy=True).mul_(1.0 - mixing)
+                mixed.add_(p.detach().to(torch.float32), alpha=mixing)
+                p.copy_(mixed)
+            else:
+                p.copy_(t)
