@@ -11,7 +11,32 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
-__all__ = ["Event", "EventSink", "log_events"]
+__all__ = [
+    "AwaitingCreator",
+    "ClaimSuperseded",
+    "Closed",
+    "Closing",
+    "CommitLost",
+    "ContributionDropped",
+    "CreatingRun",
+    "Event",
+    "EventSink",
+    "FragmentAligned",
+    "GaveUp",
+    "Joined",
+    "LeaseReleased",
+    "PollFailed",
+    "PublishCancelled",
+    "PublishFailed",
+    "ReleaseFailed",
+    "RoundClaimed",
+    "RoundClosed",
+    "RoundRecorded",
+    "SnapshotPublished",
+    "Swept",
+    "TookOverCreation",
+    "log_events",
+]
 
 _log = logging.getLogger("gradientmail")
 
@@ -37,3 +62,228 @@ EventSink = Callable[[Event], None]
 def log_events(event: Event) -> None:
     """Log an event on the `gradientmail` logger at the event's level."""
     _log.log(event.level, "%s", event.describe())
+
+
+def _warning() -> int:
+    return logging.WARNING
+
+
+# --- learner --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CreatingRun(Event):
+    """This learner won the creation election and uploads Θ⁰ and the manifest."""
+
+    learner: str
+    attempt: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AwaitingCreator(Event):
+    """Another learner is creating the run; this one waits for its manifest."""
+
+    learner: str
+    attempt: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TookOverCreation(Event):
+    """The creator's payloads never landed: this learner claimed the next attempt."""
+
+    learner: str
+    attempt: int
+
+    @property
+    def level(self) -> int:
+        return _warning()
+
+
+@dataclasses.dataclass(frozen=True)
+class Joined(Event):
+    """The learner adopted the run and aligned with each fragment's newest commit."""
+
+    learner: str
+    rounds_seen: int
+    versions: tuple[int, ...]
+    created: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotPublished(Event):
+    learner: str
+    round: int
+    fragment: int
+    steps: int
+    tokens: int
+    bytes: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishFailed(Event):
+    """A publish failed; its steps stay counted and go out with the fragment's next round."""
+
+    learner: str
+    round: int
+    error: str
+
+    @property
+    def level(self) -> int:
+        return _warning()
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishCancelled(Event):
+    """A queued publish was dropped: its round was committed before it could go out."""
+
+    learner: str
+    round: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PollFailed(Event):
+    learner: str
+    error: str
+
+    @property
+    def level(self) -> int:
+        return _warning()
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundRecorded(Event):
+    """A commit record was read (by a learner) or written (by its closer)."""
+
+    round: int
+    fragment: int
+    version: int
+    participants: tuple[str, ...]
+    mean_cosine: float | None
+    closer: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FragmentAligned(Event):
+    """The learner applied a committed fragment; staleness is the steps it had trained
+    since its own snapshot of that round (or since it last aligned, if it took no part)."""
+
+    learner: str
+    round: int
+    fragment: int
+    version: int
+    staleness: int
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Closing(Event):
+    learner: str
+    in_flight: tuple[int, ...]
+    flush: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class GaveUp(Event):
+    """close() stopped waiting for the commits of its rounds in flight."""
+
+    learner: str
+    rounds: tuple[int, ...]
+    seconds: float
+
+    @property
+    def level(self) -> int:
+        return _warning()
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseReleased(Event):
+    learner: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleaseFailed(Event):
+    learner: str
+    error: str
+
+    @property
+    def level(self) -> int:
+        return _warning()
+
+
+@dataclasses.dataclass(frozen=True)
+class Closed(Event):
+    learner: str
+    rounds_seen: int
+    local_step: int
+
+
+# --- syncer ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundClaimed(Event):
+    """This closer won claim `attempt` of `round` and is merging it."""
+
+    closer: str
+    round: int
+    attempt: int
+    contributions: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaimSuperseded(Event):
+    """A claim's record did not appear in time; the next attempt takes the round over."""
+
+    closer: str
+    round: int
+    attempt: int
+    waited: float
+
+    @property
+    def level(self) -> int:
+        return _warning()
+
+
+@dataclasses.dataclass(frozen=True)
+class ContributionDropped(Event):
+    """A contribution was left out of a round: stale, mis-shaped, unreadable, non-finite."""
+
+    round: int
+    learner: str
+    key: str
+    reason: str
+
+    @property
+    def level(self) -> int:
+        return _warning()
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundClosed(Event):
+    """This closer wrote the commit record of `round`."""
+
+    closer: str
+    round: int
+    fragment: int
+    version: int
+    participants: tuple[str, ...]
+    tokens: int
+    mean_cosine: float | None
+    seconds: float
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitLost(Event):
+    """Another closer committed the round first; this closer's work is discarded."""
+
+    closer: str
+    round: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Swept(Event):
+    deleted: int
+    keys_kept: int
