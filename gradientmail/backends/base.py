@@ -3,10 +3,15 @@
 A `Value` is an F32 tensor held by a backend (numpy on a CPU syncer, torch on a GPU
 learner). Elementwise operations are IEEE float32, so equal inputs give equal bytes on
 every backend; `dot` and `norm` accumulate in float64 and return Python floats.
+
+Backends also offer three fused helpers (`gram`, `lincomb`, `outer_step`) that walk the
+data once instead of once per operation; each gives exactly the bytes of the equivalent
+chain of Value operations (reductions: up to the order of their float64 summation).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from gradientmail.serialization import TensorBytes
@@ -47,3 +52,24 @@ class Backend(Protocol):
     def load(self, tensor: TensorBytes) -> Value: ...
 
     def zeros(self, shape: tuple[int, ...]) -> Value: ...
+
+    def gram(self, values: Sequence[Value]) -> list[list[float]]:
+        """G[i][j] = values[i].dot(values[j]) for every pair, reading each value once."""
+        ...
+
+    def lincomb(self, values: Sequence[Value], coeffs: Sequence[float]) -> Value:
+        """c0*v0 + c1*v1 + ... evaluated left to right, coefficients rounded to float32."""
+        ...
+
+    def outer_step(
+        self,
+        theta: Value,
+        momentum: Value,
+        values: Sequence[Value],
+        coeffs: Sequence[float],
+        lr: float,
+        beta: float,
+    ) -> tuple[Value, Value]:
+        """Nesterov on delta = lincomb(values, coeffs): m <- beta*m + delta;
+        theta <- theta - lr*(delta + beta*m). Returns (theta, m)."""
+        ...

@@ -1,0 +1,226 @@
+"""The torch backend: F32 Values as torch tensors, for a syncer on a GPU learner.
+
+This module imports torch; `gradientmail.backends` imports it only when a `TorchBackend`
+is built, so a numpy-only syncer never loads torch.
+
+Every elementwise operation is one float32 kernel (no `alpha=` adds or `addcmul`, which
+may fuse a multiply and an add into one rounding), and scalars are rounded to float32
+before they reach a kernel, so on CPU the bytes equal the numpy backend's. Reductions sum
+exact float64 products; only the summation order differs from numpy.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from gradientmail.backends.numpy_backend import f32
+from gradientmail.errors import ConfigError
+from gradientmail.serialization import STORAGE_DTYPES, TensorBytes
+
+__all__ = ["TorchBackend", "TorchValue"]
+
+#: Elements per chunk of the fused helpers on CPU: larger than numpy's because each torch
+#: call costs microseconds of dispatch. On an accelerator the helpers run unchunked.
+CPU_CHUNK = 1 << 16
+
+_TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+# torch.frombuffer warns (once per process) that `bytes` are not writable. Values never
+# write to a loaded tensor, so spend that one warning here, silenced, at import.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.frombuffer(bytearray(4), dtype=torch.float32)
+    torch.frombuffer(bytes(4), dtype=torch.float32)
+
+
+class TorchValue:
+    """An F32 tensor held by torch on some device. Operations return new Values."""
+
+    __slots__ = ("_t",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        if tensor.dtype != torch.float32:
+            raise ConfigError(f"TorchValue holds float32 tensors, not {tensor.dtype}")
+        self._t = tensor
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The underlying float32 tensor (may share read-only memory; do not modify)."""
+        return self._t
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(d) for d in self._t.shape)
+
+    def _other(self, other: object) -> torch.Tensor:
+        if not isinstance(other, TorchValue):
+            raise ConfigError(
+                f"cannot combine a torch Value with {type(other).__name__}; "
+                "load both tensors with the same backend"
+            )
+        if other._t.shape != self._t.shape:
+            raise ConfigError(f"shape {other.shape} does not match {self.shape}")
+        return other._t
+
+    def __add__(self, other: Any) -> TorchValue:
+        return TorchValue(torch.add(self._t, self._other(other)))
+
+    def __sub__(self, other: Any) -> TorchValue:
+        return TorchValue(torch.sub(self._t, self._other(other)))
+
+    def __mul__(self, k: float) -> TorchValue:
+        return TorchValue(torch.mul(self._t, f32(k)))
+
+    __rmul__ = __mul__
+
+    def dot(self, other: Any) -> float:
+        g = _gram([self._t.reshape(-1), self._other(other).reshape(-1)])
+        return float(g[0, 1])
+
+    def norm(self) -> float:
+        return math.sqrt(float(_gram([self._t.reshape(-1)])[0, 0]))
+
+    def isfinite(self) -> bool:
+        return bool(torch.isfinite(self._t).all())
+
+    def to_bytes(self, dtype: str) -> TensorBytes:
+        if dtype not in STORAGE_DTYPES:
+            raise ConfigError(
+                f"to_bytes: dtype {dtype!r} is not one of {', '.join(STORAGE_DTYPES)}"
+            )
+        t = self._t.reshape(-1)
+        if dtype == "BF16":
+            bits = t.to(torch.bfloat16).view(torch.int16)
+            # torch's vectorised conversion turns NaN into 0xFFFF, its scalar one into
+            # 0x7FC0; pin 0x7FC0 so both backends write the same bytes.
+            bits = torch.where(torch.isnan(t), torch.tensor(0x7FC0, dtype=torch.int16), bits)
+            data = bits.cpu().numpy().tobytes()
+        else:
+            data = t.to(_TORCH_DTYPES[dtype]).cpu().numpy().tobytes()
+        return TensorBytes(dtype, self.shape, data)
+
+    def __repr__(self) -> str:
+        return f"TorchValue(shape={self.shape}, device={self._t.device})"
+
+
+def _tensors(values: Sequence[Any]) -> list[torch.Tensor]:
+    if not values:
+        raise ConfigError("need at least one Value")
+    first = values[0]
+    if not isinstance(first, TorchValue):
+        raise ConfigError(f"the torch backend cannot use a {type(first).__name__}")
+    return [first._t.reshape(-1)] + [first._other(v).reshape(-1) for v in values[1:]]
+
+
+def _chunk(t: torch.Tensor) -> int:
+    return CPU_CHUNK if t.device.type == "cpu" else max(t.numel(), 1)
+
+
+def _gram(flats: list[torch.Tensor]) -> torch.Tensor:
+    m, size = len(flats), flats[0].numel()
+    step = _chunk(flats[0])
+    g = torch.zeros((m, m), dtype=torch.float64, device=flats[0].device)
+    buf = torch.empty((m, min(step, size)), dtype=torch.float64, device=flats[0].device)
+    for s in range(0, size, step):
+        n = min(step, size - s)
+        block = buf[:, :n]
+        for i, t in enumerate(flats):
+            block[i].copy_(t[s : s + n])
+        g += block @ block.T
+    return g.cpu()
+
+
+def _lincomb_chunk(
+    flats: list[torch.Tensor], ks: list[float], s: int, n: int, out: torch.Tensor,
+    tmp: torch.Tensor,
+) -> None:
+    torch.mul(flats[0][s : s + n], ks[0], out=out)
+    for t, k in zip(flats[1:], ks[1:], strict=True):
+        torch.mul(t[s : s + n], k, out=tmp)
+        torch.add(out, tmp, out=out)
+
+
+class TorchBackend:
+    """Values as torch float32 tensors on `device` (default: CPU)."""
+
+    name = "torch"
+
+    def __init__(self, device: str | torch.device | None = None) -> None:
+        self.device = torch.device("cpu" if device is None else device)
+
+    def load(self, tensor: TensorBytes) -> TorchValue:
+        """A Value from F32, F16 or BF16 bytes (exactly widened to float32)."""
+        dt = _TORCH_DTYPES.get(tensor.dtype)
+        if dt is None:
+            raise ConfigError(
+                f"cannot load a {tensor.dtype} tensor as a Value; dequantize it to F32 first"
+            )
+        # frombuffer refuses an empty buffer.
+        t = torch.frombuffer(tensor.data, dtype=dt) if tensor.data else torch.empty(0, dtype=dt)
+        t = t.to(self.device).to(torch.float32)
+        return TorchValue(t.reshape(tensor.shape))
+
+    def zeros(self, shape: tuple[int, ...]) -> TorchValue:
+        return TorchValue(torch.zeros(shape, dtype=torch.float32, device=self.device))
+
+    def gram(self, values: Sequence[Any]) -> list[list[float]]:
+        """G[i][j] = values[i].dot(values[j]) (float64 sums of exact products)."""
+        g = _gram(_tensors(values))
+        return [[float(x) for x in row] for row in g.tolist()]
+
+    def lincomb(self, values: Sequence[Any], coeffs: Sequence[float]) -> TorchValue:
+        """c₀·v₀ + c₁·v₁ + … left to right in float32; the bytes of the Value chain."""
+        flats = _tensors(values)
+        ks = _coeffs(coeffs, len(flats))
+        out = torch.empty_like(flats[0])
+        step = _chunk(out)
+        tmp = torch.empty(min(step, out.numel()), dtype=torch.float32, device=out.device)
+        for s in range(0, out.numel(), step):
+            n = min(step, out.numel() - s)
+            _lincomb_chunk(flats, ks, s, n, out[s : s + n], tmp[:n])
+        return TorchValue(out.reshape(values[0].shape))
+
+    def outer_step(
+        self,
+        theta: Any,
+        momentum: Any,
+        values: Sequence[Any],
+        coeffs: Sequence[float],
+        lr: float,
+        beta: float,
+    ) -> tuple[TorchValue, TorchValue]:
+        """Nesterov on Δ = lincomb(values, coeffs): m ← β·m + Δ; Θ ← Θ − η·(Δ + β·m)."""
+        flats = _tensors(values)
+        th, mo = _tensors([theta, momentum])
+        if th.numel() != flats[0].numel():
+            raise ConfigError(f"theta shape {theta.shape} does not match {values[0].shape}")
+        ks = _coeffs(coeffs, len(flats))
+        b, eta = f32(beta), f32(lr)
+        th_out, mo_out = torch.empty_like(th), torch.empty_like(mo)
+        step = _chunk(th)
+        d = torch.empty(min(step, th.numel()), dtype=torch.float32, device=th.device)
+        tmp = torch.empty_like(d)
+        for s in range(0, th.numel(), step):
+            n = min(step, th.numel() - s)
+            dd, tt, mm = d[:n], tmp[:n], mo_out[s : s + n]
+            _lincomb_chunk(flats, ks, s, n, dd, tt)
+            torch.mul(mo[s : s + n], b, out=mm)
+            torch.add(mm, dd, out=mm)
+            torch.mul(mm, b, out=tt)
+            torch.add(dd, tt, out=tt)
+            torch.mul(tt, eta, out=tt)
+            torch.sub(th[s : s + n], tt, out=th_out[s : s + n])
+        shape = tuple(theta.shape)
+        return TorchValue(th_out.reshape(shape)), TorchValue(mo_out.reshape(shape))
+
+
+def _coeffs(coeffs: Sequence[float], m: int) -> list[float]:
+    if len(coeffs) != m:
+        raise ConfigError(f"{len(coeffs)} coefficients for {m} values")
+    return [f32(c) for c in coeffs]
+
