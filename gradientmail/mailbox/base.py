@@ -24,11 +24,15 @@ def check_key(key: str) -> str:
 
     Keys are '/'-separated segments of a limited alphabet; no empty, '.' or '..' segment,
     no leading '/', no NUL or backslash, so a key can never escape a LocalMailbox's root.
+    A segment may not start with '.': hidden names are LocalMailbox's temporary files (and
+    the debris of file browsers), which `list` skips.
     """
     if not isinstance(key, str) or not key:
         raise LocalProtocolError(f"mailbox key {key!r} is empty or not a string")
     if len(key) > 1024:
-        raise LocalProtocolError(f"mailbox key {key[:64]!r}... is {len(key)} characters; at most 1024")
+        raise LocalProtocolError(
+            f"mailbox key {key[:64]!r}... is {len(key)} characters; at most 1024"
+        )
     if not _KEY_CHARS.match(key):
         raise LocalProtocolError(
             f"mailbox key {key!r} has a character outside [A-Za-z0-9._/-=+:@,]"
@@ -37,6 +41,12 @@ def check_key(key: str) -> str:
         raise LocalProtocolError(
             f"mailbox key {key!r} has an empty, '.' or '..' segment or a leading '/'"
         )
+    hidden = [seg for seg in key.split("/") if seg.startswith(".")]
+    if hidden:
+        raise LocalProtocolError(
+            f"mailbox key {key!r} has a segment starting with '.' ({hidden[0]!r}); hidden "
+            "names are reserved for temporary files, rename the segment"
+        )
     return key
 
 
@@ -44,7 +54,7 @@ def check_prefix(prefix: str) -> str:
     """Like `check_key`, but allows the empty prefix and a trailing '/'."""
     if prefix == "":
         return prefix
-    check_key(prefix.rstrip("/") if prefix.endswith("/") else prefix)
+    check_key(prefix[:-1] if prefix.endswith("/") else prefix)
     return prefix
 
 
