@@ -70,11 +70,6 @@ _F4_MAX_M, _F4_MAX_E, _F4_K = 0.75, 3, (-127, 127)  # 6 = 0.75 · 2^3
 # Code → value tables for decoding, built from ml_dtypes (a gather beats its cast 3×).
 _F8_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(_F32)
 _F4_VALUES = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(_F32)
-# E2M1 rounding, nearest-even, as "count of thresholds <= |y|": a tie rounds to the code
-# with an even mantissa, so thresholds alternate between b (tie rounds up) and the float
-# just above b (tie rounds down).
-_F4_TIES_DOWN = (0.25, 1.25, 2.5, 5.0)
-_F4_TIES_UP = (0.75, 1.75, 3.5)
 
 
 def check_format(fmt: str) -> str:
@@ -266,15 +261,15 @@ def _quantize_f4(
     name: str, shape: tuple[int, ...], x: npt.NDArray[np.float32], torch_path: bool
 ) -> dict[str, TensorBytes]:
     n = x.size
-    nblocks = -(-n // BLOCK)
-    padded = x
-    if n % BLOCK:
-        # Only the short last block is copied: padding with zeros changes no absmax.
-        tail = np.zeros(BLOCK, _F32)
-        tail[: n % BLOCK] = x[n - n % BLOCK :]
-        padded = np.concatenate([x[: n - n % BLOCK], tail]) if n > BLOCK else tail
-    blocks = padded.reshape(nblocks, BLOCK)
-    amax = _block_absmax_torch(blocks) if torch_path else _block_absmax_numpy(blocks)
+    nfull, rest = divmod(n, BLOCK)
+    parts = [x[: nfull * BLOCK].reshape(nfull, BLOCK)]
+    if rest:
+        # Only the short last block is copied: zero padding changes no absmax.
+        tail = np.zeros((1, BLOCK), _F32)
+        tail[0, :rest] = x[nfull * BLOCK :]
+        parts.append(tail)
+    absmax = _block_absmax_torch if torch_path else _block_absmax_numpy
+    amax = np.concatenate([absmax(p) for p in parts])
     if not np.isfinite(amax).all():
         raise _non_finite(name, x, "F4")
     k = _exponents(amax.astype(np.float64), _F4_MAX_M, _F4_MAX_E, _F4_K)
@@ -284,9 +279,12 @@ def _quantize_f4(
         top = (amax[big] * inv[big]).astype(ml_dtypes.float4_e2m1fn).astype(np.float64)
         if (np.ldexp(top, k[big]) > _F32_MAX).any():
             raise _overflow(name, "F4")
-    codes = _codes_f4_torch(blocks, inv) if torch_path else _codes_f4_numpy(blocks, inv)
-    packed = _pack_pairs(codes[:n])
-    scale = TensorBytes("F8_E8M0", (nblocks,), (k + 127).astype(np.uint8).tobytes())
+    codes = _codes_f4_torch if torch_path else _codes_f4_numpy
+    packed = codes(parts[0], inv[:nfull])
+    if rest:
+        # The padding is zeros, so an odd tail ends in the zero nibble the layout requires.
+        packed += codes(parts[1], inv[nfull:])[: (rest + 1) // 2]
+    scale = TensorBytes("F8_E8M0", (nfull + (rest > 0),), (k + 127).astype(np.uint8).tobytes())
     return {name: TensorBytes("F4", shape, packed), scale_name(name): scale}
 
 
@@ -311,47 +309,43 @@ def _block_absmax_torch(blocks: npt.NDArray[np.float32]) -> npt.NDArray[np.float
     return result
 
 
-def _codes_f4_numpy(
-    blocks: npt.NDArray[np.float32], inv: npt.NDArray[np.float32]
-) -> npt.NDArray[np.uint8]:
-    out = np.empty(blocks.size, np.uint8)
+def _codes_f4_numpy(blocks: npt.NDArray[np.float32], inv: npt.NDArray[np.float32]) -> bytes:
+    """E2M1 codes of blocks · inv (one factor per block), packed two per byte."""
+    out = np.empty(blocks.size // 2, np.uint8)
     step = _CHUNK // BLOCK
     for i in range(0, blocks.shape[0], step):
         y = blocks[i : i + step] * inv[i : i + step, None]
-        out[i * BLOCK : (i + step) * BLOCK] = (
-            y.astype(ml_dtypes.float4_e2m1fn).view(np.uint8).reshape(-1)
-        )
-    return out
+        pairs = y.astype(ml_dtypes.float4_e2m1fn).view(np.uint8).reshape(-1, 2)
+        out[i * BLOCK // 2 : (i + step) * BLOCK // 2] = pairs[:, 0] | (pairs[:, 1] << 4)
+    return out.tobytes()
 
 
-def _codes_f4_torch(
-    blocks: npt.NDArray[np.float32], inv: npt.NDArray[np.float32]
-) -> npt.NDArray[np.uint8]:
+def _codes_f4_torch(blocks: npt.NDArray[np.float32], inv: npt.NDArray[np.float32]) -> bytes:
+    """Same bytes as `_codes_f4_numpy`, by integer arithmetic on the float32 bits.
+
+    torch cannot cast to E2M1, and comparing against the seven rounding thresholds costs
+    twice as much as this. On [0, 2) E2M1 is a grid of step 1/2, on [2, 4) of step 1, on
+    [4, 8) of step 2: adding M = max(2^floor(log2 |y|), 1) · 2^22 rounds |y| to that step
+    (nearest even, in the float adder), and the low bits of the sum count the steps. The
+    code is that count plus 2 per binade above [0, 2); a rounding carry lands on the next
+    binade's first code, which is the right one.
+    """
     import torch
 
     bt, it = _torch_view(blocks), _torch_view(inv)
-    out = torch.empty(blocks.size, dtype=torch.uint8)
+    out = torch.empty(blocks.size // 2, dtype=torch.uint8)
     step = _CHUNK // BLOCK
-    up = [torch.tensor(b, dtype=torch.float32) for b in _F4_TIES_UP]
     for i in range(0, blocks.shape[0], step):
-        y = bt[i : i + step] * it[i : i + step, None]
-        a = y.abs()
-        code = (a > _F4_TIES_DOWN[0]).to(torch.uint8)
-        for t in _F4_TIES_DOWN[1:]:
-            code += a > t
-        for b in up:
-            code += a >= b
-        code |= torch.signbit(y).to(torch.uint8) << 3
-        out[i * BLOCK : (i + step) * BLOCK] = code.reshape(-1)
-    result: npt.NDArray[np.uint8] = out.numpy()
-    return result
-
-
-def _pack_pairs(codes: npt.NDArray[np.uint8]) -> bytes:
-    if codes.size % 2:
-        codes = np.concatenate([codes, np.zeros(1, np.uint8)])
-    pairs = codes.reshape(-1, 2)
-    return (pairs[:, 0] | (pairs[:, 1] << np.uint8(4))).tobytes()
+        bits = (bt[i : i + step] * it[i : i + step, None]).view(torch.int32)
+        mag = bits & 0x7FFFFFFF
+        m = (mag & 0x7F800000).clamp_(min=0x3F800000).add_(22 << 23)  # bits of M
+        total = (mag.view(torch.float32) + m.view(torch.float32)).view(torch.int32)
+        # code = total - M + 2 · (biased exponent of M - 22 - 127); (m >> 22) is twice it.
+        code = total.sub_(m).add_(m >> 22).sub_(2 * (22 + 127))
+        code |= (bits >> 28) & 8  # sign bit 31 → bit 3
+        pairs = code.to(torch.uint8).view(-1, 2)
+        out[i * BLOCK // 2 : (i + step) * BLOCK // 2] = pairs[:, 0] | (pairs[:, 1] << 4)
+    return bytes(out.numpy().data)
 
 
 def dequantize(
