@@ -7,17 +7,50 @@ live while its counter changed less than `timeout` seconds ago (or it was first 
 than `timeout` ago: a new observer cannot tell a fresh lease from a stale one and gives it
 the benefit of the doubt). A released lease (absent from the listing) is not live.
 
-`LeaseTracker` is pure: it is fed counters and times, and tested with plain floats.
+Keys: `leases/<learner>/<counter>` (12 digits). A beat creates the next key and then
+deletes the previous one, so one LIST of `leases/` (one page per 1,000 learners) returns
+every learner's counter. `LeaseTracker` and `lease_counters` are pure: fed keys, counters
+and times, and tested with plain floats.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 
-from gradientmail.errors import ConfigError
+from gradientmail.errors import ConfigError, LocalProtocolError
+from gradientmail.records import check_learner_id
 
-__all__ = ["LeaseTracker"]
+__all__ = ["LeaseTracker", "lease_counters", "lease_key"]
+
+_LEASE = re.compile(r"leases/([^/]+)/(\d{12})")
+
+
+def lease_key(learner: str, counter: int) -> str:
+    """`leases/<learner>/<counter>`, the key a learner's beat number `counter` creates."""
+    check_learner_id(learner)
+    if isinstance(counter, bool) or not isinstance(counter, int) or not 0 <= counter < 10**12:
+        raise LocalProtocolError(f"lease counter={counter!r} must be an integer in [0, 10**12)")
+    return f"leases/{learner}/{counter:012d}"
+
+
+def lease_counters(keys: Iterable[str]) -> dict[str, int]:
+    """Each learner's counter from a listing of `leases/` (the highest, if a beat is half
+    done). Keys of another shape are ignored: a stray key names no learner we could
+    attribute it to, and must not deny everyone else's liveness."""
+    out: dict[str, int] = {}
+    for key in keys:
+        m = _LEASE.fullmatch(key)
+        if m is None:
+            continue
+        learner, counter = m.group(1), int(m.group(2))
+        try:
+            check_learner_id(learner)
+        except LocalProtocolError:
+            continue
+        out[learner] = max(counter, out.get(learner, -1))
+    return out
 
 
 class LeaseTracker:
