@@ -1,0 +1,468 @@
+"""DiLoCo, Streaming DiLoCo and Decoupled DiLoCo as one configuration and one aggregator.
+
+`DiLoCo(...)` is the frozen, validated configuration every party of a run shares (its
+JSON goes into the manifest); `DiLoCoAggregator` closes a round: it merges each tensor's
+deltas with token weights (`WeightedMean` or `Rda`), takes a Nesterov outer step on the
+fp32 master, keeps fp32 momentum, and publishes theta in the schema dtype, optionally as a
+quantized update. The pure pieces (`plan`, `weight`, `weighted_mean`, `rda`, `nesterov`,
+`mean_cosine`, `grace_window`) are importable from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from fractions import Fraction
+from typing import Any
+
+from gradientmail.algorithms.base import Contribution, FragmentState, RoundResult
+from gradientmail.algorithms.merge import (
+    Merge,
+    Rda,
+    WeightedMean,
+    mean_cosine,
+    merge_from_json,
+    nesterov,
+    normalized_weights,
+    rda,
+    rda_coefficients,
+    weight,
+    weighted_mean,
+)
+from gradientmail.algorithms.partition import (
+    ByBytes,
+    Partition,
+    Strided,
+    partition_from_json,
+    plan,
+)
+from gradientmail.algorithms.schedule import Estimates, RoundSchedule
+from gradientmail.backends.base import Backend, Value
+from gradientmail.backends.numpy_backend import NumpyBackend
+from gradientmail.errors import (
+    ConfigError,
+    NonFiniteError,
+    RemoteProtocolError,
+    SchemaMismatch,
+)
+from gradientmail.records import Participant
+from gradientmail.serialization import Schema, TensorBytes, validate
+
+__all__ = [
+    "FORMAT_VERSION",
+    "ByBytes",
+    "DiLoCo",
+    "DiLoCoAggregator",
+    "Rda",
+    "Strided",
+    "WeightedMean",
+    "grace_window",
+    "mean_cosine",
+    "nesterov",
+    "plan",
+    "rda",
+    "rebuild_theta",
+    "weight",
+    "weighted_mean",
+]
+
+#: The version of DiLoCo's JSON record; bumped when its fields change.
+FORMAT_VERSION = 1
+_FORMATS = ("BF16", "F8_E4M3", "F4")
+_RULE = "need 1 <= in_flight <= fragments <= sync_every"
+# Frozen, so one shared instance is safe as a dataclass default.
+_DEFAULT_MERGE: Merge = Rda(direct_pattern="embed")
+_DEFAULT_PARTITION: Partition = ByBytes()
+
+
+def grace_window(estimates: Estimates, schedule: RoundSchedule, round_: int) -> float:
+    """Seconds to wait after quorum for stragglers of round `round_`.
+
+    min(0.5·max(ahead·ξ_step − (ξ_quorum + ξ_sync), 0), gap·ξ_step), where ahead is how
+    far learners may train past their publish (τ·gap, or overlap_steps when smaller): half
+    the slack before the earliest contributor would block, never more than one round's
+    gap. 0 while an estimate is missing.
+    """
+    step, quorum, sync = estimates.step, estimates.quorum, estimates.sync
+    if step is None or quorum is None or sync is None:
+        return 0.0
+    ahead = schedule.ahead(round_)
+    gap = schedule.gap(round_)
+    return min(0.5 * max(ahead * step - (quorum + sync), 0.0), gap * step)
+
+
+def _int(name: str, v: object, low: int, *, optional: bool = False) -> None:
+    if optional and v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, int):
+        kind = "an int or None" if optional else "an int"
+        raise ConfigError(f"{name}={v!r} must be {kind}")
+    if v < low:
+        raise ConfigError(f"{name}={v} is below {low}; need {name} >= {low}")
+
+
+def _float(name: str, v: object) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise ConfigError(f"{name}={v!r} must be a finite number")
+    return float(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiLoCo:
+    """The DiLoCo family as one frozen configuration (see DESIGN §5).
+
+    H = `sync_every` local steps between syncs of each fragment; P = `fragments`
+    (Streaming DiLoCo); τ = `in_flight` rounds a learner may have unmerged; `overlap_steps`
+    bounds how far it trains past its own publish (0: DiLoCo's barrier, None: never
+    waits); α = `mixing`; `quorum_size` contributions close a round (Decoupled DiLoCo);
+    η = `outer_lr` and β = `outer_momentum` of the Nesterov outer step; `merge` and
+    `partition`; `global_batch_size` split over live learners; `delta_dtype` and
+    `commit_dtype` transfer formats (None: full precision); `flush_on_close` publishes
+    what a closing learner trained as final contributions.
+    """
+
+    sync_every: int
+    fragments: int
+    in_flight: int = 2
+    overlap_steps: int | None = None
+    mixing: float = 0.0
+    quorum_size: int = 1
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    merge: Merge = _DEFAULT_MERGE
+    partition: Partition = _DEFAULT_PARTITION
+    global_batch_size: int | None = None
+    delta_dtype: str | None = None
+    commit_dtype: str | None = None
+    flush_on_close: bool = False
+
+    def __post_init__(self) -> None:
+        _int("sync_every", self.sync_every, 1)
+        _int("fragments", self.fragments, 1)
+        _int("in_flight", self.in_flight, 1)
+        h, p, tau = self.sync_every, self.fragments, self.in_flight
+        if tau > p:
+            hint = " (standard DiLoCo: fragments=1, in_flight=1)" if p == 1 else ""
+            raise ConfigError(f"in_flight={tau} exceeds fragments={p}; {_RULE}{hint}")
+        if p > h:
+            raise ConfigError(f"fragments={p} exceeds sync_every={h}; {_RULE}")
+        if self.overlap_steps is not None:
+            _int("overlap_steps", self.overlap_steps, 0, optional=True)
+        mixing = _float("mixing", self.mixing)
+        if not 0.0 <= mixing < 1.0:
+            raise ConfigError(f"mixing={self.mixing!r} is out of range; need 0 <= mixing < 1")
+        _int("quorum_size", self.quorum_size, 1)
+        lr = _float("outer_lr", self.outer_lr)
+        if lr <= 0:
+            raise ConfigError(f"outer_lr={self.outer_lr!r} must be > 0")
+        beta = _float("outer_momentum", self.outer_momentum)
+        if not 0.0 <= beta < 1.0:
+            raise ConfigError(
+                f"outer_momentum={self.outer_momentum!r} is out of range; "
+                "need 0 <= outer_momentum < 1"
+            )
+        if not isinstance(self.merge, WeightedMean | Rda):
+            raise ConfigError(f"merge={self.merge!r} must be WeightedMean() or Rda(...)")
+        if not isinstance(self.partition, ByBytes | Strided):
+            raise ConfigError(f"partition={self.partition!r} must be ByBytes() or Strided(...)")
+        _int("global_batch_size", self.global_batch_size, 1, optional=True)
+        for name in ("delta_dtype", "commit_dtype"):
+            v = getattr(self, name)
+            if v is not None and v not in _FORMATS:
+                raise ConfigError(
+                    f"{name}={v!r} is not a transfer format; use None, "
+                    + ", ".join(repr(f) for f in _FORMATS)
+                )
+        if not isinstance(self.flush_on_close, bool):
+            raise ConfigError(f"flush_on_close={self.flush_on_close!r} must be a bool")
+        # Store floats as floats, so the JSON of mixing=0 and mixing=0.0 is the same record.
+        object.__setattr__(self, "mixing", mixing)
+        object.__setattr__(self, "outer_lr", lr)
+        object.__setattr__(self, "outer_momentum", beta)
+
+    @classmethod
+    def standard(cls, sync_every: int, learners: int, **overrides: Any) -> DiLoCo:
+        """Standard DiLoCo: one fragment, a barrier every H steps, quorum = all learners,
+        the weighted mean."""
+        kw: dict[str, Any] = dict(
+            fragments=1, in_flight=1, overlap_steps=0, quorum_size=learners, merge=WeightedMean()
+        )
+        kw.update(overrides)
+        return cls(sync_every, **kw)
+
+    @classmethod
+    def local_sgd(cls, sync_every: int, **overrides: Any) -> DiLoCo:
+        """Local SGD: parameter averaging (η = 1, β = 0, the weighted mean) every H steps."""
+        kw: dict[str, Any] = dict(
+            fragments=1, in_flight=1, overlap_steps=0, outer_lr=1.0, outer_momentum=0.0,
+            merge=WeightedMean(),
+        )
+        kw.update(overrides)
+        return cls(sync_every, **kw)
+
+    @property
+    def schedule(self) -> RoundSchedule:
+        return RoundSchedule(self.sync_every, self.fragments, self.in_flight, self.overlap_steps)
+
+    def schedule_for(self, fragments: int) -> RoundSchedule:
+        """The schedule over a plan of `fragments` (≤ the configured number)."""
+        _int("fragments", fragments, 1)
+        if fragments > self.fragments:
+            raise ConfigError(f"a plan of {fragments} fragments exceeds fragments={self.fragments}")
+        return RoundSchedule(
+            self.sync_every, fragments, min(self.in_flight, fragments), self.overlap_steps
+        )
+
+    def plan(self, schema: Schema) -> tuple[tuple[str, ...], ...]:
+        return plan(schema, self.fragments, self.partition)
+
+    def keeps_master(self, dtypes: Sequence[str]) -> bool:
+        """Whether a fragment of `dtypes` keeps an fp32 master apart from its theta."""
+        return self.commit_dtype is not None or any(d != "F32" for d in dtypes)
+
+    def initial_state(self, fragment: int, theta: Mapping[str, TensorBytes]) -> FragmentState:
+        keep = self.keeps_master([t.dtype for t in theta.values()])
+        return FragmentState.initial(fragment, theta, keep_master=keep)
+
+    def aggregator(self, backend: Backend | None = None) -> DiLoCoAggregator:
+        return DiLoCoAggregator(self, NumpyBackend() if backend is None else backend)
+
+    def grace_window(self, estimates: Estimates, schedule: RoundSchedule, round_: int) -> float:
+        return grace_window(estimates, schedule, round_)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict; `from_json(to_json())` gives an equal configuration."""
+        out: dict[str, Any] = {"type": "diloco", "version": FORMAT_VERSION}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.to_json() if f.name in ("merge", "partition") else v
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any) -> DiLoCo:
+        """Strict inverse of `to_json`; `RemoteProtocolError` naming the offending field."""
+        if not isinstance(obj, dict):
+            raise RemoteProtocolError(f"algorithm record {obj!r:.100} must be a JSON object")
+        fields = [f.name for f in dataclasses.fields(cls)]
+        want = {"type", "version", *fields}
+        missing, extra = sorted(want - set(obj)), sorted(set(obj) - want)
+        if missing or extra:
+            raise RemoteProtocolError(
+                f"algorithm record: missing fields {missing}, unknown fields {extra}"
+            )
+        if obj["type"] != "diloco":
+            raise RemoteProtocolError(f"algorithm record: type={obj['type']!r:.60} is not 'diloco'")
+        if obj["version"] != FORMAT_VERSION or isinstance(obj["version"], bool):
+            raise RemoteProtocolError(
+                f"algorithm record: version={obj['version']!r:.60} is not {FORMAT_VERSION}; "
+                "the run was created by another gradientmail version"
+            )
+        kw: dict[str, Any] = {}
+        for name in fields:
+            v = obj[name]
+            if name == "merge":
+                kw[name] = merge_from_json(v, "merge")
+            elif name == "partition":
+                kw[name] = partition_from_json(v, "partition")
+            else:
+                kw[name] = _json_field(name, v)
+        try:
+            return cls(**kw)
+        except ConfigError as exc:
+            raise RemoteProtocolError(f"algorithm record: {exc}") from None
+
+
+_JSON_KINDS = {
+    "sync_every": "int", "fragments": "int", "in_flight": "int", "overlap_steps": "int?",
+    "mixing": "number", "quorum_size": "int", "outer_lr": "number", "outer_momentum": "number",
+    "global_batch_size": "int?", "delta_dtype": "str?", "commit_dtype": "str?",
+    "flush_on_close": "bool",
+}
+_JSON_WORDS = {"int": "an integer", "number": "a number", "str": "a string", "bool": "a bool"}
+
+
+def _json_field(name: str, v: Any) -> Any:
+    kind = _JSON_KINDS[name]
+    if v is None and kind.endswith("?"):
+        return v
+    base = kind.rstrip("?")
+    not_bool = not isinstance(v, bool)
+    ok = {
+        "int": not_bool and isinstance(v, int),
+        "number": not_bool and isinstance(v, int | float),
+        "str": isinstance(v, str),
+        "bool": isinstance(v, bool),
+    }[base]
+    if not ok:
+        null = " or null" if kind.endswith("?") else ""
+        raise RemoteProtocolError(
+            f"algorithm record: {name}={v!r:.60} is not {_JSON_WORDS[base]}{null}"
+        )
+    return v
+
+
+def rebuild_theta(
+    theta_old: Mapping[str, TensorBytes],
+    update: Mapping[str, TensorBytes],
+    fmt: str,
+    backend: Backend | None = None,
+) -> dict[str, TensorBytes]:
+    """Θ_new from Θ_old and a commit's quantized update: to_dtype(Θ_old + dequantize(u)),
+    in float32, each tensor back in Θ_old's dtype. The closer publishes exactly this."""
+    from gradientmail.quantization import dequantize
+
+    be = NumpyBackend() if backend is None else backend
+    return {
+        n: (be.load(t) + be.load(dequantize(update, n, fmt))).to_bytes(t.dtype)
+        for n, t in theta_old.items()
+    }
+
+
+class DiLoCoAggregator:
+    """Closes DiLoCo rounds over a backend's Value arithmetic; pure and deterministic."""
+
+    def __init__(self, config: DiLoCo, backend: Backend) -> None:
+        self.config = config
+        self.backend = backend
+
+    def close_round(
+        self, state: FragmentState, contributions: Sequence[Contribution], schema: Schema
+    ) -> RoundResult:
+        """Merge `contributions` into `state` and take the outer step.
+
+        Contributions are ordered by learner id first, so the bytes do not depend on the
+        order they arrived in. Each tensor's deltas are merged with the normalized
+        weights tokens²/steps (`Rda`, or the weighted mean for `direct_pattern` tensors
+        and for `WeightedMean`); Nesterov moves the fp32 master and the fp32 momentum. A
+        round made only of final contributions moves the master by the merged Δ alone
+        (Θ ← Θ − Δ) and keeps the momentum. With `commit_dtype`, the update is the
+        quantized Θ_new − Θ_old and the published theta is `rebuild_theta(Θ_old, update)`;
+        the rounding stays in the master and is corrected next round.
+
+        Raises `SchemaMismatch` (a delta or theta that does not fit the schema),
+        `NonFiniteError` (a non-finite delta, naming its learners; or an outer step that
+        overflows) and `ConfigError` (no contributions, a learner twice).
+        """
+        cfg, be = self.config, self.backend
+        names = state.names
+        validate(schema, state.theta, names)
+        contribs = _ordered(contributions)
+        _check_deltas(contribs, names, schema)
+        exact = [Fraction(c.tokens * c.tokens, c.steps) for c in contribs]
+        shares = normalized_weights(exact)
+        participants = tuple(
+            Participant(c.learner, c.local_step, c.steps, c.tokens, weight(c.tokens, c.steps))
+            for c in contribs
+        )
+        all_final = all(c.final for c in contribs)
+        keep_master = cfg.keeps_master([state.theta[n].dtype for n in names])
+        m = len(contribs)
+        frag_gram = [[0.0] * m for _ in range(m)]
+        theta: dict[str, TensorBytes] = {}
+        master: dict[str, TensorBytes] = {}
+        momentum: dict[str, TensorBytes] = {}
+        update: dict[str, TensorBytes] = {}
+        for name in names:
+            deltas = [be.load(c.delta[name]) for c in contribs]
+            gram = be.gram(deltas)
+            bad = [c.learner for i, c in enumerate(contribs) if not math.isfinite(gram[i][i])]
+            if bad:
+                raise NonFiniteError(
+                    f"the delta of {name!r} from learners {bad} holds NaN or infinity; "
+                    "leave those contributions out of the round"
+                )
+            for i in range(m):
+                for j in range(m):
+                    frag_gram[i][j] += gram[i][j]
+            coeffs = self._coefficients(name, gram, shares)
+            base = be.load((state.master or state.theta)[name])
+            if all_final:
+                new_master = base - be.lincomb(deltas, coeffs)
+                momentum[name] = state.momentum[name]
+            else:
+                mom = be.load(state.momentum[name])
+                new_master, new_mom = be.outer_step(
+                    base, mom, deltas, coeffs, cfg.outer_lr, cfg.outer_momentum
+                )
+                momentum[name] = new_mom.to_bytes("F32")
+            # The momentum cannot overflow alone: a non-finite m makes Θ non-finite (η > 0).
+            if not new_master.isfinite():
+                raise NonFiniteError(
+                    f"the outer step overflowed float32 in {name!r} of fragment "
+                    f"{state.fragment}; the deltas are too large (lower outer_lr or the "
+                    "inner learning rate)"
+                )
+            theta[name] = self._publish(name, new_master, state.theta[name], update)
+            if keep_master:
+                master[name] = new_master.to_bytes("F32")
+        new_state = FragmentState(
+            state.fragment, state.version + 1, theta, master if keep_master else None, momentum
+        )
+        return RoundResult(
+            state=new_state,
+            update=update if cfg.commit_dtype is not None else None,
+            participants=participants,
+            mean_cosine=mean_cosine(frag_gram),
+            all_final=all_final,
+        )
+
+    def _coefficients(
+        self, name: str, gram: list[list[float]], shares: list[float]
+    ) -> list[float]:
+        merge = self.config.merge
+        if len(shares) == 1:
+            return [1.0]
+        if isinstance(merge, WeightedMean) or merge.is_direct(name):
+            return shares
+        return rda_coefficients(gram, shares)
+
+    def _publish(
+        self, name: str, new_master: Value, old: TensorBytes, update: dict[str, TensorBytes]
+    ) -> TensorBytes:
+        fmt = self.config.commit_dtype
+        if fmt is None:
+            return new_master.to_bytes(old.dtype)
+        from gradientmail.quantization import dequantize, quantize
+
+        be = self.backend
+        theta_old = be.load(old)
+        entries = quantize(name, (new_master - theta_old).to_bytes("F32"), fmt)
+        update.update(entries)
+        return (theta_old + be.load(dequantize(entries, name, fmt))).to_bytes(old.dtype)
+
+
+def _ordered(contributions: Sequence[Contribution]) -> list[Contribution]:
+    if not contributions:
+        raise ConfigError("close_round needs at least one contribution")
+    out = sorted(contributions, key=lambda c: c.learner)
+    dups = sorted({a.learner for a, b in itertools.pairwise(out) if a.learner == b.learner})
+    if dups:
+        raise ConfigError(f"learners {dups} contribute more than once to the round; keep one each")
+    return out
+
+
+def _check_deltas(contribs: list[Contribution], names: tuple[str, ...], schema: Schema) -> None:
+    problems = []
+    for c in contribs:
+        missing = [n for n in names if n not in c.delta]
+        extra = sorted(n for n in c.delta if n not in names)
+        if missing:
+            problems.append(f"{c.learner}: missing {missing}")
+        if extra:
+            problems.append(f"{c.learner}: extra {extra}")
+        for n in names:
+            t = c.delta.get(n)
+            if t is None:
+                continue
+            if not isinstance(t, TensorBytes) or t.dtype not in ("F32", "F16", "BF16"):
+                got = t.dtype if isinstance(t, TensorBytes) else type(t).__name__
+                problems.append(f"{c.learner}: {n!r} is {got}, expected F32 (dequantize first)")
+            elif t.shape != schema[n].shape:
+                problems.append(
+                    f"{c.learner}: {n!r} has shape {list(t.shape)}, the schema says "
+                    f"{list(schema[n].shape)}"
+                )
+    if problems:
+        raise SchemaMismatch("deltas do not match the fragment: " + "; ".join(problems))
