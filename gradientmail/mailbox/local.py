@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import errno
 import hashlib
 import os
@@ -206,10 +207,10 @@ class LocalMailbox(Mailbox):
     def _write_temp(self, key: str, directory: str, data: bytes) -> str:
         # A concurrent delete may remove an empty directory between our mkdir and open.
         for attempt in range(_DIR_RETRIES):
-            self._ensure_dir(key, directory)
             name = f"{TEMP_PREFIX}{_HOST}-{os.getpid()}-{secrets.token_hex(6)}"
             tmp = os.path.join(directory, name)
             try:
+                self._ensure_dir(key, directory)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             except FileNotFoundError:
                 if attempt == _DIR_RETRIES - 1:
@@ -282,7 +283,8 @@ class LocalMailbox(Mailbox):
             return
         directory = os.path.dirname(path)
         if self._fsync:
-            _fsync_dir(directory)
+            with contextlib.suppress(FileNotFoundError):  # pruned by a concurrent delete
+                _fsync_dir(directory)
         # Drop directories the delete left empty, so sweeping old rounds leaves no litter.
         # Writers retry when a directory vanishes under them (see _write_temp).
         while len(directory) > len(self.root):

@@ -153,9 +153,10 @@ class S3Mailbox(Mailbox):
         await self._run("put", key, self._call("put_object", Key=full, Body=data))
 
     async def create(self, key: str, data: bytes) -> bool:
+        full = self._full(key)
+        _require_boto3()
         from botocore.exceptions import ClientError
 
-        full = self._full(key)
         data = bytes(data)
         token = secrets.token_hex(12)
         ambiguous = False  # an earlier attempt of this call may have landed
@@ -230,11 +231,10 @@ class S3Mailbox(Mailbox):
         return client
 
     def _make_client(self) -> Any:
-        try:
-            import boto3
-            from botocore.config import Config
-        except ImportError as exc:
-            raise MissingExtra("s3", "S3 mailboxes (s3:// URLs)") from exc
+        _require_boto3()
+        import boto3
+        from botocore.config import Config
+
         # Typed as Any: the stubs' TypedDicts want literal modes, ours is validated above.
         retries: Any = {"mode": self.retry_mode, "max_attempts": self.max_attempts}
         s3: Any = {"addressing_style": self.addressing_style} if self.addressing_style else None
@@ -278,6 +278,7 @@ class S3Mailbox(Mailbox):
 
     async def _run(self, op: str, key: str, fn: Callable[[], _T], *, translate: bool = True) -> _T:
         """Run a blocking call in the pool; translate botocore errors unless told not to."""
+        _require_boto3()
         from botocore.exceptions import BotoCoreError, ClientError
 
         loop = asyncio.get_running_loop()
@@ -430,6 +431,14 @@ class S3Mailbox(Mailbox):
                 f"({exc}); check endpoint_url / AWS_ENDPOINT_URL and the network"
             )
         return MailboxError(f"{what} failed: {type(exc).__name__}: {exc}")
+
+
+def _require_boto3() -> None:
+    try:
+        import boto3  # noqa: F401
+        import botocore.exceptions  # noqa: F401
+    except ImportError as exc:
+        raise MissingExtra("s3", "S3 mailboxes (s3:// URLs)") from exc
 
 
 def _code(exc: Any) -> str:

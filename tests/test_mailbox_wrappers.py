@@ -1,0 +1,177 @@
+"""CountingMailbox and FaultyMailbox: the wrappers every later failure test relies on."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gradientmail.clock import FakeClock
+from gradientmail.errors import ConfigError, MailboxError
+from gradientmail.mailbox import (
+    CountingMailbox,
+    FaultPlan,
+    FaultyMailbox,
+    Mailbox,
+    MemoryMailbox,
+    RequestCounts,
+)
+
+
+def test_counting_counts_requests_like_s3(any_mailbox: Mailbox) -> None:
+    mailbox = CountingMailbox(any_mailbox)
+
+    async def body() -> None:
+        await mailbox.put("a/1", b"12345")
+        assert await mailbox.create("a/2", b"123") is True
+        assert await mailbox.create("a/2", b"1234567") is False
+        assert await mailbox.get("a/1") == b"12345"
+        assert await mailbox.get("a/missing") is None
+        assert await mailbox.list("a/") == ["a/1", "a/2"]
+        assert await mailbox.list("b/") == []
+        await mailbox.delete("a/1")
+
+    asyncio.run(body())
+    assert mailbox.snapshot() == RequestCounts(
+        list=2, get=2, put=3, delete=1, bytes_up=15, bytes_down=5
+    )
+    assert mailbox.url == any_mailbox.url
+
+
+def test_counting_pages_snapshot_reset_and_cost() -> None:
+    mailbox = CountingMailbox(MemoryMailbox())
+
+    async def body() -> None:
+        for i in range(2500):
+            await mailbox.put(f"leases/{i:05d}", b"")
+        before = mailbox.snapshot()
+        assert len(await mailbox.list("leases/")) == 2500
+        assert mailbox.snapshot() - before == RequestCounts(list=3)
+        assert len(await mailbox.list("leases/", start_after="leases/01999")) == 500
+        assert mailbox.snapshot() - before == RequestCounts(list=4)
+
+    asyncio.run(body())
+    counts = mailbox.reset()
+    assert counts == RequestCounts(list=4, put=2500)
+    assert counts.requests == 2504
+    assert counts.cost_usd() == pytest.approx(2504 * 5.0 / 1e6)
+    assert RequestCounts(get=1_000_000).cost_usd() == pytest.approx(0.4)
+    assert mailbox.snapshot() == RequestCounts()
+
+
+def test_fail_nth_matching_call_for_times() -> None:
+    plan = FaultPlan().fail("put", "payloads/*", nth=2, times=2)
+    mailbox = FaultyMailbox(MemoryMailbox(), plan)
+
+    async def body() -> list[str]:
+        outcomes = []
+        for i in range(5):
+            try:
+                await mailbox.put(f"payloads/{i}/a", b"x")
+                outcomes.append("ok")
+            except MailboxError as exc:
+                outcomes.append(str(exc))
+            await mailbox.put(f"rounds/{i}.json", b"unaffected")
+        return outcomes
+
+    assert asyncio.run(body()) == [
+        "ok",
+        "injected fault: put of 'payloads/1/a' (matching call #2)",
+        "injected fault: put of 'payloads/2/a' (matching call #3)",
+        "ok",
+        "ok",
+    ]
+    assert asyncio.run(mailbox.list("payloads/")) == [
+        "payloads/0/a",
+        "payloads/3/a",
+        "payloads/4/a",
+    ]
+    assert len(asyncio.run(mailbox.list("rounds/"))) == 5
+    assert [rule.fired for rule in plan.rules] == [2]
+
+
+def test_fail_after_the_write_landed_and_custom_errors() -> None:
+    plan = (
+        FaultPlan()
+        .fail("create", "claims/*", after=True)
+        .fail("get", "rounds/*", times=None, error=TimeoutError)
+        .fail("*", "boom", error=ConnectionResetError("peer reset"))
+    )
+    inner = MemoryMailbox()
+    mailbox = FaultyMailbox(inner, plan)
+
+    async def body() -> None:
+        with pytest.raises(MailboxError, match=r"injected fault: create of 'claims/0'"):
+            await mailbox.create("claims/0", b"landed")
+        assert await inner.get("claims/0") == b"landed"  # the answer was lost, not the write
+        assert await mailbox.create("claims/0", b"again") is False
+        await inner.put("rounds/0.json", b"{}")
+        for _ in range(3):
+            with pytest.raises(TimeoutError, match=r"get of 'rounds/0.json'"):
+                await mailbox.get("rounds/0.json")
+        with pytest.raises(ConnectionResetError, match="peer reset"):
+            await mailbox.delete("boom")
+
+    asyncio.run(body())
+
+
+def test_delay_sleeps_on_the_given_clock() -> None:
+    clock = FakeClock()
+    plan = FaultPlan().delay("get", "rounds/*", 5.0, clock).delay("list", "leases/", 1.5, clock)
+    mailbox = FaultyMailbox(MemoryMailbox(), plan)
+
+    async def body() -> None:
+        await mailbox.put("rounds/0.json", b"{}")
+        assert clock.now() == 0.0
+        assert await mailbox.get("rounds/0.json") == b"{}"
+        assert await mailbox.get("rounds/1.json") is None
+        assert clock.now() == 10.0
+        await mailbox.get("theta/x")
+        await mailbox.list("leases/")
+        await mailbox.list("rounds/")
+        assert clock.now() == 11.5
+
+    asyncio.run(body())
+
+
+def test_corrupt_and_truncate_gets() -> None:
+    plan = FaultPlan().corrupt("payloads/*").truncate("theta/*", 3, nth=2, times=1)
+    inner = MemoryMailbox()
+    mailbox = FaultyMailbox(inner, plan)
+    blob = bytes(range(100))
+
+    async def body() -> None:
+        for key in ("payloads/a", "theta/a", "other"):
+            await inner.put(key, blob)
+        await inner.put("payloads/empty", b"")
+        corrupted = await mailbox.get("payloads/a")
+        assert corrupted is not None and len(corrupted) == len(blob)
+        assert [i for i in range(100) if corrupted[i] != blob[i]] == [0, 50, 99]
+        assert await mailbox.get("payloads/empty") == b""
+        assert await mailbox.get("theta/a") == blob  # the 1st matching get is spared
+        assert await mailbox.get("theta/a") == blob[:3]
+        assert await mailbox.get("theta/a") == blob
+        assert await mailbox.get("other") == blob
+        assert await inner.get("payloads/a") == blob  # the stored object is intact
+
+    asyncio.run(body())
+
+
+def test_drop_create_condition_overwrites(any_mailbox: Mailbox) -> None:
+    mailbox = FaultyMailbox(any_mailbox, FaultPlan().drop_create_condition("claims/*"))
+
+    async def body() -> None:
+        assert await mailbox.create("claims/0", b"first") is True
+        assert await mailbox.create("claims/0", b"second") is True
+        assert await mailbox.get("claims/0") == b"second"
+        assert await mailbox.create("rounds/0.json", b"a") is True
+        assert await mailbox.create("rounds/0.json", b"b") is False
+
+    asyncio.run(body())
+
+
+def test_plan_rules_validated() -> None:
+    with pytest.raises(ConfigError, match=r"fault op 'post' is not one of \('get', 'put'"):
+        FaultPlan().fail("post")
+    with pytest.raises(ConfigError, match=r"fault nth=0 and times=1 must be >= 1"):
+        FaultPlan().fail("put", nth=0)
