@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradientmail.errors import ConfigError
-from gradientmail.lease import LeaseTracker
+from gradientmail.errors import ConfigError, LocalProtocolError
+from gradientmail.lease import LeaseTracker, lease_counters, lease_key
 
 
 def test_first_seen_is_live_until_timeout() -> None:
@@ -94,3 +94,12 @@ def test_live_matches_a_reference_model(
         probe = now + dt / 2
         assert t.live(probe) == {n for n, s in changed.items() if probe - s < timeout}
         assert t.live(probe) <= set(counters)
+
+
+def test_lease_counters_takes_highest_and_ignores_strays() -> None:
+    keys = ["leases/a/000000000003", "leases/a/000000000004", "leases/b/000000000000",
+            "leases/c/12", "leases/-bad/000000000001", "leases/d", "leases/e/000000000001/x"]
+    assert lease_counters(keys) == {"a": 4, "b": 0}
+    assert lease_key("a", 4) == "leases/a/000000000004"
+    with pytest.raises(LocalProtocolError, match=r"lease counter=-1 must be an integer"):
+        lease_key("a", -1)
