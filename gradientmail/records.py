@@ -153,6 +153,8 @@ class _Fields:
         self.key, self.path = key, path
         if not isinstance(obj, dict):
             self.fail("", "must be an object", obj)
+        if "v" in names and "v" in obj:  # another format version fails on that first
+            self.version(obj["v"])
         missing = sorted(set(names) - obj.keys())
         extra = sorted(obj.keys() - set(names))
         if missing or extra:
@@ -195,8 +197,7 @@ class _Fields:
     def get_list(self, name: str) -> list[Any]:
         return list(self.get(name, lambda v: isinstance(v, list), "must be an array"))
 
-    def version(self) -> None:
-        v = self.obj["v"]
+    def version(self, v: Any) -> None:
         if v != FORMAT_VERSION or isinstance(v, bool):
             raise RemoteProtocolError(
                 f"record {self.key!r}: field 'v' is {v!r}, but this gradientmail reads record "
@@ -304,7 +305,6 @@ class CreationClaim(_Record):
     @classmethod
     def from_json(cls, obj: Any, key: str) -> Self:
         f = _Fields(obj, key, "", ("attempt", "learner", "v"))
-        f.version()
         return _build(cls, key, "", attempt=f.get_int("attempt"), learner=f.get_str("learner"))
 
 
@@ -328,7 +328,6 @@ class RoundClaim(_Record):
     @classmethod
     def from_json(cls, obj: Any, key: str) -> Self:
         f = _Fields(obj, key, "", ("attempt", "closer", "round", "v"))
-        f.version()
         return _build(cls, key, "", round=f.get_int("round"), attempt=f.get_int("attempt"),
                       closer=f.get_str("closer"))
 
@@ -394,7 +393,6 @@ class Manifest(_Record):
     def from_json(cls, obj: Any, key: str) -> Self:
         f = _Fields(obj, key, "", ("algorithm", "codec", "creator", "init", "key_fingerprint",
                                    "plan", "schema", "v"))
-        f.version()
         plan = []
         for p, fragment in enumerate(f.get_list("plan")):
             if not isinstance(fragment, list):
@@ -471,7 +469,6 @@ class SnapshotRecord(_Record):
         f = _Fields(obj, key, "", ("base_version", "delta_format", "final", "fragment",
                                    "learner", "local_step", "payload", "round",
                                    "schema_digest", "steps", "tokens", "v"))
-        f.version()
         return _build(
             cls, key, "", learner=f.get_str("learner"), round=f.get_int("round"),
             fragment=f.get_int("fragment"), base_version=f.get_int("base_version"),
@@ -631,7 +628,6 @@ class RoundRecord(_Record):
         f = _Fields(obj, key, "", ("all_final", "closer", "dropped", "estimates", "fragment",
                                    "mean_cosine", "outer", "participants", "round", "theta",
                                    "update", "v", "version"))
-        f.version()
         try:
             estimates = Estimates.from_json(f.obj["estimates"])
         except GradientmailError as exc:

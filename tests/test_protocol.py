@@ -505,3 +505,42 @@ def test_full_flow_on_every_mailbox(any_mailbox: Mailbox) -> None:
         assert set(await ex.leases()) == {"b"}
 
     run(main())
+
+
+def test_zstd_codec_is_named_by_the_key() -> None:
+    async def main() -> None:
+        box = MemoryMailbox()
+        writer, reader = Exchange(box, compression="zstd"), Exchange(box)
+        rec = await writer.publish(0, "a", tensors(0, 3.0), fragment=0, base_version=0,
+                                   local_step=1, steps=1, tokens=1, final=False,
+                                   schema_digest=DIGEST, delta_format="F32")
+        assert rec.payload.key == "payloads/0000000000/a.safetensors.zst"
+        stored = await box.get(rec.payload.key)
+        assert stored is not None and stored[:4] == b"\x28\xb5\x2f\xfd"  # a zstd frame
+        got = await reader.contributions(0)
+        assert got.records == (rec,)
+        assert await reader.fetch_delta(rec, SCHEMA, ["w"]) == tensors(0, 3.0)
+        theta = await writer.put_theta(1, 1, tensors(1, 2.0), attempt=0)
+        assert theta.key == "theta/1/0000000001-000000.safetensors.zst"
+        assert await reader.fetch_tensors(theta) == tensors(1, 2.0)
+
+    run(main())
+
+
+def test_hostile_records_in_the_mailbox_name_their_key() -> None:
+    async def main() -> None:
+        box = MemoryMailbox()
+        ex = Exchange(box)
+        await box.put("manifest.json", b'{"v":2}')
+        with pytest.raises(RemoteProtocolError, match=r"record 'manifest.json': field 'v' is 2"):
+            await ex.read_manifest()
+        await box.put("rounds/0000000000.json", b'{"round":0}')
+        with pytest.raises(RemoteProtocolError, match=r"record 'rounds/0000000000.json': the "
+                                                      r"record must have exactly the fields"):
+            await ex.rounds_after(-1)
+        await box.put("claims/round/0000000000/000000", b"\x00" * 10)
+        with pytest.raises(RemoteProtocolError, match="'claims/round/0000000000/000000' is "
+                                                      "not valid JSON"):
+            await ex.read_round_claim(0, 0)
+
+    run(main())
