@@ -104,6 +104,23 @@ class TorchAdapter:
         chosen = self.schema.names if names is None else names
         return {n: from_torch(self._params[n]) for n in chosen}
 
+    def load(self, values: Mapping[str, TensorBytes]) -> dict[str, torch.Tensor]:
+        """`values` as tensors on the parameters' device, in their storage dtypes."""
+        return {
+            n: to_torch(t, self._params[n].device).to(self._params[n].dtype)
+            for n, t in values.items()
+        }
+
+    @torch.no_grad()
+    def delta(
+        self, anchor: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor]
+    ) -> dict[str, TensorBytes]:
+        """anchor − snapshot per name, computed in float32 on the device, as host bytes."""
+        return {
+            n: from_torch(anchor[n].to(torch.float32) - snapshot[n].to(torch.float32), "F32")
+            for n in snapshot
+        }
+
     @torch.no_grad()
     def apply(self, values: Mapping[str, Any], mixing: float = 0.0) -> None:
         """Write `values` (TensorBytes or torch tensors) into the parameters in place.

@@ -1,0 +1,41 @@
+"""The Adapter contract: what a learner needs from a model, framework-free.
+
+The learner never touches framework tensors itself. It holds opaque handles the adapter
+made: snapshots (taken on the training thread, cheap, on the model's device) and loaded
+commits (made on the communication thread, so a host-to-device copy never stalls a step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from gradientmail.serialization import Schema, TensorBytes
+
+__all__ = ["Adapter"]
+
+
+@runtime_checkable
+class Adapter(Protocol):
+    @property
+    def schema(self) -> Schema: ...
+
+    def read(self, names: Sequence[str] | None = None) -> dict[str, TensorBytes]:
+        """Host bytes of the named parameters in their storage dtypes (training thread)."""
+        ...
+
+    def snapshot(self, names: Sequence[str]) -> Any:
+        """A copy of the named parameters, on their device (training thread, no I/O)."""
+        ...
+
+    def load(self, values: Mapping[str, TensorBytes]) -> Any:
+        """Committed parameters, moved to the model's device (communication thread)."""
+        ...
+
+    def delta(self, anchor: Any, snapshot: Any) -> dict[str, TensorBytes]:
+        """anchor − snapshot for each name, as F32 host bytes (communication thread)."""
+        ...
+
+    def apply(self, values: Any, mixing: float = 0.0) -> None:
+        """Write loaded values into the parameters in place (training thread)."""
+        ...

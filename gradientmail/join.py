@@ -1,0 +1,192 @@
+"""Joining a run: the creation election, adoption checks, and the newest commits.
+
+The first creation claim elects the creator, which uploads Θ⁰ and writes the manifest;
+the others wait, and claim the next attempt when no manifest lands for max(30 polls,
+largest fragment at 1 MiB/s). Adopting requires the same schema and the same algorithm
+JSON. A restart is a join: every fragment's newest commit is loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from gradientmail.adapters.base import Adapter
+from gradientmail.algorithms.base import Algorithm
+from gradientmail.errors import RunConfigMismatch, SchemaMismatch
+from gradientmail.events import (
+    AwaitingCreator,
+    CreatingRun,
+    EventSink,
+    Joined,
+    TookOverCreation,
+)
+from gradientmail.mailbox.selftest import verify_conditional_writes
+from gradientmail.protocol import Exchange, current_attempt
+from gradientmail.records import Manifest, PayloadRef
+from gradientmail.serialization import Schema
+
+__all__ = [
+    "JoinResult",
+    "config_differences",
+    "creation_timeout",
+    "join_run",
+    "schema_differences",
+]
+
+#: The bandwidth a creator is assumed to have at least, to size the takeover timeout.
+CREATOR_BYTES_PER_SECOND = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class JoinResult:
+    plan: tuple[tuple[str, ...], ...]
+    rounds_seen: int
+    fragments: tuple[tuple[int, Any], ...]  # (version, loaded values) per fragment
+    created: bool
+    manifest: Manifest
+
+
+def schema_differences(run: Schema, mine: Schema) -> list[str]:
+    """Every parameter that differs between the run's schema and this model's."""
+    out = []
+    theirs = {p.name: p for p in run.params}
+    ours = {p.name: p for p in mine.params}
+    for name in theirs.keys() - ours.keys():
+        out.append(f"{name!r} is in the run but not in this model")
+    for name in ours.keys() - theirs.keys():
+        out.append(f"{name!r} is in this model but not in the run")
+    for name in theirs.keys() & ours.keys():
+        a, b = theirs[name], ours[name]
+        if (a.dtype, a.shape) != (b.dtype, b.shape):
+            out.append(
+                f"{name!r} is {a.dtype}{list(a.shape)} in the run, {b.dtype}{list(b.shape)} here"
+            )
+    if not out and [p.name for p in run.params] != [p.name for p in mine.params]:
+        out.append("the parameters are the same but in another order")
+    return sorted(out)
+
+
+def config_differences(run: Mapping[str, Any], mine: Mapping[str, Any]) -> list[str]:
+    """Every algorithm field whose value differs between the run and this process."""
+    out = []
+    for key in sorted(set(run) | set(mine)):
+        a, b = run.get(key, "<absent>"), mine.get(key, "<absent>")
+        if a != b:
+            out.append(f"{key}: run has {a!r}, this process {b!r}")
+    return out
+
+
+def creation_timeout(schema: Schema, plan: tuple[tuple[str, ...], ...], poll: float) -> float:
+    """How long a waiter gives a creator before taking over."""
+    largest = max((sum(schema.nbytes(n) for n in names) for names in plan), default=0)
+    return max(30 * poll, largest / CREATOR_BYTES_PER_SECOND)
+
+
+async def join_run(
+    ex: Exchange,
+    adapter: Adapter,
+    algorithm: Algorithm,
+    learner: str,
+    *,
+    poll_interval: float,
+    on_event: EventSink,
+) -> JoinResult:
+    """Join (or create) the run in `ex`, returning each fragment's newest parameters."""
+    await verify_conditional_writes(ex.mailbox, prefix=ex.prefix + "selftest/")
+    schema = adapter.schema
+    plan = algorithm.plan(schema)
+    created = False
+    manifest = await ex.read_manifest()
+    seen: dict[int, float] = {}
+    waited_for: int | None = None
+    while manifest is None:
+        attempt = current_attempt(await ex.creation_claims())
+        now = ex.clock.now()
+        mine: int | None = None
+        if attempt is None:
+            if await ex.claim_creation(learner, 0):
+                mine = 0
+        else:
+            seen.setdefault(attempt, now)
+            if now - seen[attempt] >= creation_timeout(schema, plan, poll_interval):
+                if await ex.claim_creation(learner, attempt + 1):
+                    mine = attempt + 1
+                    on_event(TookOverCreation(learner, mine))
+            elif waited_for != attempt:
+                waited_for = attempt
+                on_event(AwaitingCreator(learner, attempt))
+        if mine is not None:
+            on_event(CreatingRun(learner, mine))
+            manifest = await _create(ex, adapter, algorithm, learner, plan, mine)
+            created = manifest.creator == learner
+            break
+        await ex.clock.sleep(poll_interval)
+        manifest = await ex.read_manifest()
+
+    diffs = schema_differences(manifest.schema, schema)
+    if diffs:
+        raise SchemaMismatch(
+            f"this model does not match the run in {ex.mailbox.url} "
+            f"(created by {manifest.creator!r}): "
+            + "; ".join(diffs)
+            + ". Use the same model definition, or another mailbox/prefix for a new run"
+        )
+    mine_json = algorithm.to_json()
+    diffs = config_differences(manifest.algorithm, mine_json)
+    if diffs:
+        raise RunConfigMismatch(
+            f"this algorithm configuration differs from the run in {ex.mailbox.url}: "
+            + "; ".join(diffs)
+            + ". Use the run's configuration, or another mailbox/prefix for a new run"
+        )
+    plan = manifest.plan
+    while True:
+        newest = await ex.newest_round()
+        latest = await ex.latest_commit_per_fragment(len(plan), newest)
+        fragments = []
+        for p, names in enumerate(plan):
+            rec = latest.get(p)
+            ref: PayloadRef = rec.theta if rec is not None else manifest.init[p]
+            tensors = await ex.fetch_tensors(ref)
+            if tensors is None:
+                break  # swept while we read: a newer commit exists, look again
+            values = {n: tensors[n] for n in names}
+            loaded = await asyncio.to_thread(adapter.load, values)
+            fragments.append((rec.version if rec is not None else 0, loaded))
+        else:
+            # Beat before training starts, so every observer counts this learner from
+            # its next lease listing on.
+            await ex.beat(learner)
+            on_event(Joined(learner, newest, tuple(v for v, _ in fragments), created))
+            return JoinResult(plan, newest, tuple(fragments), created, manifest)
+
+
+async def _create(
+    ex: Exchange,
+    adapter: Adapter,
+    algorithm: Algorithm,
+    learner: str,
+    plan: tuple[tuple[str, ...], ...],
+    attempt: int,
+) -> Manifest:
+    refs = []
+    for p, names in enumerate(plan):
+        values = adapter.read(list(names))
+        refs.append(await ex.put_init(p, values, attempt=attempt))
+    manifest = Manifest(
+        schema=adapter.schema,
+        plan=plan,
+        algorithm=algorithm.to_json(),
+        creator=learner,
+        init=tuple(refs),
+        codec=ex.compression,
+    )
+    if await ex.create_manifest(manifest):
+        return manifest
+    # A superseded creator finished first after all: adopt its manifest.
+    other = await ex.read_manifest()
+    assert other is not None
+    return other

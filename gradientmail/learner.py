@@ -1,0 +1,641 @@
+"""The learner runtime: a training thread that never waits on I/O, and a mailman thread.
+
+The training thread calls `step()` after every optimizer step. It owns the model and
+every counter (a frozen `LearnerState`); it applies commits the mailman queued, snapshots
+a fragment when a round is due and hands it over, and waits only where `overlap_steps`
+says it must. The communication thread runs one asyncio loop: the receive loop (lease,
+new commits, who published the next round, the embedded syncer) and the publish loop
+(anchor − θ, quantize, encode, upload). They meet through two queues and a few plain
+attributes the mailman overwrites.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import math
+import os
+import queue
+import re
+import socket
+import threading
+import time
+from typing import Any
+
+from gradientmail import learner_state as ls
+from gradientmail.adapters.base import Adapter
+from gradientmail.algorithms.base import Algorithm
+from gradientmail.algorithms.schedule import RoundSchedule
+from gradientmail.clock import Clock, MonotonicClock
+from gradientmail.errors import ConfigError, GradientmailError
+from gradientmail.events import (
+    Closed,
+    Closing,
+    EventSink,
+    FragmentAligned,
+    GaveUp,
+    PollFailed,
+    PublishCancelled,
+    PublishFailed,
+    RoundRecorded,
+    SnapshotPublished,
+    log_events,
+)
+from gradientmail.join import JoinResult, join_run
+from gradientmail.lease import LeaseTracker
+from gradientmail.mailbox.base import Mailbox
+from gradientmail.mailbox.url import open_mailbox
+from gradientmail.protocol import Exchange
+from gradientmail.quantization import quantize
+from gradientmail.records import RoundRecord, check_learner_id
+from gradientmail.serialization import TensorBytes
+from gradientmail.syncer_state import effective_quorum
+
+__all__ = ["Learner", "default_learner_id"]
+
+
+def default_learner_id() -> str:
+    """`<host>-<pid>`, reduced to the learner id alphabet."""
+    raw = f"{socket.gethostname()}-{os.getpid()}"
+    clean = re.sub(r"[^A-Za-z0-9._-]", "-", raw).lstrip("._-") or "learner"
+    return clean[:64]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """A due round handed from the training thread to the mailman."""
+
+    round: int
+    fragment: int
+    base_version: int
+    local_step: int
+    steps: int
+    tokens: int
+    final: bool
+    snapshot: Any
+    anchor: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Commit:
+    """A commit ready to apply: its record and its parameters on the model's device."""
+
+    record: RoundRecord
+    loaded: Any
+    nbytes: int
+
+
+class Learner:
+    """One learner of a run: `start()`, then `step(samples)` after each optimizer step,
+    then `close()`.
+
+    `mailbox` is a Mailbox or a URL; `sync=True` also runs a syncer on the communication
+    thread, so a run needs nothing but the bucket.
+    """
+
+    def __init__(
+        self,
+        adapter: Adapter,
+        algorithm: Algorithm,
+        mailbox: Mailbox | str,
+        learner_id: str | None = None,
+        *,
+        sync: bool = True,
+        backend: Any = None,
+        clock: Clock | None = None,
+        poll_interval: float = 1.0,
+        lease_every: float = 60.0,
+        lease_timeout: float = 120.0,
+        compression: str = "off",
+        on_event: EventSink = log_events,
+        prefix: str = "",
+    ) -> None:
+        for name, value in (
+            ("poll_interval", poll_interval),
+            ("lease_every", lease_every),
+            ("lease_timeout", lease_timeout),
+        ):
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name}={value!r} must be a finite number of seconds > 0")
+        if lease_timeout <= lease_every:
+            raise ConfigError(
+                f"lease_timeout={lease_timeout} must exceed lease_every={lease_every}, or "
+                "every learner looks dead between two beats; use about twice lease_every"
+            )
+        self.adapter = adapter
+        self.algorithm = algorithm
+        self.learner_id = check_learner_id(learner_id or default_learner_id())
+        self.sync = sync
+        self.backend = backend
+        self.clock: Clock = clock if clock is not None else MonotonicClock()
+        self.poll_interval = float(poll_interval)
+        self.lease_every = float(lease_every)
+        self.lease_timeout = float(lease_timeout)
+        self.compression = compression
+        self.on_event = on_event
+        self.prefix = prefix
+        self._mailbox_arg = mailbox
+        # Set by start():
+        self._exchange: Exchange | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._schedule: RoundSchedule | None = None
+        self._plan: tuple[tuple[str, ...], ...] = ()
+        self._state: ls.LearnerState | None = None
+        self._anchors: list[Any] = []
+        self._inbox: queue.Queue[_Commit] = queue.Queue()
+        self._jobs: asyncio.Queue[_Job | None] | None = None
+        self._dead: BaseException | None = None
+        self._stop: asyncio.Event | None = None
+        self._closed = False
+        self._last_step_time: float | None = None
+        # Written by the mailman, read by the training thread (plain attribute swaps).
+        self._others: tuple[int, int] = (-1, 0)  # (round, learners other than us in it)
+        self._live: frozenset[str] = frozenset()
+        self._newest_seen = -1
+        self._busy = 0  # publishes handed over and not yet finished
+
+    # -- public surface -----------------------------------------------------------------
+
+    @property
+    def rounds_seen(self) -> int:
+        """The newest round whose commit this learner has applied (-1 before any)."""
+        return self._state.rounds_seen if self._state is not None else -1
+
+    @property
+    def local_step(self) -> int:
+        return self._state.local_step if self._state is not None else 0
+
+    @property
+    def live_learners(self) -> frozenset[str]:
+        return self._live
+
+    @property
+    def batch_size(self) -> int | None:
+        """⌈global_batch_size / live learners⌉, or None without a global batch size."""
+        g = self.algorithm.global_batch_size
+        if g is None:
+            return None
+        return -(-g // max(len(self._live), 1))
+
+    @property
+    def plan(self) -> tuple[tuple[str, ...], ...]:
+        return self._plan
+
+    def start(self) -> None:
+        """Join the run (creating it if nobody has) and align with its newest commits.
+
+        Blocks until joined; raises `SchemaMismatch` / `RunConfigMismatch` when the run
+        in the mailbox is another model or configuration.
+        """
+        if self._thread is not None:
+            raise ConfigError(f"learner {self.learner_id!r} was started already")
+        mailbox = open_mailbox(self._mailbox_arg)
+        self._exchange = Exchange(
+            mailbox, clock=self.clock, compression=self.compression, prefix=self.prefix
+        )
+        joined: concurrent.futures.Future[JoinResult] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._thread_main,
+            args=(joined,),
+            name=f"gradientmail-{self.learner_id}",
+            daemon=True,
+        )
+        self._thread.start()
+        result = joined.result()
+        self._plan = result.plan
+        self._schedule = self.algorithm.schedule_for(len(result.plan))
+        self._anchors = [None] * len(result.plan)
+        versions = []
+        for p, (version, values) in enumerate(result.fragments):
+            self.adapter.apply(values)
+            self._anchors[p] = values
+            versions.append(version)
+        self._state = ls.initial_state(len(result.plan), versions, result.rounds_seen)
+        self._newest_seen = result.rounds_seen
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._begin_loops, result)
+
+    def step(self, samples: int = 0) -> None:
+        """Account for one optimizer step over `samples` tokens (or samples).
+
+        Applies commits that arrived, publishes a round when one is due, and waits only
+        when `overlap_steps` says training may not run further ahead. Never does I/O.
+        """
+        state = self._require_started()
+        self._check_alive()
+        now = time.perf_counter()
+        seconds = None if self._last_step_time is None else now - self._last_step_time
+        self._last_step_time = now
+        self._apply_arrived()
+        state = ls.advanced(self._state_now(), int(samples), seconds)
+        self._state = state
+        self._maybe_publish()
+        self._wait_while_overdue()
+
+    def close(self) -> None:
+        """Wait for the commits of the rounds in flight, reset the model to the newest
+        commits (or flush, with `flush_on_close`), release the lease, stop the thread.
+        Idempotent; never raises for a peer's or the store's failure."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is None or self._state is None or self._loop is None:
+            return
+        flush = self.algorithm.flush_on_close
+        pending = self._pending_rounds()
+        self.on_event(Closing(self.learner_id, pending, flush))
+        if self._dead is None:
+            self._wait_for_pending()
+            self._apply_arrived()
+            if flush:
+                self._flush()
+            else:
+                for anchor in self._anchors:
+                    self.adapter.apply(anchor)
+        stop = self._stop
+        if stop is not None and self._loop.is_running():
+            self._loop.call_soon_threadsafe(stop.set)
+        self._thread.join(timeout=self.lease_timeout)
+        self.on_event(Closed(self.learner_id, self.rounds_seen, self.local_step))
+
+    # -- training thread ----------------------------------------------------------------
+
+    def _require_started(self) -> ls.LearnerState:
+        if self._state is None:
+            raise ConfigError("call Learner.start() before step()")
+        if self._closed:
+            raise ConfigError(f"learner {self.learner_id!r} is closed")
+        return self._state
+
+    def _state_now(self) -> ls.LearnerState:
+        assert self._state is not None
+        return self._state
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise GradientmailError(
+                f"the communication thread of learner {self.learner_id!r} died: {self._dead!r}"
+            ) from self._dead
+
+    def _apply_arrived(self) -> None:
+        while True:
+            try:
+                commit = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._apply(commit)
+
+    def _apply(self, commit: _Commit) -> None:
+        state = self._state_now()
+        rec = commit.record
+        if rec.round <= state.rounds_seen:
+            return
+        took_part = any(p.learner == self.learner_id for p in rec.participants)
+        own = next((p for p in state.publishes if p.round == rec.round), None)
+        staleness = (
+            state.local_step - own.at
+            if own is not None and took_part
+            else state.fragments[rec.fragment].steps
+        )
+        mixing = self.algorithm.mixing
+        self.adapter.apply(commit.loaded, mixing)
+        self._anchors[rec.fragment] = commit.loaded
+        self._state = ls.applied(state, rec.round, rec.fragment, rec.version, took_part, mixing)
+        self.on_event(
+            FragmentAligned(
+                self.learner_id, rec.round, rec.fragment, rec.version, staleness, commit.nbytes
+            )
+        )
+
+    def _maybe_publish(self, final: bool = False) -> None:
+        state = self._state_now()
+        sch = self._schedule
+        assert sch is not None
+        candidate = ls.candidate_round(state)
+        seen_round, others = self._others
+        others = others if seen_round == candidate else 0
+        quorum = effective_quorum(self.algorithm.quorum_size, len(self._live))
+        r = ls.due_round(state, sch, others, quorum)
+        if r is None:
+            return
+        self._hand_over(r, final=final)
+
+    def _hand_over(self, r: int, final: bool) -> None:
+        state = self._state_now()
+        sch = self._schedule
+        assert sch is not None and self._loop is not None and self._jobs is not None
+        p = sch.fragment_of(r)
+        counters = state.fragments[p]
+        job = _Job(
+            round=r,
+            fragment=p,
+            base_version=counters.version,
+            local_step=state.local_step,
+            steps=counters.steps,
+            tokens=counters.tokens,
+            final=final,
+            snapshot=self.adapter.snapshot(self._plan[p]),
+            anchor=self._anchors[p],
+        )
+        self._state = ls.published(state, r, sch)
+        self._busy += 1
+        self._loop.call_soon_threadsafe(self._jobs.put_nowait, job)
+
+    def _wait_while_overdue(self) -> None:
+        overlap = self.algorithm.overlap_steps
+        while ls.overdue(self._state_now(), overlap):
+            self._check_alive()
+            try:
+                commit = self._inbox.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            self._apply(commit)
+
+    def _pending_rounds(self) -> tuple[int, ...]:
+        state = self._state_now()
+        return tuple(p.round for p in state.publishes if p.round > state.rounds_seen)
+
+    def _wait_for_pending(self) -> None:
+        # The commits of our rounds in flight: a closer may still be merging them. Past
+        # the lease timeout plus a takeover, nobody is going to.
+        limit = self.lease_timeout + 10 * self.poll_interval
+        t0 = time.monotonic()
+        while self._pending_rounds() and self._dead is None:
+            if time.monotonic() - t0 > limit:
+                self.on_event(GaveUp(self.learner_id, self._pending_rounds(), limit))
+                return
+            try:
+                commit = self._inbox.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            self._apply(commit)
+
+    def _flush(self) -> None:
+        """Publish what was trained since the last alignment as final snapshots, for the
+        rounds this learner may still publish (within τ of the newest commit)."""
+        sch = self._schedule
+        assert sch is not None
+        while True:
+            r = ls.publishable(self._state_now(), sch)
+            if r is None:
+                break
+            self._hand_over(r, final=True)
+        t0 = time.monotonic()
+        while self._busy and self._dead is None and time.monotonic() - t0 < self.lease_timeout:
+            time.sleep(0.02)
+
+    # -- communication thread -----------------------------------------------------------
+
+    def _thread_main(self, joined: concurrent.futures.Future[JoinResult]) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        self._jobs = asyncio.Queue()
+        self._stop = asyncio.Event()
+        try:
+            loop.run_until_complete(self._main(joined))
+        except BaseException as exc:
+            self._dead = exc
+            if not joined.done():
+                joined.set_exception(exc)
+        finally:
+            try:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            finally:
+                loop.close()
+
+    async def _main(self, joined: concurrent.futures.Future[JoinResult]) -> None:
+        ex = self._exchange
+        assert ex is not None
+        try:
+            result = await join_run(
+                ex,
+                self.adapter,
+                self.algorithm,
+                self.learner_id,
+                poll_interval=self.poll_interval,
+                on_event=self.on_event,
+            )
+        except BaseException as exc:
+            joined.set_exception(exc)
+            self._dead = exc
+            return
+        joined.set_result(result)
+        assert self._stop is not None
+        await self._stop.wait()
+        await self._shutdown()
+
+    def _begin_loops(self, result: JoinResult) -> None:
+        loop = self._loop
+        assert loop is not None
+        self._tasks = [
+            loop.create_task(self._receive_loop(result)),
+            loop.create_task(self._publish_loop()),
+        ]
+        for task in self._tasks:
+            task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and self._dead is None:
+            self._dead = exc
+
+    async def _shutdown(self) -> None:
+        for task in getattr(self, "_tasks", []):
+            task.cancel()
+        for task in getattr(self, "_tasks", []):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self._release()
+        ex = self._exchange
+        if ex is not None:
+            await ex.mailbox.close()
+
+    async def _release(self) -> None:
+        from gradientmail.events import LeaseReleased, ReleaseFailed
+
+        ex = self._exchange
+        assert ex is not None
+        try:
+            await ex.release(self.learner_id)
+        except Exception as exc:
+            self.on_event(ReleaseFailed(self.learner_id, repr(exc)))
+            return
+        self.on_event(LeaseReleased(self.learner_id))
+
+    async def _receive_loop(self, joined: JoinResult) -> None:
+        ex = self._exchange
+        assert ex is not None
+        tracker = LeaseTracker(self.lease_timeout)
+        syncer = None
+        if self.sync:
+            from gradientmail.syncer import Syncer
+
+            syncer = Syncer(
+                ex.mailbox,
+                closer_id=self.learner_id,
+                backend=self.backend,
+                clock=self.clock,
+                poll_interval=self.poll_interval,
+                lease_timeout=self.lease_timeout,
+                on_event=self.on_event,
+                prefix=self.prefix,
+                exchange=ex,
+            )
+
+        async def refresh() -> frozenset[str]:
+            self._live = await ex.observe_leases(tracker)
+            return self._live
+
+        next_beat = self.clock.now() + self.lease_every  # join_run beat already
+        next_leases = -math.inf
+        cursor = joined.rounds_seen
+        while True:
+            now = self.clock.now()
+            try:
+                if now >= next_beat:
+                    await ex.beat(self.learner_id)
+                    next_beat = now + self.lease_every
+                if now >= next_leases:
+                    self._live = await ex.observe_leases(tracker)
+                    # Leases change once per lease period; listing them every poll would
+                    # cost a LIST per poll per learner for nothing.
+                    next_leases = now + min(self.lease_every / 2, self.lease_timeout / 4)
+                cursor = await self._receive_commits(cursor)
+                await self._watch_next_round()
+                if syncer is not None:
+                    await syncer.poll(live=self._live, refresh_live=refresh)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.on_event(PollFailed(self.learner_id, repr(exc)))
+            await self.clock.sleep(self.poll_interval)
+
+    async def _receive_commits(self, cursor: int) -> int:
+        ex = self._exchange
+        assert ex is not None
+        records = await ex.rounds_after(cursor)
+        if not records:
+            return cursor
+        batch = []
+        for rec in records:
+            self.on_event(
+                RoundRecorded(
+                    rec.round,
+                    rec.fragment,
+                    rec.version,
+                    tuple(p.learner for p in rec.participants),
+                    rec.mean_cosine,
+                    rec.closer,
+                )
+            )
+            theta = await ex.fetch_tensors(rec.theta)
+            if theta is None:
+                # Swept under us: a newer commit of this fragment exists; start over from
+                # the newest record at the next poll.
+                newest = await ex.newest_round(cursor)
+                return await self._skip_to(newest, cursor)
+            names = self._plan[rec.fragment]
+            loaded = await asyncio.to_thread(self.adapter.load, {n: theta[n] for n in names})
+            batch.append(_Commit(rec, loaded, rec.theta.size))
+        # A batch is queued only once every payload in it is in hand.
+        for commit in batch:
+            self._inbox.put(commit)
+        self._newest_seen = records[-1].round
+        return records[-1].round
+
+    async def _skip_to(self, newest: int, cursor: int) -> int:
+        ex = self._exchange
+        assert ex is not None
+        latest = await ex.latest_commit_per_fragment(len(self._plan), newest)
+        batch = []
+        for rec in sorted(latest.values(), key=lambda r: r.round):
+            if rec.round <= cursor:
+                continue
+            theta = await ex.fetch_tensors(rec.theta)
+            if theta is None:
+                return cursor
+            names = self._plan[rec.fragment]
+            loaded = await asyncio.to_thread(self.adapter.load, {n: theta[n] for n in names})
+            batch.append(_Commit(rec, loaded, rec.theta.size))
+        for commit in batch:
+            self._inbox.put(commit)
+        return newest
+
+    async def _watch_next_round(self) -> None:
+        ex = self._exchange
+        state = self._state
+        if ex is None or state is None:
+            return
+        candidate = ls.candidate_round(state)
+        if ls.publishable(state, self._schedule_now()) is None:
+            return
+        who = await ex.publishers(candidate)
+        self._others = (candidate, len(who - {self.learner_id}))
+
+    def _schedule_now(self) -> RoundSchedule:
+        assert self._schedule is not None
+        return self._schedule
+
+    async def _publish_loop(self) -> None:
+        assert self._jobs is not None
+        while True:
+            job = await self._jobs.get()
+            if job is None:
+                return
+            try:
+                await self._publish(job)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.on_event(PublishFailed(self.learner_id, job.round, repr(exc)))
+            finally:
+                self._busy -= 1
+
+    async def _publish(self, job: _Job) -> None:
+        ex = self._exchange
+        assert ex is not None
+        if job.round <= self._newest_seen and not job.final:
+            self.on_event(PublishCancelled(self.learner_id, job.round, "round already closed"))
+            return
+        t0 = self.clock.now()
+        fmt = self.algorithm.delta_dtype
+        tensors = await asyncio.to_thread(self._encode_delta, job, fmt)
+        record = await ex.publish(
+            job.round,
+            self.learner_id,
+            tensors,
+            fragment=job.fragment,
+            base_version=job.base_version,
+            local_step=job.local_step,
+            steps=job.steps,
+            tokens=job.tokens,
+            final=job.final,
+            schema_digest=self.adapter.schema.digest(),
+            delta_format=fmt or "F32",
+        )
+        self.on_event(
+            SnapshotPublished(
+                self.learner_id,
+                job.round,
+                job.fragment,
+                job.steps,
+                job.tokens,
+                record.payload.size,
+                self.clock.now() - t0,
+            )
+        )
+
+    def _encode_delta(self, job: _Job, fmt: str | None) -> dict[str, TensorBytes]:
+        delta = self.adapter.delta(job.anchor, job.snapshot)
+        if fmt is None or fmt == "F32":
+            return delta
+        out: dict[str, TensorBytes] = {}
+        for name, tensor in delta.items():
+            out.update(quantize(name, tensor, fmt))
+        return out

@@ -1,0 +1,433 @@
+"""The syncer: closes rounds, strictly in order, by whoever wins the claim.
+
+Closing a round is a role, not a server. Every learner runs one on its communication
+thread by default, and `gradientmail sync URL` runs one alone on any CPU machine; several
+at once are safe because a round's closer is elected with create-if-absent claims and its
+record is itself created only if absent. The decisions (quorum, grace window, takeover)
+are the pure functions of `syncer_state`; this module carries them out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from gradientmail.algorithms.base import Algorithm, Contribution, FragmentState, algorithm_from_json
+from gradientmail.algorithms.schedule import Estimates, RoundSchedule
+from gradientmail.backends.base import Backend
+from gradientmail.clock import Clock, MonotonicClock
+from gradientmail.errors import GradientmailError
+from gradientmail.events import (
+    ClaimSuperseded,
+    CommitLost,
+    ContributionDropped,
+    EventSink,
+    RoundClaimed,
+    RoundClosed,
+    Swept,
+    log_events,
+)
+from gradientmail.lease import LeaseTracker
+from gradientmail.mailbox.base import Mailbox
+from gradientmail.mailbox.url import open_mailbox
+from gradientmail.protocol import Exchange
+from gradientmail.quantization import dequantize
+from gradientmail.records import Dropped, Manifest, RoundRecord, SnapshotRecord, UpdateRef
+from gradientmail.serialization import Schema, TensorBytes
+from gradientmail.syncer_state import (
+    RoundWatch,
+    close_time,
+    effective_quorum,
+    next_claim_attempt,
+    updated_estimates,
+)
+
+__all__ = ["Syncer", "theta_digest"]
+
+
+def theta_digest(theta: Mapping[str, TensorBytes], names: Sequence[str]) -> str:
+    """SHA-256 over the fragment's tensors in plan order: dtype, shape and bytes of each.
+
+    A learner that rebuilds theta from a commit's update checks its work against this.
+    """
+    h = hashlib.sha256()
+    for n in names:
+        t = theta[n]
+        h.update(f"{n}\0{t.dtype}\0{list(t.shape)}\0".encode())
+        h.update(t.data)
+    return h.hexdigest()
+
+
+@dataclasses.dataclass
+class _Open:
+    """What this syncer has seen of the open round (observer-clock times)."""
+
+    round: int
+    first_seen: dict[str, float] = dataclasses.field(default_factory=dict)
+    claims: dict[int, float] = dataclasses.field(default_factory=dict)
+
+
+class Syncer:
+    """Closes the rounds of the run in `mailbox`. `poll()` does one pass; `run()` loops.
+
+    Construction does no I/O; the manifest is read on the first poll.
+    """
+
+    def __init__(
+        self,
+        mailbox: Mailbox | str,
+        *,
+        closer_id: str = "syncer",
+        backend: Backend | None = None,
+        clock: Clock | None = None,
+        poll_interval: float = 1.0,
+        lease_timeout: float = 120.0,
+        keep_versions: int = 2,
+        sweep: bool = True,
+        on_event: EventSink = log_events,
+        prefix: str = "",
+        exchange: Exchange | None = None,
+    ) -> None:
+        from gradientmail.records import check_learner_id
+
+        self.closer_id = check_learner_id(closer_id)
+        self.clock: Clock = clock if clock is not None else MonotonicClock()
+        if exchange is None:
+            exchange = Exchange(open_mailbox(mailbox), clock=self.clock, prefix=prefix)
+        self.exchange = exchange
+        self.backend = backend
+        self.poll_interval = float(poll_interval)
+        self.keep_versions = keep_versions
+        self.sweep_after_commit = sweep
+        self.on_event = on_event
+        self._tracker = LeaseTracker(lease_timeout)
+        self._manifest: Manifest | None = None
+        self._algorithm: Algorithm | None = None
+        self._schedule: RoundSchedule | None = None
+        self._cursor = -1
+        self._last: RoundRecord | None = None
+        self._latest: dict[int, RoundRecord] = {}
+        self._states: dict[int, FragmentState] = {}
+        self._open = _Open(0)
+        self.rounds_closed = 0
+
+    # -- loop ---------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Poll until `stop` is set (or forever); a failed poll is logged and retried."""
+        from gradientmail.events import PollFailed
+
+        while stop is None or not stop.is_set():
+            try:
+                await self.poll()
+            except asyncio.CancelledError:
+                raise
+            except GradientmailError as exc:
+                self.on_event(PollFailed(self.closer_id, repr(exc)))
+            except OSError as exc:
+                self.on_event(PollFailed(self.closer_id, repr(exc)))
+            await self.clock.sleep(self.poll_interval)
+
+    async def poll(
+        self,
+        live: frozenset[str] | None = None,
+        refresh_live: Callable[[], Awaitable[frozenset[str]]] | None = None,
+    ) -> bool:
+        """One pass: catch up with the records, watch the open round, close it if due.
+
+        `live` is the set of live learners when the caller tracks leases itself, and
+        `refresh_live` lists them anew. Returns True when this call committed a round.
+        """
+        ex = self.exchange
+        if self._manifest is None and not await self._load_manifest():
+            return False
+        await self._catch_up()
+        if refresh_live is None:
+            refresh_live = self._observe_leases
+        if live is None:
+            live = await refresh_live()
+        r = self._cursor + 1
+        now = self.clock.now()
+        for learner in await ex.publishers(r):
+            self._open.first_seen.setdefault(learner, now)
+        alg, sch = self._alg(), self._sch()
+        grace = alg.grace_window(self._estimates(), sch, r)
+        watch = RoundWatch(r, dict(self._open.first_seen))
+        due = close_time(watch, live, alg.quorum_size, grace)
+        if due is not None and len(watch.first_seen) < alg.quorum_size:
+            # About to close short of the configured quorum because few learners look
+            # live: a learner that joined since the last lease listing must not be left
+            # out of a standard DiLoCo round, so look at the leases again first.
+            live = await refresh_live()
+            due = close_time(watch, live, alg.quorum_size, grace)
+        if due is None or now < due:
+            return False
+        for seen in await ex.round_claims(r):
+            self._open.claims.setdefault(seen, now)
+        timeout = self._estimates().takeover_timeout(self.poll_interval)
+        attempt = next_claim_attempt(self._open.claims, now, timeout)
+        if attempt is None:
+            return False
+        if attempt > 0:
+            waited = now - self._open.claims[attempt - 1]
+            self.on_event(ClaimSuperseded(self.closer_id, r, attempt, waited))
+        won = await ex.claim_round(r, attempt, self.closer_id)
+        self._open.claims.setdefault(attempt, now)
+        if not won:
+            return False
+        t_quorum = watch.quorum_time(effective_quorum(alg.quorum_size, len(live)))
+        return await self._close(r, attempt, watch.first_time(), t_quorum)
+
+    async def _observe_leases(self) -> frozenset[str]:
+        return await self.exchange.observe_leases(self._tracker)
+
+    # -- state --------------------------------------------------------------------------
+
+    def _alg(self) -> Algorithm:
+        assert self._algorithm is not None
+        return self._algorithm
+
+    def _sch(self) -> RoundSchedule:
+        assert self._schedule is not None
+        return self._schedule
+
+    def _estimates(self) -> Estimates:
+        return self._last.estimates if self._last is not None else Estimates()
+
+    async def _load_manifest(self) -> bool:
+        manifest = await self.exchange.read_manifest()
+        if manifest is None:
+            return False
+        self._manifest = manifest
+        self._algorithm = algorithm_from_json(dict(manifest.algorithm))
+        self._schedule = self._algorithm.schedule_for(len(manifest.plan))
+        newest = await self.exchange.newest_round()
+        self._latest = await self.exchange.latest_commit_per_fragment(len(manifest.plan), newest)
+        self._cursor = newest
+        self._last = max(self._latest.values(), key=lambda rec: rec.round, default=None)
+        self._open = _Open(newest + 1)
+        return True
+
+    async def _catch_up(self) -> None:
+        for rec in await self.exchange.rounds_after(self._cursor):
+            self._accept(rec)
+
+    def _accept(self, rec: RoundRecord) -> None:
+        self._cursor = rec.round
+        self._last = rec
+        self._latest[rec.fragment] = rec
+        cached = self._states.get(rec.fragment)
+        if cached is not None and cached.version != rec.version:
+            del self._states[rec.fragment]
+        self._open = _Open(rec.round + 1)
+
+    async def _fragment_state(self, fragment: int) -> FragmentState:
+        cached = self._states.get(fragment)
+        rec = self._latest.get(fragment)
+        if cached is not None and cached.version == (rec.version if rec else 0):
+            return cached
+        ex, manifest = self.exchange, self._manifest
+        assert manifest is not None
+        names = manifest.plan[fragment]
+        if rec is None:
+            theta = await ex.fetch_tensors(manifest.init[fragment])
+            if theta is None:
+                raise GradientmailError(f"the init payload {manifest.init[fragment].key!r} is gone")
+            state = self._alg().initial_state(fragment, {n: theta[n] for n in names})
+        else:
+            theta = await ex.fetch_tensors(rec.theta)
+            outer = await ex.fetch_tensors(rec.outer)
+            if theta is None or outer is None:
+                raise GradientmailError(
+                    f"the payloads of round {rec.round}'s commit were swept; a newer commit "
+                    "of the fragment exists and the next poll starts from it"
+                )
+            state = FragmentState.from_payloads(
+                fragment, rec.version, {n: theta[n] for n in names}, outer, key=rec.outer.key
+            )
+        self._states[fragment] = state
+        return state
+
+    # -- closing ------------------------------------------------------------------------
+
+    async def _close(
+        self, r: int, attempt: int, t_first: float | None, t_quorum: float | None
+    ) -> bool:
+        ex, manifest = self.exchange, self._manifest
+        assert manifest is not None
+        t_claim = self.clock.now()
+        schema = manifest.schema
+        fragment = self._sch().fragment_of(r)
+        names = manifest.plan[fragment]
+        state = await self._fragment_state(fragment)
+        found = await ex.contributions(r)
+        self.on_event(RoundClaimed(self.closer_id, r, attempt, len(found.records)))
+        dropped: list[Dropped] = []
+        for bad in found.rejected:
+            self._drop(r, bad.learner or "?", bad.key, bad.reason, dropped)
+        contributions: list[Contribution] = []
+        for snap in sorted(found.records, key=lambda s: s.learner):
+            contribution = await self._screen(r, fragment, state, schema, names, snap, dropped)
+            if contribution is not None:
+                contributions.append(contribution)
+        if contributions:
+            aggregator = self._alg().aggregator(self.backend)
+            result = await asyncio.to_thread(aggregator.close_round, state, contributions, schema)
+            new_state, update = result.state, result.update
+            participants, cosine, all_final = (
+                result.participants,
+                result.mean_cosine,
+                result.all_final,
+            )
+        else:
+            # Every contribution was dropped. The round still gets a record (the fragment
+            # unchanged, one version on), or its learners, who contribute once per round,
+            # would wait for it forever.
+            new_state = dataclasses.replace(state, version=state.version + 1)
+            update, participants, cosine, all_final = None, (), None, False
+        theta_ref = await ex.put_theta(
+            fragment, new_state.version, new_state.theta, attempt=attempt
+        )
+        outer_ref = await ex.put_outer(
+            fragment, new_state.version, new_state.outer(), attempt=attempt
+        )
+        update_ref = None
+        fmt = self._alg().commit_dtype
+        if update is not None and fmt is not None:
+            ref = await ex.put_update(fragment, new_state.version, update, attempt=attempt)
+            update_ref = UpdateRef(ref, fmt, theta_digest(new_state.theta, names))
+        now = self.clock.now()
+        estimates = updated_estimates(
+            self._estimates(),
+            [],
+            None if t_first is None or t_quorum is None else t_quorum - t_first,
+            now - (t_claim if t_quorum is None else t_quorum),
+        )
+        record = RoundRecord(
+            round=r,
+            fragment=fragment,
+            version=new_state.version,
+            theta=theta_ref,
+            outer=outer_ref,
+            update=update_ref,
+            participants=tuple(participants),
+            estimates=estimates,
+            mean_cosine=cosine,
+            dropped=tuple(dropped),
+            closer=self.closer_id,
+            all_final=all_final,
+        )
+        if not await ex.commit(record):
+            self.on_event(CommitLost(self.closer_id, r))
+            return False
+        self._states[fragment] = new_state
+        self._accept(record)
+        self.rounds_closed += 1
+        self.on_event(
+            RoundClosed(
+                self.closer_id,
+                r,
+                fragment,
+                new_state.version,
+                tuple(p.learner for p in participants),
+                sum(p.tokens for p in participants),
+                cosine,
+                now - t_claim,
+                theta_ref.size + outer_ref.size,
+            )
+        )
+        if self.sweep_after_commit:
+            doomed = await ex.sweep(self.keep_versions, latest=self._latest)
+            if doomed:
+                self.on_event(Swept(len(doomed), 0))
+        return True
+
+    def _drop(self, r: int, learner: str, key: str, reason: str, out: list[Dropped]) -> None:
+        self.on_event(ContributionDropped(r, learner, key, reason))
+        if learner != "?" and all(d.learner != learner for d in out):
+            out.append(Dropped(learner, reason[:500]))
+
+    async def _screen(
+        self,
+        r: int,
+        fragment: int,
+        state: FragmentState,
+        schema: Schema,
+        names: Sequence[str],
+        snap: SnapshotRecord,
+        dropped: list[Dropped],
+    ) -> Contribution | None:
+        """The contribution of `snap`, or None (dropped, with an event and a record entry)."""
+        key = snap.payload.key
+        if snap.fragment != fragment:
+            self._drop(
+                r,
+                snap.learner,
+                key,
+                f"fragment {snap.fragment}, the round trains fragment {fragment}",
+                dropped,
+            )
+            return None
+        if snap.schema_digest != schema.digest():
+            self._drop(
+                r,
+                snap.learner,
+                key,
+                "another schema digest "
+                f"{snap.schema_digest[:12]}, the run's is {schema.digest()[:12]}",
+                dropped,
+            )
+            return None
+        if snap.base_version != state.version:
+            self._drop(
+                r,
+                snap.learner,
+                key,
+                f"stale: base version {snap.base_version}, the "
+                f"fragment is at version {state.version}",
+                dropped,
+            )
+            return None
+        if snap.steps < 1:
+            self._drop(r, snap.learner, key, "no steps trained", dropped)
+            return None
+        try:
+            entries = await self.exchange.fetch_delta(snap, schema, names)
+        except GradientmailError as exc:
+            self._drop(r, snap.learner, key, f"unreadable: {exc}", dropped)
+            return None
+        if entries is None:
+            self._drop(r, snap.learner, key, "payload swept", dropped)
+            return None
+        try:
+            delta = _dequantized(entries, names, snap.delta_format)
+        except GradientmailError as exc:
+            self._drop(r, snap.learner, key, f"unreadable: {exc}", dropped)
+            return None
+        bad = [n for n in names if not _finite(delta[n])]
+        if bad:
+            self._drop(r, snap.learner, key, f"non-finite values in {bad}", dropped)
+            return None
+        return Contribution(
+            snap.learner, snap.local_step, snap.steps, snap.tokens, snap.final, delta
+        )
+
+
+def _dequantized(
+    entries: Mapping[str, TensorBytes], names: Sequence[str], fmt: str | None
+) -> dict[str, TensorBytes]:
+    if fmt is None or (
+        fmt in ("F32", "F16", "BF16") and all(entries[n].dtype == fmt for n in names)
+    ):
+        return {n: entries[n] for n in names}
+    return {n: dequantize(entries, n, fmt) for n in names}
+
+
+def _finite(t: TensorBytes) -> bool:
+    arr: Any = t.to_numpy()
+    return bool(np.isfinite(arr.astype(np.float32)).all()) if arr.size else True
