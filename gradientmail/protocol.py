@@ -47,10 +47,10 @@ from gradientmail.records import (
     Dropped,
     Manifest,
     PayloadRef,
+    Record,
     RoundClaim,
     RoundRecord,
     SnapshotRecord,
-    _Record,
     check_learner_id,
 )
 from gradientmail.serialization import Schema, TensorBytes, validate
@@ -77,7 +77,7 @@ _ROUND_AREAS = ("payloads/", "snapshots/", "claims/round/")
 _NUMBERED = re.compile(r"(\d{10})")
 _ATTEMPT = re.compile(r"\d{6}")
 _ARTIFACT = re.compile(r"(theta|outer|updates)/(\d+)/(\d{10})-(\d{6})(\..+)")
-_R = TypeVar("_R", bound=_Record)
+_R = TypeVar("_R", bound=Record)
 
 
 def _check_number(what: str, value: int, limit: int) -> int:
@@ -267,7 +267,7 @@ class Exchange:
     async def _list(self, prefix: str) -> list[str]:
         return [k[len(self.prefix):] for k in await self.mailbox.list(self.prefix + prefix)]
 
-    async def _write_record(self, key: str, record: _Record) -> bool:
+    async def _write_record(self, key: str, record: Record) -> bool:
         """Every record is created once (create-if-absent): records never change."""
         return await self.mailbox.create(self.prefix + key, self.seal.seal(key, record.encode()))
 

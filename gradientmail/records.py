@@ -37,6 +37,7 @@ __all__ = [
     "Manifest",
     "Participant",
     "PayloadRef",
+    "Record",
     "RoundClaim",
     "RoundRecord",
     "SnapshotRecord",
@@ -235,7 +236,7 @@ def _check_text(what: str, value: str) -> None:
         raise LocalProtocolError(f"{what}={value!r:.100} must be a string of at most {_MAX_TEXT}")
 
 
-class _Record:
+class Record:
     """A top-level record: `encode()` to canonical bytes, `decode(data, key)` strictly."""
 
     MAX_BYTES: ClassVar[int] = MAX_RECORD_BYTES
@@ -289,7 +290,7 @@ class PayloadRef:
 
 
 @dataclasses.dataclass(frozen=True)
-class CreationClaim(_Record):
+class CreationClaim(Record):
     """`claims/create/<attempt>`: `learner` bids to create the run (attempt 0 first)."""
 
     attempt: int
@@ -309,7 +310,7 @@ class CreationClaim(_Record):
 
 
 @dataclasses.dataclass(frozen=True)
-class RoundClaim(_Record):
+class RoundClaim(Record):
     """`claims/round/<round>/<attempt>`: `closer` bids to close `round`."""
 
     round: int
@@ -333,7 +334,7 @@ class RoundClaim(_Record):
 
 
 @dataclasses.dataclass(frozen=True)
-class Manifest(_Record):
+class Manifest(Record):
     """`manifest.json`: what the run is. Written once (create-if-absent) by its creator.
 
     `plan[p]` names the tensors of fragment p and `init[p]` references its Θ⁰; `algorithm`
@@ -417,7 +418,7 @@ class Manifest(_Record):
 
 
 @dataclasses.dataclass(frozen=True)
-class SnapshotRecord(_Record):
+class SnapshotRecord(Record):
     """`snapshots/<round>/<learner>.json`: one learner's contribution to one round.
 
     `base_version` is the fragment version the delta was taken against, `local_step` the
@@ -560,7 +561,7 @@ class UpdateRef:
 
 
 @dataclasses.dataclass(frozen=True)
-class RoundRecord(_Record):
+class RoundRecord(Record):
     """`rounds/<round>.json`, the commit: the single source of truth about a round.
 
     Fragment `fragment` moved to `version` (init is version 0); `theta` holds its new
