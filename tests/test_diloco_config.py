@@ -1,0 +1,335 @@
+"""DiLoCo's configuration, its JSON, the partition plan and the grace window."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradientmail.algorithms import Algorithm, Estimates, RoundSchedule, algorithm_from_json
+from gradientmail.algorithms.diloco import (
+    ByBytes,
+    DiLoCo,
+    Rda,
+    Strided,
+    WeightedMean,
+    grace_window,
+    plan,
+)
+from gradientmail.errors import ConfigError, RemoteProtocolError
+from gradientmail.serialization import ParameterSpec, Schema
+
+# -- validation ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(in_flight=3, fragments=2), "in_flight=3 exceeds fragments=2; "
+         "need 1 <= in_flight <= fragments <= sync_every"),
+        (dict(fragments=1), "in_flight=2 exceeds fragments=1; need 1 <= in_flight <= "
+         "fragments <= sync_every (standard DiLoCo: fragments=1, in_flight=1)"),
+        (dict(fragments=11, in_flight=1), "fragments=11 exceeds sync_every=10; "
+         "need 1 <= in_flight <= fragments <= sync_every"),
+        (dict(in_flight=0), "in_flight=0 is below 1; need in_flight >= 1"),
+        (dict(sync_every=0, fragments=1, in_flight=1), "sync_every=0 is below 1; "
+         "need sync_every >= 1"),
+        (dict(sync_every=10.0), "sync_every=10.0 must be an int"),
+        (dict(fragments=True), "fragments=True must be an int"),
+        (dict(overlap_steps=-1), "overlap_steps=-1 is below 0; need overlap_steps >= 0"),
+        (dict(mixing=1.0), "mixing=1.0 is out of range; need 0 <= mixing < 1"),
+        (dict(mixing=-0.1), "mixing=-0.1 is out of range; need 0 <= mixing < 1"),
+        (dict(mixing="0.5"), "mixing='0.5' must be a finite number"),
+        (dict(quorum_size=0), "quorum_size=0 is below 1; need quorum_size >= 1"),
+        (dict(outer_lr=0.0), "outer_lr=0.0 must be > 0"),
+        (dict(outer_lr=float("nan")), "outer_lr=nan must be a finite number"),
+        (dict(outer_momentum=1.0), "outer_momentum=1.0 is out of range; "
+         "need 0 <= outer_momentum < 1"),
+        (dict(global_batch_size=0), "global_batch_size=0 is below 1; "
+         "need global_batch_size >= 1"),
+        (dict(delta_dtype="F16"), "delta_dtype='F16' is not a transfer format; use None, "
+         "'BF16', 'F8_E4M3', 'F4'"),
+        (dict(commit_dtype="int8"), "commit_dtype='int8' is not a transfer format"),
+        (dict(merge="rda"), "merge='rda' must be WeightedMean() or Rda(...)"),
+        (dict(partition=None), "partition=None must be ByBytes() or Strided(...)"),
+        (dict(flush_on_close=1), "flush_on_close=1 must be a bool"),
+    ],
+)
+def test_rejects_bad_values_naming_value_and_rule(kwargs: dict[str, Any], message: str) -> None:
+    base: dict[str, Any] = dict(sync_every=10, fragments=4)
+    base.update(kwargs)
+    with pytest.raises(ConfigError) as exc:
+        DiLoCo(**base)
+    assert message in str(exc.value)
+
+
+def test_strided_pattern_needs_one_capture_group() -> None:
+    with pytest.raises(ConfigError) as exc:
+        Strided(r"\.\d+\.")
+    assert str(exc.value) == (
+        r"block_pattern='\\.\\d+\\.' has 0 capture groups; it needs exactly one, around the "
+        r"block index, e.g. r'\.(\d+)\.'"
+    )
+    with pytest.raises(ConfigError, match="has 2 capture groups"):
+        Strided(r"(h)\.(\d+)")
+    with pytest.raises(ConfigError, match="is not a valid regular expression"):
+        Strided("(")
+
+
+def test_defaults_and_presets() -> None:
+    d = DiLoCo(sync_every=100, fragments=4)
+    assert (d.in_flight, d.overlap_steps, d.outer_lr, d.outer_momentum) == (2, None, 0.7, 0.9)
+    assert d.merge == Rda(direct_pattern="embed") and d.partition == ByBytes()
+    assert d.schedule == RoundSchedule(100, 4, in_flight=2, overlap_steps=None)
+    assert isinstance(d, Algorithm)
+    std = DiLoCo.standard(500, learners=8)
+    assert (std.fragments, std.in_flight, std.overlap_steps, std.quorum_size) == (1, 1, 0, 8)
+    assert std.merge == WeightedMean()
+    sgd = DiLoCo.local_sgd(50, quorum_size=2)
+    assert (sgd.outer_lr, sgd.outer_momentum, sgd.merge, sgd.quorum_size) == (
+        1.0, 0.0, WeightedMean(), 2
+    )
+    with pytest.raises(dataclasses_frozen()):
+        d.fragments = 2  # type: ignore[misc]
+
+
+def dataclasses_frozen() -> type[Exception]:
+    import dataclasses
+
+    return dataclasses.FrozenInstanceError
+
+
+def test_schedule_for_a_shorter_plan() -> None:
+    d = DiLoCo(sync_every=12, fragments=4, in_flight=3, overlap_steps=5)
+    assert d.schedule_for(2) == RoundSchedule(12, 2, in_flight=2, overlap_steps=5)
+    with pytest.raises(ConfigError, match="a plan of 5 fragments exceeds fragments=4"):
+        d.schedule_for(5)
+
+
+# -- JSON ------------------------------------------------------------------------------
+
+GOLDEN = {
+    "type": "diloco", "version": 1, "sync_every": 100, "fragments": 4, "in_flight": 2,
+    "overlap_steps": None, "mixing": 0.0, "quorum_size": 1, "outer_lr": 0.7,
+    "outer_momentum": 0.9, "merge": {"type": "rda", "direct_pattern": "embed"},
+    "partition": {"type": "by_bytes"}, "global_batch_size": None, "delta_dtype": None,
+    "commit_dtype": None, "flush_on_close": False,
+}
+
+
+def test_json_is_pinned() -> None:
+    assert DiLoCo(sync_every=100, fragments=4).to_json() == GOLDEN
+    assert json.dumps(GOLDEN)  # JSON-able as is
+
+
+def test_mixing_zero_int_and_float_give_one_record() -> None:
+    a, b = DiLoCo(10, 2, mixing=0), DiLoCo(10, 2, mixing=0.0)
+    assert json.dumps(a.to_json()) == json.dumps(b.to_json())
+    assert isinstance(a.mixing, float)
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> DiLoCo:
+    h = draw(st.integers(1, 10_000))
+    p = draw(st.integers(1, min(h, 64)))
+    tau = draw(st.integers(1, p))
+    fmt = st.sampled_from([None, "BF16", "F8_E4M3", "F4"])
+    merge = draw(st.one_of(
+        st.just(WeightedMean()),
+        st.builds(Rda, st.one_of(st.none(), st.text(max_size=8))),
+    ))
+    partition = draw(st.one_of(
+        st.just(ByBytes()),
+        st.builds(Strided, st.sampled_from([r"\.(\d+)\.", r"layers_(\d+)", r"h(\d)"])),
+    ))
+    return DiLoCo(
+        sync_every=h, fragments=p, in_flight=tau,
+        overlap_steps=draw(st.one_of(st.none(), st.integers(0, 10**6))),
+        mixing=draw(st.floats(0, 1, exclude_max=True)),
+        quorum_size=draw(st.integers(1, 1000)),
+        outer_lr=draw(st.floats(1e-6, 10)),
+        outer_momentum=draw(st.floats(0, 1, exclude_max=True)),
+        merge=merge, partition=partition,
+        global_batch_size=draw(st.one_of(st.none(), st.integers(1, 10**6))),
+        delta_dtype=draw(fmt), commit_dtype=draw(fmt),
+        flush_on_close=draw(st.booleans()),
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(configs())
+def test_json_round_trip_is_exact(cfg: DiLoCo) -> None:
+    text = json.dumps(cfg.to_json(), sort_keys=True)
+    again = DiLoCo.from_json(json.loads(text))
+    assert again == cfg
+    assert json.dumps(again.to_json(), sort_keys=True) == text
+    assert algorithm_from_json(json.loads(text)) == cfg
+
+
+def _with(**changes: Any) -> dict[str, Any]:
+    obj = dict(GOLDEN)
+    obj.update(changes)
+    return obj
+
+
+@pytest.mark.parametrize(
+    ("obj", "message"),
+    [
+        ([], "algorithm record [] must be a JSON object"),
+        ({k: v for k, v in GOLDEN.items() if k != "mixing"},
+         "algorithm record: missing fields ['mixing'], unknown fields []"),
+        (_with(lr=1), "algorithm record: missing fields [], unknown fields ['lr']"),
+        (_with(type="adam"), "algorithm record: type='adam' is not 'diloco'"),
+        (_with(version=2), "algorithm record: version=2 is not 1; the run was created by "
+         "another gradientmail version"),
+        (_with(version=True), "algorithm record: version=True is not 1"),
+        (_with(sync_every="100"), "algorithm record: sync_every='100' is not an integer"),
+        (_with(fragments=4.0), "algorithm record: fragments=4.0 is not an integer"),
+        (_with(overlap_steps=1.5), "algorithm record: overlap_steps=1.5 is not an integer "
+         "or null"),
+        (_with(mixing=None), "algorithm record: mixing=None is not a number"),
+        (_with(outer_lr=True), "algorithm record: outer_lr=True is not a number"),
+        (_with(commit_dtype=4), "algorithm record: commit_dtype=4 is not a string or null"),
+        (_with(flush_on_close=0), "algorithm record: flush_on_close=0 is not a bool"),
+        (_with(in_flight=5), "algorithm record: in_flight=5 exceeds fragments=4; need 1 <= "
+         "in_flight <= fragments <= sync_every"),
+        (_with(commit_dtype="F16"), "algorithm record: commit_dtype='F16' is not a transfer"),
+        (_with(merge={"type": "mean"}), "merge.type='mean' is not a merge; use "
+         "'weighted_mean' or 'rda'"),
+        (_with(merge={"type": "rda"}), "merge: rda needs exactly 'type' and "
+         "'direct_pattern'; got ['type']"),
+        (_with(merge={"type": "rda", "direct_pattern": 3}),
+         "merge.direct_pattern=3 must be a string or null"),
+        (_with(merge={"type": "weighted_mean", "x": 1}),
+         "merge: weighted_mean takes no options; unexpected keys ['x']"),
+        (_with(partition="by_bytes"), "partition='by_bytes' must be an object with a "
+         "string 'type'"),
+        (_with(partition={"type": "strided", "block_pattern": "x"}),
+         "partition.block_pattern: block_pattern='x' has 0 capture groups"),
+        (_with(partition={"type": "by_bytes", "block_pattern": "x"}),
+         "partition: by_bytes takes no options; unexpected keys ['block_pattern']"),
+    ],
+)
+def test_from_json_rejects_other_shapes(obj: Any, message: str) -> None:
+    with pytest.raises(RemoteProtocolError) as exc:
+        DiLoCo.from_json(obj)
+    assert message in str(exc.value)
+
+
+def test_algorithm_from_json_rejects_unknown_types() -> None:
+    with pytest.raises(RemoteProtocolError, match="has type 'sgd'; known algorithms: 'diloco'"):
+        algorithm_from_json({"type": "sgd"})
+
+
+# -- plan ------------------------------------------------------------------------------
+
+
+def schema_of(sizes: dict[str, int], dtype: str = "F32") -> Schema:
+    return Schema(tuple(ParameterSpec(n, dtype, (k,)) for n, k in sizes.items()))
+
+
+def gpt_schema(blocks: int) -> Schema:
+    sizes = {"wte.weight": 5000, "wpe.weight": 700}
+    for b in range(blocks):
+        sizes |= {f"h.{b}.attn.weight": 300, f"h.{b}.mlp.weight": 600, f"h.{b}.ln.bias": 10}
+    sizes |= {"ln_f.bias": 10, "lm_head.bias": 50}
+    return schema_of(sizes)
+
+
+def test_by_bytes_packs_largest_first_into_the_lightest() -> None:
+    s = schema_of({"a": 10, "b": 7, "c": 7, "d": 5, "e": 1})
+    # a(40)->0; b(28)->1; c(28)->2; d(20)->1 (1 and 2 tie at 28: lowest); e(4)->2.
+    assert plan(s, 3, ByBytes()) == (("a",), ("b", "d"), ("c", "e"))
+    assert plan(s, 1, ByBytes()) == (("a", "b", "c", "d", "e"),)
+    assert plan(s, 9, ByBytes()) == (("a",), ("b",), ("c",), ("d",), ("e",))
+    assert plan(Schema(()), 3, ByBytes()) == ()
+
+
+def test_ties_are_broken_by_name_not_schema_order() -> None:
+    a = plan(schema_of({"y": 4, "x": 4, "z": 4}), 2, ByBytes())
+    # x, y, z by name: x -> 0, y -> 1, z -> 0 (a tie: lowest index); schema order inside.
+    assert a == (("x", "z"), ("y",))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.dictionaries(st.text("abcdefgh.", min_size=1, max_size=6), st.integers(0, 10**6),
+                    min_size=1, max_size=40),
+    st.integers(1, 12),
+)
+def test_by_bytes_is_a_balanced_deterministic_partition(sizes: dict[str, int], p: int) -> None:
+    s = schema_of(sizes)
+    out = plan(s, p, ByBytes())
+    reordered = plan(schema_of(dict(reversed(list(sizes.items())))), p, ByBytes())
+    assert [set(f) for f in out] == [set(f) for f in reordered]
+    flat = [n for frag in out for n in frag]
+    assert sorted(flat) == sorted(sizes) and len(out) <= min(p, len(sizes))
+    loads = [sum(s.nbytes(n) for n in frag) for frag in out]
+    if len(out) > 1:
+        assert max(loads) - min(loads) <= max(s.nbytes(n) for n in sizes)
+    order = {n: i for i, n in enumerate(s.names)}
+    assert all(list(f) == sorted(f, key=order.__getitem__) for f in out)
+
+
+def test_strided_deals_blocks_round_robin_and_packs_the_rest() -> None:
+    s = gpt_schema(blocks=6)
+    out = plan(s, 3, Strided())
+    blocks = [sorted({int(n.split(".")[1]) for n in f if n.startswith("h.")}) for f in out]
+    assert blocks == [[0, 3], [1, 4], [2, 5]]
+    # The rest, largest first onto the lightest: all three hold 2 × 910 × 4 bytes of
+    # blocks, so wte goes to 0, wpe to 1, lm_head to 2, ln_f to 2 (2 is then lightest).
+    rest = [[n for n in f if not n.startswith("h.")] for f in out]
+    assert rest == [["wte.weight"], ["wpe.weight"], ["ln_f.bias", "lm_head.bias"]]
+
+
+def test_strided_orders_blocks_by_index_not_by_name() -> None:
+    s = schema_of({f"layers.{b}.w": 4 for b in (10, 2, 1)})
+    assert plan(s, 2, Strided()) == (("layers.10.w", "layers.1.w"), ("layers.2.w",))
+
+
+def test_strided_with_more_fragments_than_blocks_packs_the_rest_into_empty_ones() -> None:
+    s = gpt_schema(blocks=2)
+    out = plan(s, 4, Strided())
+    assert len(out) == 4
+    assert out[2] == ("wte.weight",)
+    assert out[3] == ("wpe.weight", "ln_f.bias", "lm_head.bias")
+
+
+def test_strided_capture_must_be_digits() -> None:
+    s = schema_of({"h.x.w": 4})
+    with pytest.raises(ConfigError, match=r"captured 'x' in tensor 'h\.x\.w'"):
+        plan(s, 2, Strided(r"h\.(\w)\."))
+
+
+def test_plan_rejects_bad_arguments() -> None:
+    with pytest.raises(ConfigError, match="fragments=0 must be an int >= 1"):
+        plan(schema_of({"a": 1}), 0, ByBytes())
+
+
+def test_algorithm_plan_uses_its_partition() -> None:
+    s = gpt_schema(blocks=4)
+    d = DiLoCo(sync_every=20, fragments=2, partition=Strided())
+    assert d.plan(s) == plan(s, 2, Strided())
+
+
+# -- grace window ----------------------------------------------------------------------
+
+
+def test_grace_window() -> None:
+    s = RoundSchedule(sync_every=40, fragments=4, in_flight=2, overlap_steps=None)  # gap 10
+    est = Estimates(step=0.5, quorum=2.0, sync=1.0)
+    # ahead = 2·10 = 20 steps = 10 s; slack 10 − 3 = 7 s; half is 3.5 s; gap cap 5 s.
+    assert grace_window(est, s, 0) == 3.5
+    assert grace_window(Estimates(step=2.0, quorum=0.0, sync=0.0), s, 0) == 20.0
+    assert grace_window(Estimates(step=0.5, quorum=20.0, sync=1.0), s, 0) == 0.0
+    capped = RoundSchedule(sync_every=40, fragments=4, in_flight=2, overlap_steps=8)
+    assert grace_window(est, capped, 0) == 0.5  # ahead = 8 steps = 4 s; (4 − 3) / 2
+    barrier = RoundSchedule(sync_every=40, fragments=4, in_flight=2, overlap_steps=0)
+    assert grace_window(est, barrier, 0) == 0.0
+    for missing in (Estimates(), Estimates(step=1.0, quorum=1.0), Estimates(quorum=1, sync=1)):
+        assert grace_window(missing, s, 0) == 0.0
+    d = DiLoCo(sync_every=40, fragments=4)
+    assert d.grace_window(est, d.schedule, 0) == 3.5
