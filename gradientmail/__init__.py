@@ -1,7 +1,28 @@
-"""gradientmail: Decoupled + Streaming DiLoCo over a shared bucket."""
+"""gradientmail: Decoupled + Streaming DiLoCo over a shared bucket.
 
+Learners train their own copy of a model and mail the change they made to one fragment
+of it to an object store; whoever closes the round merges what arrived with DiLoCo's
+outer step and publishes the new fragment. The store's conditional writes are the only
+coordination.
+"""
+
+from gradientmail.algorithms.diloco import ByBytes, DiLoCo, Rda, Strided, WeightedMean
 from gradientmail.errors import GradientmailError
+from gradientmail.learner import Learner
+from gradientmail.mailbox import open_mailbox
+from gradientmail.syncer import Syncer
 
 __version__ = "0.1.0"
 
-__all__ = ["GradientmailError", "__version__"]
+__all__ = [
+    "ByBytes",
+    "DiLoCo",
+    "GradientmailError",
+    "Learner",
+    "Rda",
+    "Strided",
+    "Syncer",
+    "WeightedMean",
+    "__version__",
+    "open_mailbox",
+]

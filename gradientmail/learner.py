@@ -155,7 +155,10 @@ class Learner:
         self._others: tuple[int, int] = (-1, 0)  # (round, learners other than us in it)
         self._live: frozenset[str] = frozenset()
         self._newest_seen = -1
-        self._busy = 0  # publishes handed over and not yet finished
+        # Publishes handed over and finished: each counter has a single writer thread.
+        self._handed = 0
+        self._finished = 0
+        self._failed: queue.SimpleQueue[int] = queue.SimpleQueue()
 
     # -- public surface -----------------------------------------------------------------
 
@@ -230,6 +233,7 @@ class Learner:
         seconds = None if self._last_step_time is None else now - self._last_step_time
         self._last_step_time = now
         self._apply_arrived()
+        self._retract_failed()
         state = ls.advanced(self._state_now(), int(samples), seconds)
         self._state = state
         self._maybe_publish()
@@ -288,6 +292,14 @@ class Learner:
                 return
             self._apply(commit)
 
+    def _retract_failed(self) -> None:
+        while True:
+            try:
+                r = self._failed.get_nowait()
+            except queue.Empty:
+                return
+            self._state = ls.retracted(self._state_now(), r)
+
     def _apply(self, commit: _Commit) -> None:
         state = self._state_now()
         rec = commit.record
@@ -341,7 +353,7 @@ class Learner:
             anchor=self._anchors[p],
         )
         self._state = ls.published(state, r, sch)
-        self._busy += 1
+        self._handed += 1
         self._loop.call_soon_threadsafe(self._jobs.put_nowait, job)
 
     def _wait_while_overdue(self) -> None:
@@ -384,7 +396,11 @@ class Learner:
                 break
             self._hand_over(r, final=True)
         t0 = time.monotonic()
-        while self._busy and self._dead is None and time.monotonic() - t0 < self.lease_timeout:
+        while (
+            self._handed > self._finished
+            and self._dead is None
+            and time.monotonic() - t0 < self.lease_timeout
+        ):
             time.sleep(0.02)
 
     # -- communication thread -----------------------------------------------------------
@@ -594,8 +610,9 @@ class Learner:
                 raise
             except Exception as exc:
                 self.on_event(PublishFailed(self.learner_id, job.round, repr(exc)))
+                self._failed.put(job.round)
             finally:
-                self._busy -= 1
+                self._finished += 1
 
     async def _publish(self, job: _Job) -> None:
         ex = self._exchange

@@ -27,6 +27,7 @@ __all__ = [
     "overdue",
     "publishable",
     "published",
+    "retracted",
 ]
 
 EMA_DECAY = 0.1
@@ -143,6 +144,19 @@ def published(state: LearnerState, round_: int, schedule: RoundSchedule) -> Lear
         last_publish_step=state.local_step,
         publishes=(*state.publishes, entry)[-schedule.in_flight :],
     )
+
+
+def retracted(state: LearnerState, round_: int) -> LearnerState:
+    """Forget an own publish that failed to upload: the round becomes publishable again
+    (when it is still the newest), and its steps, never reset by a publish, go out with
+    the fragment's next publish."""
+    remaining = tuple(p for p in state.publishes if p.round != round_)
+    if len(remaining) == len(state.publishes):
+        return state
+    last = state.last_published
+    if round_ == last:
+        last = max((p.round for p in remaining), default=min(last - 1, state.rounds_seen))
+    return dataclasses.replace(state, publishes=remaining, last_published=last)
 
 
 def overdue(state: LearnerState, overlap_steps: int | None) -> bool:

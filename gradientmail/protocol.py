@@ -432,6 +432,10 @@ class Exchange:
         )
         ref = await self.put_payload(stem, tensors, create=True)
         key = f"{_round_dir('snapshots/', round_)}{learner}.json"
+        if ref is None and await self.mailbox.get(self.prefix + key) is None:
+            # Our own payload without its record: an earlier publish of this round failed
+            # between the two writes. No record references those bytes, so replace them.
+            ref = await self.put_payload(stem, tensors)
         if ref is not None:
             record = dataclasses.replace(draft, payload=ref)
             if await self._write_record(key, record):

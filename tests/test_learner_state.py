@@ -18,6 +18,7 @@ from gradientmail.learner_state import (
     overdue,
     publishable,
     published,
+    retracted,
 )
 
 
@@ -161,3 +162,22 @@ def test_bad_arguments() -> None:
         advanced(initial_state(1), -1)
     with pytest.raises(ValueError, match="2 versions given for 3 fragments"):
         initial_state(3, versions=[0, 0])
+
+
+def test_a_failed_publish_is_retracted_and_its_steps_go_out_next() -> None:
+    sch = RoundSchedule(sync_every=4, fragments=2, in_flight=2)
+    s = advanced(advanced(initial_state(2), 3), 3)
+    s = published(s, 0, sch)
+    assert publishable(s, sch) == 1
+    s = retracted(s, 0)
+    assert s.publishes == () and s.last_published == -1
+    assert publishable(s, sch) == 0
+    assert not overdue(s, 0)
+    s = advanced(s, 3)
+    s = published(s, 0, sch)
+    assert s.publishes == (Publish(0, 3, 3, 9),)  # all three steps counted
+    # retracting an older publish keeps the newer one
+    s = published(s, 1, sch)
+    t = retracted(s, 0)
+    assert t.last_published == 1 and [p.round for p in t.publishes] == [1]
+    assert retracted(t, 7) is t

@@ -43,6 +43,8 @@ def test_core_imports_without_frameworks() -> None:
         "import sys\n"
         "import gradientmail, gradientmail.errors, gradientmail.clock, gradientmail.events\n"
         "import gradientmail.mailbox, gradientmail.algorithms.schedule\n"
+        "import gradientmail.learner, gradientmail.syncer, gradientmail.protocol\n"
+        "import gradientmail.adapters, gradientmail.backends, gradientmail.compression\n"
         "heavy = sorted(m for m in ('torch', 'boto3', 'zstandard', 'lightning', 'accelerate')"
         " if m in sys.modules)\n"
         "print(','.join(heavy))\n"
@@ -58,7 +60,10 @@ def test_public_names() -> None:
     import gradientmail.errors as errors
 
     assert gradientmail.__version__ == "0.1.0"
-    assert "GradientmailError" in gradientmail.__all__
+    assert set(gradientmail.__all__) >= {
+        "DiLoCo", "WeightedMean", "Rda", "ByBytes", "Strided", "Learner", "Syncer",
+        "open_mailbox", "GradientmailError", "__version__",
+    }
     for name in gradientmail.__all__:
         assert hasattr(gradientmail, name), name
     for name in (
