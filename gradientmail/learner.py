@@ -155,6 +155,7 @@ class Learner:
         self._others: tuple[int, int] = (-1, 0)  # (round, learners other than us in it)
         self._live: frozenset[str] = frozenset()
         self._newest_seen = -1
+        self._cursor = -1  # the newest record fetched (communication thread)
         # Publishes handed over and finished: each counter has a single writer thread.
         self._handed = 0
         self._finished = 0
@@ -253,6 +254,7 @@ class Learner:
         self.on_event(Closing(self.learner_id, pending, flush))
         if self._dead is None:
             self._wait_for_pending()
+            self._final_catch_up()
             self._apply_arrived()
             if flush:
                 self._flush()
@@ -385,6 +387,16 @@ class Learner:
                 continue
             self._apply(commit)
 
+    def _final_catch_up(self) -> None:
+        """Fetch every commit recorded so far, so the model ends on the newest ones."""
+        assert self._loop is not None
+        future = asyncio.run_coroutine_threadsafe(self._catch_up(), self._loop)
+        try:
+            future.result(timeout=self.lease_timeout)
+        except Exception as exc:  # close() must not fail for the store
+            future.cancel()
+            self.on_event(PollFailed(self.learner_id, repr(exc)))
+
     def _flush(self) -> None:
         """Publish what was trained since the last alignment as final snapshots, for the
         rounds this learner may still publish (within τ of the newest commit)."""
@@ -510,7 +522,7 @@ class Learner:
 
         next_beat = self.clock.now() + self.lease_every  # join_run beat already
         next_leases = -math.inf
-        cursor = joined.rounds_seen
+        self._cursor = joined.rounds_seen
         while True:
             now = self.clock.now()
             try:
@@ -522,7 +534,7 @@ class Learner:
                     # Leases change once per lease period; listing them every poll would
                     # cost a LIST per poll per learner for nothing.
                     next_leases = now + min(self.lease_every / 2, self.lease_timeout / 4)
-                cursor = await self._receive_commits(cursor)
+                await self._catch_up()
                 await self._watch_next_round()
                 if syncer is not None:
                     await syncer.poll(live=self._live, refresh_live=refresh)
@@ -531,6 +543,11 @@ class Learner:
             except Exception as exc:
                 self.on_event(PollFailed(self.learner_id, repr(exc)))
             await self.clock.sleep(self.poll_interval)
+
+    async def _catch_up(self) -> None:
+        # Runs on the loop only; the final catch-up of close() may interleave with the
+        # receive loop's, and the training thread ignores a commit it applied already.
+        self._cursor = max(self._cursor, await self._receive_commits(self._cursor))
 
     async def _receive_commits(self, cursor: int) -> int:
         ex = self._exchange

@@ -50,7 +50,9 @@ def oracle() -> list[torch.Tensor]:
             opt = torch.optim.SGD(local.parameters(), lr=INNER_LR)
             for k in range(H):
                 inner_step(local, opt, w, rnd * H + k)
-            deltas.append([g.detach() - p.detach() for g, p in zip(params, local.parameters())])
+            deltas.append(
+                [g.detach() - p.detach() for g, p in zip(params, local.parameters(), strict=True)]
+            )
         for i, p in enumerate(params):
             p.grad = (deltas[0][i] + deltas[1][i]) / 2
         outer.step()
@@ -59,8 +61,12 @@ def oracle() -> list[torch.Tensor]:
 
 def run_learners(mailbox_url: str) -> list[list[torch.Tensor]]:
     algorithm = DiLoCo(
-        sync_every=H, fragments=1, in_flight=1, overlap_steps=0,
-        merge=WeightedMean(), quorum_size=LEARNERS,
+        sync_every=H,
+        fragments=1,
+        in_flight=1,
+        overlap_steps=0,
+        merge=WeightedMean(),
+        quorum_size=LEARNERS,
     )
     results: list[list[torch.Tensor]] = [[] for _ in range(LEARNERS)]
     errors: list[BaseException] = []
@@ -70,8 +76,13 @@ def run_learners(mailbox_url: str) -> list[list[torch.Tensor]]:
         try:
             model = make_model()
             learner = Learner(
-                TorchAdapter(model), algorithm, mailbox_url, f"learner-{w}",
-                poll_interval=0.01, lease_every=5.0, lease_timeout=30.0,
+                TorchAdapter(model),
+                algorithm,
+                mailbox_url,
+                f"learner-{w}",
+                poll_interval=0.01,
+                lease_every=5.0,
+                lease_timeout=30.0,
             )
             learner.start()
             ready.wait(timeout=60)
@@ -82,7 +93,7 @@ def run_learners(mailbox_url: str) -> list[list[torch.Tensor]]:
             learner.close()
             assert learner.rounds_seen == ROUNDS - 1
             results[w] = [p.detach().clone() for p in model.parameters()]
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+        except BaseException as exc:  # re-raised in the test thread
             errors.append(exc)
 
     threads = [threading.Thread(target=work, args=(w,)) for w in range(LEARNERS)]
@@ -103,5 +114,5 @@ def test_standard_diloco_equals_the_synchronous_loop(kind: str, tmp_path: Path) 
     want = oracle()
     for got in run_learners(url):
         assert len(got) == len(want)
-        for g, w in zip(got, want):
+        for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
