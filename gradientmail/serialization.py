@@ -2,19 +2,28 @@
 
 A model is described by its `Schema` (the ordered `ParameterSpec(name, dtype, shape)` of
 its parameters); a tensor travels as `TensorBytes` (raw little-endian bytes plus dtype and
-shape). A payload is a safetensors blob written by the `safetensors` library (`pack`) and
-read back by `unpack`, which checks every byte of the header before slicing the data, so a
-truncated, corrupted or hostile payload raises `CorruptPayload` naming the key and the
-tensor, never another exception and never an allocation larger than the blob itself.
+shape). A payload is a safetensors blob (`pack`), read back by `unpack`, which checks every
+byte of the header before slicing the data, so a truncated, corrupted or hostile payload
+raises `CorruptPayload` naming the key and the tensor, never another exception and never
+an allocation larger than the blob itself.
+
+`pack` lays the blob out exactly as the `safetensors` library does (tensors ordered by
+dtype, widest first, then by name; compact JSON; the header padded with spaces to a
+multiple of 8) -- the tests check byte equality with `safetensors.serialize` -- with one
+difference: metadata keys are sorted. The library keeps metadata in a hash map and writes
+it in a different order in every process, and payloads must be byte-stable (they are
+addressed by SHA-256 and pinned by golden tests). Writing the header ourselves also lets
+the zstd codec stream a payload without building it in memory (`pack_header`).
 
 Dtypes: the storage dtypes "F32", "F16", "BF16" (what a schema may hold) and the transfer
 dtypes "F8_E4M3", "F8_E8M0" (MX block scales) and "F4" (E2M1, two codes per byte, element
 2i in the low nibble). An "F4" `TensorBytes` keeps its logical shape and holds
-ceil(numel / 2) bytes. The safetensors format can only express an F4 tensor whose last
-dimension is even, so `pack` writes any other F4 tensor flat, padded to an even length
-with a zero code, and records its logical shape in the metadata entry
-``gradientmail.f4shape.<name>`` (a JSON list); `unpack` restores it. Every other metadata
-key starting with ``gradientmail.f4shape.`` is reserved.
+ceil(numel / 2) bytes. The safetensors format can only express an F4 tensor whose
+element count is even (and its Python binding only one whose last dimension is), so
+`pack` writes any other F4 tensor flat, padded to an even length with a zero code, and
+records its logical shape in the metadata entry ``gradientmail.f4shape.<name>`` (a JSON
+list); `unpack` restores it. Metadata keys starting with ``gradientmail.f4shape.`` are
+reserved.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import reprlib
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -45,10 +55,13 @@ __all__ = [
     "STORAGE_DTYPES",
     "ParameterSpec",
     "Schema",
+    "Span",
     "TensorBytes",
     "dtype_bits",
     "nbytes_of",
     "pack",
+    "pack_header",
+    "read_index",
     "unpack",
     "unpack_with_metadata",
     "validate",
@@ -72,14 +85,6 @@ _NUMPY: dict[str, Any] = {
     "BF16": np.dtype(ml_dtypes.bfloat16),
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
-}
-_SAFETENSORS_NAME = {
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E8M0": "float8_e8m0fnu",
-    "F4": "float4_e2m1fn_x2",
 }
 
 
@@ -226,9 +231,9 @@ class Schema:
         ):
             raise ConfigError("Schema.params must be a tuple of ParameterSpec")
         names = [p.name for p in self.params]
-        dups = sorted({n for n in names if names.count(n) > 1}) if len(set(names)) < len(
-            names
-        ) else []
+        dups = (
+            sorted({n for n in names if names.count(n) > 1}) if len(set(names)) < len(names) else []
+        )
         if dups:
             raise ConfigError(f"schema names {dups} more than once; names must be unique")
         object.__setattr__(self, "_index", {p.name: p for p in self.params})
@@ -284,8 +289,10 @@ class Schema:
     @classmethod
     def from_dict(cls, obj: object) -> Schema:
         """Inverse of `to_dict`; `RemoteProtocolError` for anything of another shape."""
-        if not isinstance(obj, dict) or set(obj) != {"params"} or not isinstance(
-            obj["params"], list
+        if (
+            not isinstance(obj, dict)
+            or set(obj) != {"params"}
+            or not isinstance(obj["params"], list)
         ):
             raise RemoteProtocolError(
                 f"schema record must be an object with exactly the key 'params' (a list); "
@@ -322,8 +329,8 @@ class Schema:
 
 
 def _brief(obj: object) -> str:
-    text = repr(obj)
-    return text if len(text) <= 80 else text[:77] + "..."
+    """A short repr of a possibly huge (hostile) value."""
+    return reprlib.repr(obj)
 
 
 def validate(
@@ -368,14 +375,15 @@ def validate(
         )
 
 
-def pack(tensors: Mapping[str, TensorBytes], metadata: Mapping[str, str] | None = None) -> bytes:
-    """Write `tensors` as one safetensors blob (with the `safetensors` library).
+# The library writes tensors by dtype, widest first (its Dtype enum, descending), then name.
+_WRITE_RANK = {"F32": 0, "BF16": 1, "F16": 2, "F8_E8M0": 3, "F8_E4M3": 4, "F4": 5}
 
-    The bytes depend only on the tensors and metadata (names are sorted), so equal inputs
-    give equal blobs and golden payloads stay stable.
-    """
-    import safetensors
 
+def pack_header(
+    tensors: Mapping[str, TensorBytes], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, list[str]]:
+    """The header `pack` writes for `tensors` (8-byte length, JSON, padding), and the
+    order in which their data follows it."""
     meta: dict[str, str] = {}
     for k, v in (metadata or {}).items():
         if not isinstance(k, str) or not isinstance(v, str):
@@ -383,33 +391,52 @@ def pack(tensors: Mapping[str, TensorBytes], metadata: Mapping[str, str] | None 
         if k.startswith(_F4_SHAPE_PREFIX):
             raise ConfigError(f"payload metadata key {k!r} uses the reserved prefix")
         meta[k] = v
-    specs: dict[str, Any] = {}
-    keep_alive: list[npt.NDArray[np.uint8]] = []
-    for name in sorted(tensors):
-        tensor = tensors[name]
+    for name, tensor in tensors.items():
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise ConfigError(f"tensor name {name!r} is empty, not a string or reserved")
         if not isinstance(tensor, TensorBytes):
             raise ConfigError(f"tensor {name!r} must be TensorBytes, not {type(tensor).__name__}")
-        if name == "__metadata__" or not name:
-            raise ConfigError(f"tensor name {name!r} is reserved by safetensors")
-        data = tensor.data
+    order = sorted(tensors, key=lambda n: (_WRITE_RANK[tensors[n].dtype], n))
+    entries: dict[str, Any] = {}
+    offset = 0
+    for name in order:
+        tensor = tensors[name]
         shape = list(tensor.shape)
-        if tensor.dtype == "F4":
-            if shape and shape[-1] % 2 == 0:
-                shape[-1] //= 2  # the binding takes F4's storage shape (two per byte)
-            else:
-                meta[_F4_SHAPE_PREFIX + name] = json.dumps(shape, separators=(",", ":"))
-                shape = [len(data)]
-        buf = np.frombuffer(data, dtype=np.uint8) if data else np.zeros(1, np.uint8)
-        keep_alive.append(buf)
-        specs[name] = safetensors.TensorSpec(
-            dtype=_SAFETENSORS_NAME[tensor.dtype],
-            shape=shape,
-            data_ptr=buf.ctypes.data,
-            data_len=len(data),
-        )
-    out = safetensors.serialize(specs, metadata=meta or None)
-    del keep_alive
-    return bytes(out)
+        if tensor.dtype == "F4" and not (shape and shape[-1] % 2 == 0):
+            meta[_F4_SHAPE_PREFIX + name] = json.dumps(shape, separators=(",", ":"))
+            shape = [2 * len(tensor.data)]
+        entries[name] = {
+            "dtype": tensor.dtype,
+            "shape": shape,
+            "data_offsets": [offset, offset + len(tensor.data)],
+        }
+        offset += len(tensor.data)
+    head: dict[str, Any] = {"__metadata__": dict(sorted(meta.items()))} if meta else {}
+    head.update(entries)
+    text = json.dumps(head, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, order
+
+
+def pack(tensors: Mapping[str, TensorBytes], metadata: Mapping[str, str] | None = None) -> bytes:
+    """Write `tensors` (and string `metadata`) as one safetensors blob.
+
+    The bytes depend only on the input, never on its order or the process: equal inputs
+    give equal blobs, so golden payloads and SHA-256 references stay stable.
+    """
+    header, order = pack_header(tensors, metadata)
+    return b"".join([header, *(tensors[n].data for n in order)])
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where one tensor's data lies in a blob: ``blob[start:end]`` (absolute offsets)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
 
 
 def unpack(
@@ -432,13 +459,31 @@ def unpack_with_metadata(
     max_tensors: int = MAX_TENSORS,
     max_header_bytes: int = MAX_HEADER_BYTES,
 ) -> tuple[dict[str, TensorBytes], dict[str, str]]:
-    """Like `unpack`, also returning the blob's metadata (without reserved entries).
+    """Like `unpack`, also returning the blob's metadata (without reserved entries)."""
+    spans, meta = read_index(
+        blob, key=key, max_tensors=max_tensors, max_header_bytes=max_header_bytes
+    )
+    view = memoryview(blob)
+    out: dict[str, TensorBytes] = {}
+    for span in spans:
+        out[span.name] = TensorBytes(span.dtype, span.shape, bytes(view[span.start : span.end]))
+    return out, meta
 
-    The header is checked before any data is sliced: its length is bounded by the blob and
-    `max_header_bytes`; it is a JSON object without duplicate keys; every entry has exactly
-    a known dtype, a shape of non-negative ints and data offsets; the offsets tile the data
-    section from 0 to its end, contiguous and non-overlapping; and each span holds exactly
-    shape × dtype bytes.
+
+def read_index(
+    blob: bytes,
+    *,
+    key: str = "payload",
+    max_tensors: int = MAX_TENSORS,
+    max_header_bytes: int = MAX_HEADER_BYTES,
+) -> tuple[list[Span], dict[str, str]]:
+    """Check a blob's header and return where each tensor lies, and the metadata.
+
+    Checked before any data is touched: the header length is bounded by the blob and
+    `max_header_bytes`; the header is a JSON object without duplicate keys; every entry
+    has exactly a known dtype, a shape of non-negative ints and data offsets; the offsets
+    tile the data section from 0 to its end, contiguous and non-overlapping; each span
+    holds exactly shape × dtype bytes. Spans come in data order.
     """
     view = memoryview(blob)
     if len(view) < 8:
@@ -463,10 +508,7 @@ def unpack_with_metadata(
         raise CorruptPayload(f"{key}: __metadata__ must map strings to strings")
     if len(header) > max_tensors:
         raise CorruptPayload(f"{key}: {len(header)} tensors exceed the limit of {max_tensors}")
-    entries = []
-    for name, entry in header.items():
-        entries.append((*_check_entry(name, entry, key), name))
-    entries.sort()
+    entries = sorted((*_check_entry(name, entry, key), name) for name, entry in header.items())
     cursor = 0
     for start, end, _, _, name in entries:
         if start != cursor:
@@ -481,25 +523,21 @@ def unpack_with_metadata(
             f"{key}: the header describes {cursor} data bytes but the blob holds {data_len}; "
             "the payload is truncated or has trailing bytes"
         )
-    meta = {k: v for k, v in raw_meta.items() if not k.startswith(_F4_SHAPE_PREFIX)}
-    out: dict[str, TensorBytes] = {}
+    spans = []
     for start, end, dtype, shape, name in entries:
-        data = bytes(view[data_start + start : data_start + end])
         f4_shape = raw_meta.get(_F4_SHAPE_PREFIX + name)
         if f4_shape is not None:
             shape = _f4_logical_shape(f4_shape, dtype, shape, name, key)
-        try:
-            out[name] = TensorBytes(dtype, shape, data)
-        except ConfigError as exc:
-            raise CorruptPayload(f"{key}: tensor {name!r}: {exc}") from None
+        spans.append(Span(name, dtype, shape, data_start + start, data_start + end))
     stray = [
         k[len(_F4_SHAPE_PREFIX) :]
         for k in raw_meta
-        if k.startswith(_F4_SHAPE_PREFIX) and k[len(_F4_SHAPE_PREFIX) :] not in out
+        if k.startswith(_F4_SHAPE_PREFIX) and k[len(_F4_SHAPE_PREFIX) :] not in header
     ]
     if stray:
         raise CorruptPayload(f"{key}: F4 shape metadata names tensors {stray} that are absent")
-    return out, meta
+    meta = {k: v for k, v in raw_meta.items() if not k.startswith(_F4_SHAPE_PREFIX)}
+    return spans, meta
 
 
 def _parse_header(raw: bytes, key: str) -> dict[str, Any]:
@@ -525,16 +563,14 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def _check_entry(
-    name: str, entry: object, key: str
-) -> tuple[int, int, str, tuple[int, ...]]:
+def _check_entry(name: str, entry: object, key: str) -> tuple[int, int, str, tuple[int, ...]]:
     if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
         raise CorruptPayload(
             f"{key}: tensor {name!r} must have exactly dtype, shape and data_offsets; "
             f"got {_brief(entry)}"
         )
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if dtype not in _BITS:
+    if not isinstance(dtype, str) or dtype not in _BITS:
         raise CorruptPayload(
             f"{key}: tensor {name!r} has dtype {_brief(dtype)}; allowed: {', '.join(DTYPES)}"
         )
@@ -553,13 +589,26 @@ def _check_entry(
             "with 0 <= begin <= end"
         )
     start, end = offsets
-    bits = math.prod(shape) * _BITS[dtype]
-    if bits % 8 or bits // 8 != end - start:
+    numel = _numel_upto(shape, 8 * (end - start))
+    bits = None if numel is None else numel * _BITS[dtype]
+    if bits is None or bits % 8 or bits // 8 != end - start:
         raise CorruptPayload(
-            f"{key}: tensor {name!r} is {dtype}{shape} ({bits} bits) but spans "
-            f"{end - start} bytes"
+            f"{key}: tensor {name!r} is {dtype}{_brief(shape)} but spans {end - start} bytes"
         )
     return start, end, dtype, tuple(shape)
+
+
+def _numel_upto(shape: list[int], limit: int) -> int | None:
+    """The product of `shape`, or None once it exceeds `limit` (a hostile shape of many
+    huge dimensions would otherwise cost quadratic time in big-integer products)."""
+    if 0 in shape:
+        return 0
+    numel = 1
+    for d in shape:
+        numel *= d
+        if numel > limit:
+            return None
+    return numel
 
 
 def _f4_logical_shape(
@@ -574,7 +623,8 @@ def _f4_logical_shape(
         or not isinstance(shape, list)
         or not all(_is_int(d) for d in shape)
         or len(stored) != 1
-        or stored[0] != 2 * ((math.prod(shape) + 1) // 2)
+        or (numel := _numel_upto(shape, stored[0])) is None
+        or stored[0] != numel + numel % 2
     ):
         raise CorruptPayload(
             f"{key}: tensor {name!r}: F4 shape metadata {_brief(text)} does not match the "
