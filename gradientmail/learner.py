@@ -111,6 +111,7 @@ class Learner:
         compression: str = "off",
         on_event: EventSink = log_events,
         prefix: str = "",
+        keep_versions: int = 2,
     ) -> None:
         for name, value in (
             ("poll_interval", poll_interval),
@@ -136,6 +137,7 @@ class Learner:
         self.compression = compression
         self.on_event = on_event
         self.prefix = prefix
+        self.keep_versions = keep_versions
         self._mailbox_arg = mailbox
         # Set by start():
         self._exchange: Exchange | None = None
@@ -514,6 +516,7 @@ class Learner:
                 on_event=self.on_event,
                 prefix=self.prefix,
                 exchange=ex,
+                keep_versions=self.keep_versions,
             )
 
         async def refresh() -> frozenset[str]:

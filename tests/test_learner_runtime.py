@@ -1,0 +1,374 @@
+"""The learner runtime in one process: threads, a MemoryMailbox, faults from a plan."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from gradientmail import events as ev
+from gradientmail.adapters import TorchAdapter
+from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.clock import FakeClock
+from gradientmail.errors import GradientmailError, RunConfigMismatch, SchemaMismatch
+from gradientmail.learner import Learner
+from gradientmail.mailbox import FaultPlan, FaultyMailbox, Mailbox, MemoryMailbox
+from gradientmail.protocol import Exchange
+from gradientmail.records import RoundRecord
+
+FAST = {"poll_interval": 0.005, "lease_every": 5.0, "lease_timeout": 30.0}
+
+
+def make_model(seed: int = 0, width: int = 8) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, width), torch.nn.Tanh(), torch.nn.Linear(width, 2)
+    )
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(4, 6, generator=g), torch.randn(4, 2, generator=g)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[ev.Event] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, event: ev.Event) -> None:
+        with self.lock:
+            self.events.append(event)
+
+    def of(self, cls: type[Any]) -> list[Any]:
+        with self.lock:
+            return [e for e in self.events if isinstance(e, cls)]
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def all_records(mailbox: Mailbox) -> list[RoundRecord]:
+    return list(run(Exchange(mailbox).rounds_after(-1)))
+
+
+def newest_theta(mailbox: Mailbox, upto: int | None = None) -> dict[str, torch.Tensor]:
+    async def go() -> dict[str, torch.Tensor]:
+        ex = Exchange(mailbox)
+        manifest = await ex.read_manifest()
+        assert manifest is not None
+        latest = await ex.latest_commit_per_fragment(len(manifest.plan), upto)
+        out: dict[str, torch.Tensor] = {}
+        for p, names in enumerate(manifest.plan):
+            ref = latest[p].theta if p in latest else manifest.init[p]
+            tensors = await ex.fetch_tensors(ref)
+            assert tensors is not None
+            for n in names:
+                out[n] = torch.frombuffer(bytearray(tensors[n].data), dtype=torch.float32).reshape(
+                    tensors[n].shape
+                )
+        return out
+
+    return dict(run(go()))
+
+
+def in_threads(*targets: Callable[[], None], timeout: float = 120) -> None:
+    errors: list[BaseException] = []
+
+    def wrap(f: Callable[[], None]) -> Callable[[], None]:
+        def inner() -> None:
+            try:
+                f()
+            except BaseException as exc:  # re-raised below, in the test's thread
+                errors.append(exc)
+
+        return inner
+
+    threads = [threading.Thread(target=wrap(t)) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+        assert not t.is_alive(), "a learner thread hung"
+    if errors:
+        raise errors[0]
+
+
+def test_decoupled_defaults_three_learners(tmp_path: Any) -> None:
+    mailbox = MemoryMailbox()
+    alg = DiLoCo(sync_every=12, fragments=3)  # τ=2, no barrier, quorum 1, RDA
+    learners: list[Learner] = []
+    models: list[torch.nn.Module] = []
+    rec = Recorder()
+    for w in range(3):
+        model = make_model(seed=w)
+        models.append(model)
+        learners.append(
+            Learner(
+                TorchAdapter(model), alg, mailbox, f"w{w}", on_event=rec, keep_versions=1000, **FAST
+            )
+        )
+
+    def work(w: int) -> Callable[[], None]:
+        def go() -> None:
+            learner, model = learners[w], models[w]
+            learner.start()
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            for step in range(120):
+                train_step(model, opt, 7919 * w + step)
+                learner.step(16)
+                time.sleep(0.001)
+            learner.close()
+
+        return go
+
+    in_threads(*(work(w) for w in range(3)))
+    records = all_records(mailbox)
+    assert len(records) >= 20
+    assert [r.round for r in records] == list(range(len(records)))
+    assert [r.fragment for r in records] == [r.round % 3 for r in records]
+    versions: dict[int, int] = {}
+    for r in records:
+        versions[r.fragment] = versions.get(r.fragment, 0) + 1
+        assert r.version == versions[r.fragment]
+        assert r.participants, "a decoupled round closes with at least one contribution"
+    learners_seen = {p.learner for r in records for p in r.participants}
+    assert learners_seen == {"w0", "w1", "w2"}
+    for w, learner in enumerate(learners):
+        want = newest_theta(mailbox, learner.rounds_seen)
+        for name, p in models[w].named_parameters():
+            assert torch.equal(p.detach(), want[name]), (w, name)
+    # the last learner to close saw every round
+    assert max(learner.rounds_seen for learner in learners) == records[-1].round
+    assert len(rec.of(ev.Joined)) == 3 and len(rec.of(ev.Closed)) == 3
+    assert len(rec.of(ev.LeaseReleased)) == 3
+    assert run(Exchange(mailbox).leases()) == {}
+
+
+def test_failed_publish_is_reported_and_its_steps_go_out_next_round() -> None:
+    plan = FaultPlan().fail("create", "payloads/*/solo.*", nth=1, times=1)
+    mailbox = FaultyMailbox(MemoryMailbox(), plan)
+    alg = DiLoCo(sync_every=4, fragments=1, in_flight=1, overlap_steps=None, merge=WeightedMean())
+    rec = Recorder()
+    model = make_model()
+    learner = Learner(TorchAdapter(model), alg, mailbox, "solo", on_event=rec, **FAST)
+    learner.start()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(4):
+        train_step(model, opt, step)
+        learner.step(10)
+    deadline = time.monotonic() + 20
+    while not rec.of(ev.PublishFailed) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for step in range(4, 8):
+        train_step(model, opt, step)
+        learner.step(10)
+    learner.close()
+    failed = rec.of(ev.PublishFailed)
+    assert [f.round for f in failed] == [0]
+    assert "MailboxError" in failed[0].error
+    first = all_records(mailbox)[0]
+    assert first.round == 0
+    (part,) = first.participants
+    # the failed publish's 4 steps were not lost: round 0 carries all 8
+    assert (part.learner, part.steps, part.tokens) == ("solo", 8, 80)
+
+
+class Boom(BaseException):
+    """Not an Exception: the loops do not swallow it, so the thread dies."""
+
+
+def test_the_threads_death_is_raised_from_step() -> None:
+    plan = FaultPlan().fail("get", "rounds/*", nth=3, times=None, error=Boom)
+    mailbox = FaultyMailbox(MemoryMailbox(), plan)
+    model = make_model()
+    learner = Learner(
+        TorchAdapter(model),
+        DiLoCo(sync_every=4, fragments=2),
+        mailbox,
+        "x",
+        on_event=lambda e: None,
+        **FAST,
+    )
+    learner.start()
+    deadline = time.monotonic() + 20
+    with pytest.raises(GradientmailError, match="communication thread of learner 'x' died") as e:
+        while time.monotonic() < deadline:
+            learner.step(1)
+            time.sleep(0.01)
+    assert isinstance(e.value.__cause__, Boom)
+    learner.close()
+
+
+def test_mismatched_schema_and_config_are_refused_at_join() -> None:
+    mailbox = MemoryMailbox()
+    alg = DiLoCo(sync_every=4, fragments=2)
+    first = Learner(TorchAdapter(make_model()), alg, mailbox, "a", on_event=lambda e: None, **FAST)
+    first.start()
+    try:
+        other = Learner(
+            TorchAdapter(make_model(width=9)), alg, mailbox, "b", on_event=lambda e: None, **FAST
+        )
+        with pytest.raises(SchemaMismatch) as e:
+            other.start()
+        msg = str(e.value)
+        assert "'0.weight' is F32[8, 6] in the run, F32[9, 6] here" in msg
+        assert "'2.weight' is F32[2, 8] in the run, F32[2, 9] here" in msg
+        cfg = Learner(
+            TorchAdapter(make_model()),
+            DiLoCo(sync_every=6, fragments=2),
+            mailbox,
+            "c",
+            on_event=lambda e: None,
+            **FAST,
+        )
+        with pytest.raises(RunConfigMismatch, match="sync_every: run has 4, this process 6"):
+            cfg.start()
+    finally:
+        first.close()
+
+
+def test_a_creator_that_died_before_the_manifest_is_taken_over() -> None:
+    mailbox = MemoryMailbox()
+    assert run(Exchange(mailbox).claim_creation("ghost", 0))
+    rec = Recorder()
+    model = make_model()
+    learner = Learner(
+        TorchAdapter(model),
+        DiLoCo(sync_every=4, fragments=2),
+        mailbox,
+        "heir",
+        on_event=rec,
+        **FAST,
+    )
+    learner.start()
+    learner.close()
+    assert [e.attempt for e in rec.of(ev.AwaitingCreator)] == [0]
+    assert [e.attempt for e in rec.of(ev.TookOverCreation)] == [1]
+    manifest = run(Exchange(mailbox).read_manifest())
+    assert manifest.creator == "heir"
+    assert manifest.init[0].key.startswith("init/000001/")
+
+
+def test_a_late_joiner_starts_from_the_newest_commits() -> None:
+    mailbox = MemoryMailbox()
+    alg = DiLoCo(sync_every=4, fragments=2, in_flight=1, overlap_steps=0)
+    early_model = make_model(seed=1)
+    early = Learner(
+        TorchAdapter(early_model), alg, mailbox, "early", on_event=lambda e: None, **FAST
+    )
+    early.start()
+    opt = torch.optim.SGD(early_model.parameters(), lr=0.05)
+    for step in range(12):
+        train_step(early_model, opt, step)
+        early.step(8)
+    assert early.rounds_seen >= 3
+    late_model = make_model(seed=2)
+    late = Learner(TorchAdapter(late_model), alg, mailbox, "late", on_event=lambda e: None, **FAST)
+    late.start()
+    want = newest_theta(mailbox, late.rounds_seen)
+    for name, p in late_model.named_parameters():
+        assert torch.equal(p.detach(), want[name]), name
+    late.close()
+    early.close()
+
+
+def test_leases_renew_on_the_clock_and_are_released_on_close() -> None:
+    mailbox = MemoryMailbox()
+    clock = FakeClock()
+    model = make_model()
+    learner = Learner(
+        TorchAdapter(model),
+        DiLoCo(sync_every=4, fragments=2),
+        mailbox,
+        "tick",
+        clock=clock,
+        poll_interval=1.0,
+        lease_every=60.0,
+        lease_timeout=120.0,
+        on_event=lambda e: None,
+    )
+    learner.start()
+    ex = Exchange(mailbox)
+    first = run(ex.leases())["tick"]
+    deadline = time.monotonic() + 20
+    while clock.now() < 200 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert clock.now() >= 200, "the fake clock should race ahead as the loop sleeps on it"
+    assert run(ex.leases())["tick"] >= first + 3  # one beat per 60 fake seconds
+    learner.close()
+    assert "tick" not in run(ex.leases())
+
+
+class ManualClock:
+    """Time moves only when the test says so; sleeping just yields for a moment."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(0.001)
+
+
+def wait_for(cond: Callable[[], bool], seconds: float = 20.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_a_silent_peer_drops_out_of_the_live_set() -> None:
+    mailbox = MemoryMailbox()
+    clock = ManualClock()
+    run(Exchange(mailbox).beat("silent"))  # beats once, then never again
+    model = make_model()
+    learner = Learner(
+        TorchAdapter(model),
+        DiLoCo(sync_every=4, fragments=2),
+        mailbox,
+        "obs",
+        clock=clock,
+        poll_interval=1.0,
+        lease_every=10.0,
+        lease_timeout=40.0,
+        on_event=lambda e: None,
+    )
+    learner.start()
+    assert wait_for(lambda: learner.live_learners == frozenset({"obs", "silent"}))
+    clock.t = 39.0
+    time.sleep(0.2)
+    assert learner.live_learners == frozenset({"obs", "silent"})
+    clock.t = 45.0
+    assert wait_for(lambda: learner.live_learners == frozenset({"obs"}))
+    learner.close()
+
+
+def test_global_batch_size_is_split_over_live_learners() -> None:
+    mailbox = MemoryMailbox()
+    run(Exchange(mailbox).beat("peer-1"))
+    run(Exchange(mailbox).beat("peer-2"))
+    alg = DiLoCo(sync_every=4, fragments=2, global_batch_size=100)
+    learner = Learner(
+        TorchAdapter(make_model()), alg, mailbox, "me", on_event=lambda e: None, **FAST
+    )
+    assert learner.batch_size == 100
+    learner.start()
+    deadline = time.monotonic() + 20
+    while len(learner.live_learners) < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert learner.batch_size == 34
+    learner.close()
