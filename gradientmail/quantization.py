@@ -165,9 +165,10 @@ def _absmax(x: npt.NDArray[np.float32]) -> float:
     best = 0.0
     for i in range(0, x.size, _CHUNK):
         part = x[i : i + _CHUNK]
-        best = max(best, float(part.max()), -float(part.min()))
-        if math.isnan(best):
-            break
+        hi, lo = float(part.max()), float(part.min())
+        if math.isnan(hi) or math.isnan(lo):
+            return math.nan  # max() would drop a NaN operand silently
+        best = max(best, hi, -lo)
     return best
 
 
@@ -445,7 +446,8 @@ def _decode(
             f = np.repeat(factors[i // BLOCK : -(-j // BLOCK)], BLOCK)[: j - i]
             return vals * f
 
-    for i in range(0, numel, _CHUNK):
-        j = min(i + _CHUNK, numel)
-        values[i:j] = mul(i, j)
+    with np.errstate(over="ignore"):  # hostile scales overflow; the caller checks finiteness
+        for i in range(0, numel, _CHUNK):
+            j = min(i + _CHUNK, numel)
+            values[i:j] = mul(i, j)
     return values
