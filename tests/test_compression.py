@@ -1,0 +1,220 @@
+"""Payload codecs: goldens, round trips over every dtype × format × codec, bounds."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from gradientmail.compression import (
+    COMPRESSIONS,
+    DEFAULT_MAX_BYTES,
+    SHUFFLE_KEY,
+    compression_of,
+    decode,
+    decode_with_metadata,
+    encode,
+    extension,
+    shuffle,
+    size_bound,
+    unshuffle,
+)
+from gradientmail.errors import (
+    ConfigError,
+    CorruptPayload,
+    MissingExtra,
+    RemoteProtocolError,
+)
+from gradientmail.quantization import FORMATS, dequantize, quantize, roundtrip
+from gradientmail.serialization import ParameterSpec, Schema, TensorBytes, pack
+
+
+def golden_tensors() -> dict[str, TensorBytes]:
+    """A fixed payload from integer arithmetic only: F32, BF16, F16 and every format."""
+    i = np.arange(1000, dtype=np.int64)
+    x = ((i * 7919) % 2001 - 1000).astype(np.float32) * np.float32(2e-5)
+    x = (x * (1 + (i % 97)).astype(np.float32)).reshape(8, 125)
+    out = {
+        "w": TensorBytes.from_numpy(x),
+        "b": TensorBytes.from_numpy(x[0].astype(ml_dtypes.bfloat16)),
+        "h": TensorBytes.from_numpy(x[1, :7].astype(np.float16)),
+    }
+    for fmt in FORMATS:
+        out.update(quantize(f"q_{fmt}", out["w"], fmt))
+    return out
+
+
+GOLDEN = {
+    "off": "040d68fc5da43239c4fbda81d0add53786dc5729dc983af8f159a244353b4821",
+    "zstd": "6573e065008405c8dc90bba469fe08bb63401447477e6b5a3334f0aba07e92df",
+    # What the zstd frame decompresses to: pins the shuffled layout apart from libzstd.
+    "zstd-frame": "5b53a07ecfd80e12834bd4488b1ff1af7c839d603dae08473c1b019c2d6589f0",
+}
+
+
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+def test_golden_payloads(compression: str) -> None:
+    blob = encode(golden_tensors(), compression, {"round": "12"})
+    assert hashlib.sha256(blob).hexdigest() == GOLDEN[compression]
+    if compression == "zstd":
+        frame = zstandard.ZstdDecompressor().decompress(blob)
+        assert hashlib.sha256(frame).hexdigest() == GOLDEN["zstd-frame"]
+    assert decode_with_metadata(blob, compression) == (golden_tensors(), {"round": "12"})
+
+
+def test_zstd_frame_is_pack_of_the_shuffled_tensors() -> None:
+    tensors = golden_tensors()
+    frame = zstandard.ZstdDecompressor().decompress(encode(tensors, "zstd", {"a": "b"}))
+    shuffled = {name: shuffle(t) for name, t in tensors.items()}
+    assert frame == pack(shuffled, {"a": "b", SHUFFLE_KEY: "1"})
+
+
+def test_shuffle_layout() -> None:
+    t = TensorBytes.from_numpy(np.array([1.0, -2.0], np.float32))  # 0000803f 000000c0
+    assert shuffle(t).data == bytes.fromhex("00 00 00 00 80 00 3f c0")
+    assert unshuffle(shuffle(t)) == t
+    one_byte = TensorBytes("F8_E4M3", (3,), b"\x01\x02\x03")
+    assert shuffle(one_byte) == one_byte
+    f4 = TensorBytes("F4", (3,), b"\x21\x03")
+    assert shuffle(f4) == f4
+
+
+def test_zstd_compresses_smooth_floats_better_than_plain_zstd() -> None:
+    rng = np.random.default_rng(0)
+    w = TensorBytes.from_numpy((rng.standard_normal(200_000) * 0.02).astype(np.float32))
+    plain = zstandard.ZstdCompressor(level=1).compress(pack({"w": w}))
+    assert len(encode({"w": w}, "zstd")) < 0.95 * len(plain)
+
+
+def test_large_payload_is_streamed_threaded_and_deterministic() -> None:
+    # Over 8 MiB the compressor runs zstd's worker threads; the frame stays deterministic.
+    rng = np.random.default_rng(1)
+    big = {"w": TensorBytes.from_numpy((rng.standard_normal(2_300_000) * 0.02).astype(np.float32))}
+    blob = encode(big, "zstd")
+    assert encode(big, "zstd") == blob
+    frame = zstandard.ZstdDecompressor().decompress(blob)
+    assert frame == pack({"w": shuffle(big["w"])}, {SHUFFLE_KEY: "1"})
+    assert decode(blob, "zstd") == big
+
+
+# -- round trips ---------------------------------------------------------------------------
+
+
+@st.composite
+def _payloads(draw: st.DrawFn) -> tuple[dict[str, TensorBytes], str | None]:
+    fmt = draw(st.sampled_from([None, *FORMATS]))
+    out: dict[str, TensorBytes] = {}
+    for i in range(draw(st.integers(0, 3))):
+        shape = draw(
+            st.one_of(
+                st.just(()), hnp.array_shapes(min_dims=1, max_dims=3, min_side=0, max_side=37)
+            )
+        )
+        dtype = draw(st.sampled_from([np.float32, np.float16, ml_dtypes.bfloat16]))
+        values = draw(hnp.arrays(np.float32, shape, elements=st.floats(-100, 100, width=32)))
+        tensor = TensorBytes.from_numpy(np.asarray(values).astype(dtype))
+        if fmt is None:
+            out[f"t{i}"] = tensor
+        else:
+            out.update(quantize(f"t{i}", tensor, fmt))
+    return out, fmt
+
+
+@settings(max_examples=120, deadline=None)
+@given(payload=_payloads(), compression=st.sampled_from(COMPRESSIONS))
+def test_round_trip_every_dtype_format_and_codec(
+    payload: tuple[dict[str, TensorBytes], str | None], compression: str
+) -> None:
+    tensors, fmt = payload
+    blob = encode(tensors, compression)
+    # The bound applies to the decompressed blob, the shuffle marker included: it is exact.
+    exact = len(pack(tensors, {SHUFFLE_KEY: "1"} if compression == "zstd" else None))
+    back = decode(blob, compression, max_bytes=exact)
+    assert back == tensors
+    with pytest.raises(CorruptPayload, match=f"bound of {exact - 1}"):
+        decode(blob, compression, max_bytes=exact - 1)
+    if fmt is not None:
+        for name in (n for n in tensors if not n.endswith(".scale")):
+            assert dequantize(back, name, fmt) == dequantize(tensors, name, fmt)
+
+
+@settings(max_examples=40, deadline=None)
+@given(payload=_payloads())
+def test_size_bound_covers_every_honest_payload(
+    payload: tuple[dict[str, TensorBytes], str | None],
+) -> None:
+    tensors, fmt = payload
+    names = [n for n in tensors if not n.endswith(".scale")]
+    dtype_of = {"F8_E4M3": "F32", "F4": "F32", "BF16": "BF16"}
+    schema = Schema(
+        tuple(
+            ParameterSpec(n, dtype_of.get(tensors[n].dtype, tensors[n].dtype), tensors[n].shape)
+            for n in names
+        )
+    )
+    assert len(pack(tensors, {"round": "123456"})) <= size_bound(schema, names, fmt)
+
+
+def test_roundtrip_helper_agrees_with_codec_path() -> None:
+    w = golden_tensors()["w"]
+    for fmt in FORMATS:
+        entries = decode(encode(quantize("w", w, fmt), "zstd"), "zstd")
+        assert dequantize(entries, "w", fmt) == roundtrip(w, fmt)
+
+
+# -- keys, bounds and errors ---------------------------------------------------------------
+
+
+def test_extensions_name_the_codec() -> None:
+    assert extension("off") == ".safetensors"
+    assert extension("zstd") == ".safetensors.zst"
+    assert compression_of("payloads/00000003/a.safetensors") == "off"
+    assert compression_of("theta/0/00000007.safetensors.zst") == "zstd"
+    with pytest.raises(RemoteProtocolError, match=r"key 'x\.bin' ends in neither"):
+        compression_of("x.bin")
+    with pytest.raises(ConfigError, match="compression 'gzip' is not one of off, zstd"):
+        extension("gzip")
+    with pytest.raises(ConfigError, match="compression 'lz4' is not one of off, zstd"):
+        encode({}, "lz4")
+
+
+def test_reserved_metadata_key() -> None:
+    with pytest.raises(ConfigError, match=r"'gradientmail\.shuffle' is reserved for the codec"):
+        encode({}, "zstd", {SHUFFLE_KEY: "1"})
+
+
+def test_max_bytes_bounds_both_codecs() -> None:
+    tensors = golden_tensors()
+    size = len(pack(tensors))
+    for compression in COMPRESSIONS:
+        blob = encode(tensors, compression)
+        assert decode(blob, compression, max_bytes=size + 100) == tensors
+    with pytest.raises(CorruptPayload, match=rf"^k: {size} bytes exceed the bound of 100"):
+        decode(encode(tensors, "off"), "off", key="k", max_bytes=100)
+    with pytest.raises(CorruptPayload, match=r"^k: the zstd frame would decompress to \d+ bytes"):
+        decode(encode(tensors, "zstd"), "zstd", key="k", max_bytes=100)
+
+
+def test_zstd_bomb_is_refused_before_decompressing() -> None:
+    bomb = zstandard.ZstdCompressor(level=1).compress(bytes(200 << 20))  # 200 MiB of zeros
+    assert len(bomb) < 20_000
+    with pytest.raises(CorruptPayload, match="would decompress to 209715200 bytes, past the"):
+        decode(bomb, "zstd", key="bomb", max_bytes=1 << 20)
+    assert DEFAULT_MAX_BYTES == 8 << 30
+
+
+def test_missing_zstandard_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "zstandard", None)
+    with pytest.raises(MissingExtra, match=r"pip install 'gradientmail\[zstd\]'") as info:
+        encode(golden_tensors(), "zstd")
+    assert info.value.extra == "zstd"
+    with pytest.raises(MissingExtra, match="zstd"):
+        decode(b"", "zstd")
+    assert decode(encode(golden_tensors(), "off"), "off") == golden_tensors()
