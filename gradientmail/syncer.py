@@ -21,7 +21,7 @@ from gradientmail.algorithms.base import Algorithm, Contribution, FragmentState,
 from gradientmail.algorithms.schedule import Estimates, RoundSchedule
 from gradientmail.backends.base import Backend
 from gradientmail.clock import Clock, MonotonicClock
-from gradientmail.errors import GradientmailError
+from gradientmail.errors import GradientmailError, SchemaMismatch
 from gradientmail.events import (
     ClaimSuperseded,
     CommitLost,
@@ -131,7 +131,7 @@ class Syncer:
                 self.on_event(PollFailed(self.closer_id, repr(exc)))
             except OSError as exc:
                 self.on_event(PollFailed(self.closer_id, repr(exc)))
-            await self.clock.sleep(self.poll_interval)
+            await _sleep_unless(self.clock, self.poll_interval, stop)
 
     async def poll(
         self,
@@ -141,14 +141,16 @@ class Syncer:
         """One pass: catch up with the records, watch the open round, close it if due.
 
         `live` is the set of live learners when the caller tracks leases itself, and
-        `refresh_live` lists them anew. Returns True when this call committed a round.
+        `refresh_live` lists them anew (without it, a given `live` is final); with
+        neither, the syncer lists the leases itself. Returns True when this call
+        committed a round.
         """
         ex = self.exchange
         if self._manifest is None and not await self._load_manifest():
             return False
         await self._catch_up()
         if refresh_live is None:
-            refresh_live = self._observe_leases
+            refresh_live = self._observe_leases if live is None else _constant(live)
         if live is None:
             live = await refresh_live()
         r = self._cursor + 1
@@ -179,6 +181,12 @@ class Syncer:
         won = await ex.claim_round(r, attempt, self.closer_id)
         self._open.claims.setdefault(attempt, now)
         if not won:
+            return False
+        if await ex.read_round(r) is not None:
+            # The sweep deletes the claims of closed rounds, so a syncer that listed them
+            # just after another committed and swept the round wins a freed slot. Closing
+            # under that attempt would overwrite the payloads the record references.
+            await self._catch_up()
             return False
         t_quorum = watch.quorum_time(effective_quorum(alg.quorum_size, len(live)))
         return await self._close(r, attempt, watch.first_time(), t_quorum)
@@ -398,6 +406,9 @@ class Syncer:
             return None
         try:
             entries = await self.exchange.fetch_delta(snap, schema, names)
+        except SchemaMismatch as exc:
+            self._drop(r, snap.learner, key, f"mis-shaped: {exc}", dropped)
+            return None
         except GradientmailError as exc:
             self._drop(r, snap.learner, key, f"unreadable: {exc}", dropped)
             return None
@@ -416,6 +427,29 @@ class Syncer:
         return Contribution(
             snap.learner, snap.local_step, snap.steps, snap.tokens, snap.final, delta
         )
+
+
+def _constant(live: frozenset[str]) -> Callable[[], Awaitable[frozenset[str]]]:
+    async def refresh() -> frozenset[str]:
+        return live
+
+    return refresh
+
+
+async def _sleep_unless(clock: Clock, seconds: float, stop: asyncio.Event | None) -> None:
+    """Sleep `seconds` on `clock`, waking early when `stop` is set (a SIGTERM must not
+    wait out a long poll interval)."""
+    if stop is None:
+        await clock.sleep(seconds)
+        return
+    sleeper = asyncio.ensure_future(clock.sleep(seconds))
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (sleeper, stopper):
+            task.cancel()
+        await asyncio.gather(sleeper, stopper, return_exceptions=True)
 
 
 def _dequantized(

@@ -1,0 +1,692 @@
+"""The Syncer on a MemoryMailbox, driven by hand with a FakeClock.
+
+No learner threads: each test writes a run (manifest and Θ⁰) and the contributions itself
+through `Exchange`, then calls `syncer.poll(live=...)` at chosen clock times and asserts
+on the records, payload bytes and events. Covers quorum, the grace window, the all-live
+shortcut, takeover, in-order closing, every reason to drop a contribution, the estimates
+the records carry, and sweeping. `Run` and its helpers are shared with
+tests/test_syncer_race.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+from collections.abc import Coroutine, Mapping
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+
+from gradientmail.algorithms.base import Contribution
+from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.algorithms.schedule import Estimates
+from gradientmail.clock import Clock, FakeClock
+from gradientmail.events import (
+    ClaimSuperseded,
+    CommitLost,
+    ContributionDropped,
+    Event,
+    RoundClosed,
+    Swept,
+)
+from gradientmail.mailbox import Mailbox, MemoryMailbox
+from gradientmail.mailbox.wrappers import FaultPlan, FaultyMailbox
+from gradientmail.protocol import Exchange, round_key
+from gradientmail.records import Manifest, RoundRecord, SnapshotRecord
+from gradientmail.serialization import ParameterSpec, Schema, TensorBytes
+from gradientmail.syncer import Syncer
+from gradientmail.syncer_state import ESTIMATE_DECAY
+
+T = TypeVar("T")
+SCHEMA = Schema((ParameterSpec("w", "F32", (2, 3)), ParameterSpec("b", "F32", (3,))))
+OTHER_SCHEMA = Schema((ParameterSpec("w", "F32", (3, 2)), ParameterSpec("b", "F32", (3,))))
+START = 100.0
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+def init_tensors() -> dict[str, TensorBytes]:
+    rng = np.random.default_rng(7)
+    return {p.name: TensorBytes.from_numpy(rng.standard_normal(p.shape).astype(np.float32))
+            for p in SCHEMA.params}
+
+
+def delta(r: int, learner: str, names: tuple[str, ...]) -> dict[str, TensorBytes]:
+    """A small, deterministic delta for `learner` in round `r`."""
+    seed = [r, int.from_bytes(hashlib.sha256(learner.encode()).digest()[:4], "little")]
+    rng = np.random.default_rng(seed)
+    return {n: TensorBytes.from_numpy(
+        (0.01 * rng.standard_normal(SCHEMA[n].shape)).astype(np.float32)) for n in names}
+
+
+def algorithm(fragments: int = 2, quorum_size: int = 2, **kw: Any) -> DiLoCo:
+    kw.setdefault("in_flight", 1)
+    kw.setdefault("overlap_steps", None)
+    return DiLoCo(4, fragments, quorum_size=quorum_size, merge=WeightedMean(), **kw)
+
+
+class GateClock:
+    """A clock whose `sleep` waits until the test opens the gate: with
+    `FaultPlan.delay(..., clock=gate)` it parks a mailbox call mid-flight."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.waiting = asyncio.Event()
+
+    def now(self) -> float:
+        return 0.0
+
+    async def sleep(self, seconds: float) -> None:
+        self.waiting.set()
+        await self.gate.wait()
+
+
+class Run:
+    """A run written by hand on `mailbox`: `create()`, `contribute(...)`, `syncer(...)`."""
+
+    def __init__(self, mailbox: Mailbox, alg: DiLoCo, clock: Clock | None = None) -> None:
+        self.mailbox = mailbox
+        self.alg = alg
+        self.clock: Clock = clock if clock is not None else FakeClock(START)
+        self.ex = Exchange(mailbox, clock=self.clock)
+        self.plan = alg.plan(SCHEMA)
+        self.schedule = alg.schedule_for(len(self.plan))
+        self.events: list[Event] = []
+
+    async def create(self) -> Manifest:
+        init = init_tensors()
+        refs = []
+        for p, names in enumerate(self.plan):
+            refs.append(await self.ex.put_init(p, {n: init[n] for n in names}, attempt=0))
+        manifest = Manifest(SCHEMA, self.plan, self.alg.to_json(), "creator", tuple(refs), "off")
+        assert await self.ex.create_manifest(manifest)
+        return manifest
+
+    async def contribute(
+        self,
+        r: int,
+        learner: str,
+        *,
+        base_version: int | None = None,
+        fragment: int | None = None,
+        tensors: Mapping[str, TensorBytes] | None = None,
+        steps: int = 4,
+        tokens: int = 64,
+        schema_digest: str | None = None,
+        final: bool = False,
+    ) -> SnapshotRecord:
+        """Publish `learner`'s contribution to round `r`; by default a well-formed one
+        against the version the fragment has when every earlier round committed."""
+        fragment = self.schedule.fragment_of(r) if fragment is None else fragment
+        if base_version is None:
+            base_version = r // len(self.plan)
+        if tensors is None:
+            tensors = delta(r, learner, self.plan[fragment])
+        return await self.ex.publish(
+            r, learner, tensors, fragment=fragment, base_version=base_version,
+            local_step=(r + 1) * steps, steps=steps, tokens=tokens, final=final,
+            schema_digest=SCHEMA.digest() if schema_digest is None else schema_digest,
+            delta_format="F32",
+        )
+
+    def syncer(self, closer_id: str = "s1", mailbox: Mailbox | None = None,
+               **kw: Any) -> Syncer:
+        kw.setdefault("poll_interval", 1.0)
+        return Syncer(mailbox if mailbox is not None else self.mailbox, closer_id=closer_id,
+                      clock=self.clock, on_event=self.events.append, **kw)
+
+    async def records(self) -> list[RoundRecord]:
+        return await self.ex.rounds_after(-1)
+
+    def of(self, kind: type[Event]) -> list[Any]:
+        return [e for e in self.events if isinstance(e, kind)]
+
+
+def fingerprint(records: list[RoundRecord]) -> list[tuple[Any, ...]]:
+    """What must not depend on who closed a round or when: the committed bytes (by their
+    SHA-256), the versions, who took part with what weight, who was dropped and why."""
+    return [(r.round, r.fragment, r.version, r.theta.sha256, r.outer.sha256,
+             r.participants, r.dropped, r.mean_cosine, r.all_final) for r in records]
+
+
+def fake(run_: Run) -> FakeClock:
+    assert isinstance(run_.clock, FakeClock)
+    return run_.clock
+
+
+@pytest.fixture
+def mailbox() -> Any:
+    name = "syncer-test"
+    MemoryMailbox.forget(name)
+    yield MemoryMailbox(name)
+    MemoryMailbox.forget(name)
+
+
+# -- quorum, grace window, all-live shortcut -------------------------------------------
+
+
+def test_a_round_closes_once_the_quorum_is_in_and_merges_exactly_it(mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=2, quorum_size=2))
+        await r.create()
+        s = r.syncer()
+        live = frozenset({"a", "b", "c"})
+        assert not await s.poll(live=live)  # nothing contributed
+        await r.contribute(0, "a")
+        assert not await s.poll(live=live)  # 1 of 2
+        assert await r.ex.read_round(0) is None
+        assert await r.ex.round_claims(0) == []
+        await r.contribute(0, "b")
+        assert await s.poll(live=live)
+        rec = await r.ex.read_round(0)
+        assert rec is not None
+        assert [p.learner for p in rec.participants] == ["a", "b"]
+        assert (rec.round, rec.fragment, rec.version, rec.closer) == (0, 0, 1, "s1")
+        # The committed bytes are the aggregator's on the same inputs.
+        theta = await r.ex.fetch_tensors(rec.theta)
+        assert theta is not None
+        names = r.plan[0]
+        want = r.alg.aggregator().close_round(
+            r.alg.initial_state(0, {n: init_tensors()[n] for n in names}),
+            merged(r, 0, ["a", "b"]), SCHEMA).state.theta
+        assert theta == dict(want)
+        closed = r.of(RoundClosed)
+        assert [(e.round, e.participants, e.tokens) for e in closed] == [(0, ("a", "b"), 128)]
+
+    run(main())
+
+
+def merged(r: Run, round_: int, learners: list[str]) -> list[Contribution]:
+    """The contributions `Run.contribute` publishes by default, as the aggregator takes them."""
+    names = r.plan[r.schedule.fragment_of(round_)]
+    return [Contribution(learner, (round_ + 1) * 4, 4, 64, False, delta(round_, learner, names))
+            for learner in learners]
+
+
+def test_the_effective_quorum_shrinks_to_the_live_learners(mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=3))
+        await r.create()
+        s = r.syncer()
+        await r.ex.beat("a")
+        await r.ex.beat("b")  # the caller's own view below is final, not the leases
+        await r.contribute(0, "a")
+        assert not await s.poll(live=frozenset({"a", "b"}))
+        assert await s.poll(live=frozenset({"a"}))  # only a is live: a run of one closes
+        rec = await r.ex.read_round(0)
+        assert rec is not None and [p.learner for p in rec.participants] == ["a"]
+
+    run(main())
+
+
+def test_a_short_quorum_looks_at_the_leases_again_before_closing(mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=2))
+        await r.create()
+        s = r.syncer()
+        await r.contribute(0, "a")
+        calls = []
+
+        async def refresh() -> frozenset[str]:
+            calls.append(1)
+            return frozenset({"a", "b"})  # b joined since the caller's last listing
+
+        assert not await s.poll(live=frozenset({"a"}), refresh_live=refresh)
+        assert calls == [1]
+        assert await r.ex.read_round(0) is None
+
+    run(main())
+
+
+def test_without_live_the_syncer_judges_leases_on_its_own_clock(mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=2))
+        await r.create()
+        s = r.syncer(lease_timeout=10.0)
+        await r.ex.beat("a")
+        await r.ex.beat("b")
+        await r.contribute(0, "a")
+        assert not await s.poll()  # b holds a lease: wait for it
+        fake(r).advance(6.0)
+        await r.ex.beat("a")  # a renews, b does not
+        assert not await s.poll()
+        fake(r).advance(6.0)  # b's counter last changed 12 s ago: dead
+        assert await s.poll()
+        rec = await r.ex.read_round(0)
+        assert rec is not None and [p.learner for p in rec.participants] == ["a"]
+
+    run(main())
+
+
+async def with_estimates(r: Run, estimates: Estimates) -> None:
+    """Close round 0 with a and b, then rewrite its record to carry `estimates` (the
+    learners' step time is not measured by a syncer alone)."""
+    s = r.syncer("setup", sweep=False)
+    await r.contribute(0, "a")
+    await r.contribute(0, "b")
+    assert await s.poll(live=frozenset({"a", "b"}))
+    rec = await r.ex.read_round(0)
+    assert rec is not None
+    await r.mailbox.put(round_key(0), dataclasses.replace(rec, estimates=estimates).encode())
+
+
+def test_the_grace_window_waits_for_stragglers_after_quorum(mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=1))
+        await r.create()
+        # grace = min(0.5·max(ahead·ξ_step − (ξ_quorum + ξ_sync), 0), gap·ξ_step)
+        #       = min(0.5·max(4·2 − (1 + 1), 0), 4·2) = 3 s
+        await with_estimates(r, Estimates(step=2.0, quorum=1.0, sync=1.0))
+        s = r.syncer()
+        live = frozenset({"a", "b"})
+        await r.contribute(1, "a")
+        assert not await s.poll(live=live)  # quorum (1) in at t=100, due at t=103
+        fake(r).advance(2.5)
+        assert not await s.poll(live=live)
+        fake(r).advance(0.5)
+        assert await s.poll(live=live)
+        rec = await r.ex.read_round(1)
+        assert rec is not None and [p.learner for p in rec.participants] == ["a"]
+        assert rec.version == 2
+
+    run(main())
+
+
+def test_a_straggler_inside_the_grace_window_is_merged(mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=1))
+        await r.create()
+        await with_estimates(r, Estimates(step=2.0, quorum=1.0, sync=1.0))
+        s = r.syncer()
+        live = frozenset({"a", "b", "c"})
+        await r.contribute(1, "a")
+        assert not await s.poll(live=live)
+        fake(r).advance(2.0)
+        await r.contribute(1, "b")
+        assert not await s.poll(live=live)  # c is live and may still come
+        fake(r).advance(1.0)
+        assert await s.poll(live=live)
+        rec = await r.ex.read_round(1)
+        assert rec is not None and [p.learner for p in rec.participants] == ["a", "b"]
+
+    run(main())
+
+
+def test_when_every_live_learner_contributed_the_round_closes_at_once(mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=1))
+        await r.create()
+        await with_estimates(r, Estimates(step=2.0, quorum=1.0, sync=1.0))
+        s = r.syncer()
+        live = frozenset({"a", "b"})
+        await r.contribute(1, "a")
+        assert not await s.poll(live=live)
+        fake(r).advance(1.0)
+        await r.contribute(1, "b")
+        assert await s.poll(live=live)  # 1 s into a 3 s window: nobody left to wait for
+        rec = await r.ex.read_round(1)
+        assert rec is not None and [p.learner for p in rec.participants] == ["a", "b"]
+
+    run(main())
+
+
+# -- order, claims, takeover -----------------------------------------------------------
+
+
+def test_rounds_close_strictly_in_order(mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=2, quorum_size=1))
+        await r.create()
+        s = r.syncer()
+        live = frozenset({"a"})
+        await r.contribute(1, "a")
+        await r.contribute(2, "a")
+        assert not await s.poll(live=live)  # round 0 has nothing: 1 and 2 wait
+        assert await r.ex.round_claims(1) == []
+        await r.contribute(0, "a")
+        assert [await s.poll(live=live) for _ in range(4)] == [True, True, True, False]
+        recs = await r.records()
+        assert [(x.round, x.fragment, x.version) for x in recs] == [(0, 0, 1), (1, 1, 1),
+                                                                    (2, 0, 2)]
+
+    run(main())
+
+
+def test_a_claim_without_a_record_is_taken_over_after_the_timeout(mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=1))
+        await r.create()
+        await r.contribute(0, "a")
+        assert await r.ex.claim_round(0, 0, "ghost")  # a closer that died after claiming
+        s = r.syncer(poll_interval=0.5)  # takeover after max(10 polls, 3·ξ_sync) = 5 s
+        live = frozenset({"a"})
+        assert not await s.poll(live=live)
+        fake(r).advance(4.9)
+        assert not await s.poll(live=live)
+        assert r.of(ClaimSuperseded) == []
+        fake(r).advance(0.1)
+        assert await s.poll(live=live)
+        [event] = r.of(ClaimSuperseded)
+        assert (event.closer, event.round, event.attempt, event.waited) == ("s1", 0, 1, 5.0)
+        rec = await r.ex.read_round(0)
+        assert rec is not None and rec.closer == "s1"
+        assert rec.theta.key.endswith("-000001.safetensors")
+        claim = await r.ex.read_round_claim(0, 0)
+        assert claim is None  # swept with the round
+
+    run(main())
+
+
+def test_the_takeover_timeout_follows_the_estimates_in_the_records(mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=1))
+        await r.create()
+        await with_estimates(r, Estimates(step=None, quorum=None, sync=5.0))
+        await r.contribute(1, "a")
+        assert await r.ex.claim_round(1, 0, "ghost")
+        s = r.syncer(poll_interval=1.0)  # a fresh syncer: 3·ξ_sync = 15 s > 10 polls
+        live = frozenset({"a"})
+        assert not await s.poll(live=live)
+        fake(r).advance(14.0)
+        assert not await s.poll(live=live)
+        fake(r).advance(1.0)
+        assert await s.poll(live=live)
+
+    run(main())
+
+
+def test_a_lost_claim_waits_for_the_winners_record(mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=1))
+        await r.create()
+        await r.contribute(0, "a")
+        s1, s2 = r.syncer("s1"), r.syncer("s2")
+        live = frozenset({"a"})
+        assert await s1.poll(live=live)
+        assert not await s2.poll(live=live)  # catches up with s1's record first
+        await r.contribute(1, "a")
+        assert await r.ex.claim_round(1, 0, "s1")  # s1 holds round 1 (and is working)
+        assert not await s2.poll(live=live)
+        assert await r.ex.read_round(1) is None
+        assert r.of(CommitLost) == []
+
+    run(main())
+
+
+def test_a_claim_slot_freed_by_the_sweep_is_not_a_license_to_close(mailbox: Mailbox) -> None:
+    """s2 lists the open round's claims just after s1 committed it and swept its claims
+    and contributions: s2 wins claim attempt 0 again, on a closed round. It must not
+    upload under that attempt: the record references s1's payloads at those keys."""
+
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=1))
+        await r.create()
+        await r.contribute(0, "a")
+        gate = GateClock()
+        parked = FaultyMailbox(mailbox, FaultPlan().delay("list", "claims/round/*", 1.0,
+                                                          gate, times=1))
+        s1, s2 = r.syncer("s1"), r.syncer("s2", mailbox=parked)
+        live = frozenset({"a"})
+        task = asyncio.create_task(s2.poll(live=live))
+        await gate.waiting.wait()  # s2 saw the contribution and is listing the claims
+        assert await s1.poll(live=live)
+        gate.gate.set()
+        assert not await task
+        rec = await r.ex.read_round(0)
+        assert rec is not None and rec.closer == "s1"
+        assert await r.ex.fetch_tensors(rec.theta) is not None  # bytes match the record
+        assert await r.ex.fetch_tensors(rec.outer) is not None
+        assert r.of(CommitLost) == []
+        assert s2.rounds_closed == 0
+
+    run(main())
+
+
+# -- dropped contributions -------------------------------------------------------------
+
+
+async def publish_bad(r: Run, round_: int) -> dict[str, str]:
+    """One contribution of each kind a closer must leave out; learner -> reason start."""
+    frag = r.schedule.fragment_of(round_)
+    names = r.plan[frag]
+    await r.contribute(round_, "stale", base_version=1)
+    await r.contribute(round_, "other-schema", schema_digest=OTHER_SCHEMA.digest())
+    await r.contribute(round_, "other-fragment", fragment=1 - frag)
+    shaped = {n: TensorBytes.from_numpy(np.zeros((3, 2) if n == "w" else (4,), np.float32))
+              for n in names}
+    await r.contribute(round_, "mis-shaped", tensors=shaped)
+    nan = delta(round_, "nan", names)
+    nan[names[0]] = TensorBytes.from_numpy(np.full(SCHEMA[names[0]].shape, np.nan, np.float32))
+    await r.contribute(round_, "non-finite", tensors=nan)
+    snap = await r.contribute(round_, "corrupt")
+    blob = await r.mailbox.get(snap.payload.key)
+    assert blob is not None
+    await r.mailbox.put(snap.payload.key, blob[:-4] + b"\xff\xff\xff\xff")
+    return {
+        "stale": "stale: base version 1, the fragment is at version 0",
+        "other-schema": f"another schema digest {OTHER_SCHEMA.digest()[:12]}",
+        "other-fragment": f"fragment {1 - frag}, the round trains fragment {frag}",
+        "mis-shaped": "mis-shaped: ",
+        "non-finite": f"non-finite values in ['{names[0]}']",
+        "corrupt": "unreadable: payload",
+    }
+
+
+def test_bad_contributions_are_dropped_with_an_event_and_a_record_entry(
+    mailbox: Mailbox,
+) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=2, quorum_size=1))
+        await r.create()
+        expected = await publish_bad(r, 0)
+        await r.contribute(0, "good")
+        s = r.syncer()
+        assert await s.poll(live=frozenset({*expected, "good"}))
+        rec = await r.ex.read_round(0)
+        assert rec is not None
+        assert [p.learner for p in rec.participants] == ["good"]
+        reasons = {d.learner: d.reason for d in rec.dropped}
+        assert sorted(reasons) == sorted(expected)
+        for learner, start in expected.items():
+            assert reasons[learner].startswith(start), (learner, reasons[learner])
+        assert "SHA-256" in reasons["corrupt"]
+        assert "'w' has shape [3, 2], the schema says [2, 3]" in reasons["mis-shaped"]
+        events = {e.learner: e for e in r.of(ContributionDropped)}
+        assert sorted(events) == sorted(expected)
+        for learner, e in events.items():
+            assert e.round == 0
+            assert e.key == f"payloads/0000000000/{learner}.safetensors"
+            assert e.reason.startswith(reasons[learner][:40])
+        # The good contribution alone moved the fragment.
+        theta = await r.ex.fetch_tensors(rec.theta)
+        init = init_tensors()
+        assert theta is not None and theta["w"] != init["w"]
+
+    run(main())
+
+
+def test_a_round_whose_contributions_are_all_dropped_still_commits(mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=2, quorum_size=1))
+        manifest = await r.create()
+        expected = await publish_bad(r, 0)
+        s = r.syncer()
+        assert await s.poll(live=frozenset(expected))
+        rec = await r.ex.read_round(0)
+        assert rec is not None
+        assert (rec.version, rec.participants, rec.mean_cosine, rec.update) == (1, (), None, None)
+        assert sorted(d.learner for d in rec.dropped) == sorted(expected)
+        theta = await r.ex.fetch_tensors(rec.theta)
+        init = await r.ex.fetch_tensors(manifest.init[0])
+        assert theta is not None and init is not None
+        assert theta == init  # the same theta, one version on
+        # The learners can go on: round 1 (the other fragment) and round 2 (version 1 of
+        # fragment 0) close normally.
+        await r.contribute(1, "a")
+        await r.contribute(2, "a")
+        live = frozenset({"a"})
+        assert await s.poll(live=live) and await s.poll(live=live)
+        recs = await r.records()
+        assert [(x.round, x.version, len(x.participants)) for x in recs] == [
+            (0, 1, 0), (1, 1, 1), (2, 2, 1)]
+
+    run(main())
+
+
+def test_an_unparseable_contribution_record_is_dropped_by_name(mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=1))
+        await r.create()
+        await mailbox.put("snapshots/0000000000/junk.json", b"{not json")
+        await r.contribute(0, "a")
+        s = r.syncer()
+        assert await s.poll(live=frozenset({"a", "junk"}))
+        rec = await r.ex.read_round(0)
+        assert rec is not None
+        assert [p.learner for p in rec.participants] == ["a"]
+        [dropped] = rec.dropped
+        assert dropped.learner == "junk" and "is not valid JSON" in dropped.reason
+
+    run(main())
+
+
+# -- estimates and sweeping ------------------------------------------------------------
+
+
+def test_records_carry_the_measured_quorum_and_sync_seconds(mailbox: Mailbox) -> None:
+    async def main() -> None:
+        clock = FakeClock(START)
+        # Uploading theta takes 1.5 s on the fake clock: that is the close time measured.
+        slow = FaultyMailbox(mailbox, FaultPlan().delay("put", "theta/*", 1.5, clock))
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=2), clock)
+        await r.create()
+        s = r.syncer(mailbox=slow)
+        live = frozenset({"a", "b"})
+        await r.contribute(0, "a")
+        assert not await s.poll(live=live)
+        clock.advance(4.0)
+        await r.contribute(0, "b")
+        assert await s.poll(live=live)
+        rec0 = await r.ex.read_round(0)
+        assert rec0 is not None
+        assert rec0.estimates == Estimates(step=None, quorum=4.0, sync=1.5)
+        await r.contribute(1, "a")
+        await r.contribute(1, "b")
+        assert await s.poll(live=live)  # both seen at once: ξ_quorum observed as 0
+        rec1 = await r.ex.read_round(1)
+        assert rec1 is not None
+        d = ESTIMATE_DECAY
+        assert rec1.estimates.step is None
+        assert rec1.estimates.quorum == pytest.approx((1 - d) * 4.0, rel=1e-12)
+        assert rec1.estimates.sync == pytest.approx(1.5, rel=1e-12)
+
+    run(main())
+
+
+def test_the_sweep_keeps_the_newest_versions_and_open_rounds(mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=1))
+        manifest = await r.create()
+        s = r.syncer(keep_versions=2)
+        live = frozenset({"a"})
+        for rnd in range(5):
+            await r.contribute(rnd, "a")
+        await r.contribute(6, "a")  # a round far ahead: not closed, never swept
+        for _ in range(5):
+            assert await s.poll(live=live)
+        recs = await r.records()
+        assert [x.version for x in recs] == [1, 2, 3, 4, 5]
+        keys = await mailbox.list("")
+        theta = [k for k in keys if k.startswith("theta/")]
+        outer = [k for k in keys if k.startswith("outer/")]
+        assert theta == [recs[3].theta.key, recs[4].theta.key]
+        assert outer == [recs[3].outer.key, recs[4].outer.key]
+        assert [k for k in keys if k.startswith(("payloads/", "snapshots/"))] == [
+            "payloads/0000000006/a.safetensors", "snapshots/0000000006/a.json"]
+        assert [k for k in keys if k.startswith("claims/round/")] == []
+        assert [k for k in keys if k.startswith("rounds/")] == [round_key(i) for i in range(5)]
+        assert {ref.key for ref in manifest.init} <= set(keys)  # Θ⁰ is never swept
+        assert sum(e.deleted for e in r.of(Swept)) > 0
+
+    run(main())
+
+
+def test_a_syncer_that_does_not_sweep_leaves_everything(mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=1))
+        await r.create()
+        s = r.syncer(sweep=False)
+        for rnd in range(3):
+            await r.contribute(rnd, "a")
+            assert await s.poll(live=frozenset({"a"}))
+        keys = await mailbox.list("")
+        assert len([k for k in keys if k.startswith("theta/")]) == 3
+        assert len([k for k in keys if k.startswith("payloads/")]) == 3
+        assert r.of(Swept) == []
+        # A later sweep with keep_versions=1 leaves only the newest version.
+        doomed = await r.ex.sweep(1)
+        assert len(doomed) == 3 * 3 + 2 * 2  # payloads+snapshots+claims, old theta+outer
+        keys = await mailbox.list("")
+        assert [k for k in keys if k.startswith("theta/")] == [
+            "theta/0/0000000003-000000.safetensors"]
+
+    run(main())
+
+
+def test_a_syncer_on_an_empty_mailbox_waits_for_the_run(mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=1))
+        s = r.syncer()
+        assert not await s.poll(live=frozenset({"a"}))
+        await r.create()
+        await r.contribute(0, "a")
+        assert await s.poll(live=frozenset({"a"}))
+
+    run(main())
+
+
+def test_a_syncer_started_late_continues_from_the_stored_outer_state(mailbox: Mailbox) -> None:
+    """Closing rounds 0-3 with one syncer, or 0-1 with one and 2-3 with a fresh one (which
+    must load momentum from the mailbox), commits the same bytes."""
+
+    async def close(r: Run, switch_at: int) -> list[tuple[Any, ...]]:
+        await r.create()
+        live = frozenset({"a", "b"})
+        s = r.syncer("first")
+        for rnd in range(4):
+            if rnd == switch_at:
+                s = r.syncer("second")
+            await r.contribute(rnd, "a", tokens=40)
+            await r.contribute(rnd, "b", tokens=90)
+            assert await s.poll(live=live)
+        return fingerprint(await r.records())
+
+    async def main() -> None:
+        one = await close(Run(MemoryMailbox(), algorithm(fragments=2)), switch_at=-1)
+        two = await close(Run(mailbox, algorithm(fragments=2)), switch_at=2)
+        assert one == two
+        assert one[2][2] == 2 and one[2][5][0].weight == 40 * 40 / 4
+
+    run(main())
+
+
+def test_run_stops_when_told_without_waiting_out_the_poll_interval(mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=1))
+        await r.create()
+        await r.ex.beat("a")
+        await r.contribute(0, "a")
+        s = Syncer(mailbox, closer_id="looper", poll_interval=3600.0)  # the real clock
+        stop = asyncio.Event()
+        task = asyncio.create_task(s.run(stop))
+        while await r.ex.read_round(0) is None:
+            await asyncio.sleep(0.01)
+        stop.set()
+        await asyncio.wait_for(task, timeout=60)  # not 3600 s
+        assert s.rounds_closed == 1
+
+    run(main())
