@@ -76,6 +76,7 @@ class _Job:
     final: bool
     snapshot: Any
     anchor: Any
+    step_seconds: float | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,6 +356,7 @@ class Learner:
             final=final,
             snapshot=self.adapter.snapshot(self._plan[p]),
             anchor=self._anchors[p],
+            step_seconds=state.step_seconds,
         )
         self._state = ls.published(state, r, sch)
         self._handed += 1
@@ -655,6 +657,7 @@ class Learner:
             final=job.final,
             schema_digest=self.adapter.schema.digest(),
             delta_format=fmt or "F32",
+            step_seconds=job.step_seconds,
         )
         self.on_event(
             SnapshotPublished(

@@ -415,6 +415,7 @@ class Exchange:
         final: bool,
         schema_digest: str,
         delta_format: str,
+        step_seconds: float | None = None,
     ) -> SnapshotRecord:
         """Upload a delta, then the record that references it (both create-if-absent).
 
@@ -428,7 +429,7 @@ class Exchange:
             learner=learner, round=round_, fragment=fragment, base_version=base_version,
             local_step=local_step, steps=steps, tokens=tokens, final=final,
             schema_digest=schema_digest, delta_format=delta_format,
-            payload=PayloadRef(stem, 0, "0" * 64),
+            payload=PayloadRef(stem, 0, "0" * 64), step_seconds=step_seconds,
         )
         ref = await self.put_payload(stem, tensors, create=True)
         key = f"{_round_dir('snapshots/', round_)}{learner}.json"

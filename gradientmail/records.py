@@ -439,6 +439,7 @@ class SnapshotRecord(Record):
     schema_digest: str
     delta_format: str
     payload: PayloadRef
+    step_seconds: float | None = None
 
     def __post_init__(self) -> None:
         check_learner_id(self.learner)
@@ -448,6 +449,12 @@ class SnapshotRecord(Record):
             raise LocalProtocolError(f"final={self.final!r} must be a bool")
         _check_sha256("schema_digest", self.schema_digest)
         _check_format("delta_format", self.delta_format)
+        s = self.step_seconds
+        if s is not None:
+            if isinstance(s, bool) or not isinstance(s, int | float) or not math.isfinite(s) \
+                    or s < 0:
+                raise LocalProtocolError(f"step_seconds={s!r} must be a finite number >= 0")
+            object.__setattr__(self, "step_seconds", float(s))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -460,6 +467,7 @@ class SnapshotRecord(Record):
             "payload": self.payload.to_json(),
             "round": self.round,
             "schema_digest": self.schema_digest,
+            "step_seconds": self.step_seconds,
             "steps": self.steps,
             "tokens": self.tokens,
             "v": FORMAT_VERSION,
@@ -469,7 +477,7 @@ class SnapshotRecord(Record):
     def from_json(cls, obj: Any, key: str) -> Self:
         f = _Fields(obj, key, "", ("base_version", "delta_format", "final", "fragment",
                                    "learner", "local_step", "payload", "round",
-                                   "schema_digest", "steps", "tokens", "v"))
+                                   "schema_digest", "step_seconds", "steps", "tokens", "v"))
         return _build(
             cls, key, "", learner=f.get_str("learner"), round=f.get_int("round"),
             fragment=f.get_int("fragment"), base_version=f.get_int("base_version"),
@@ -478,6 +486,7 @@ class SnapshotRecord(Record):
             final=f.get_bool("final"), schema_digest=f.get_str("schema_digest"),
             delta_format=f.get_str("delta_format"),
             payload=PayloadRef.from_json(f.obj["payload"], key, "payload"),
+            step_seconds=f.get_opt_float("step_seconds"),
         )
 
 

@@ -7,35 +7,21 @@ arithmetic written as a synchronous loop must give the same parameters within 1e
 
 from __future__ import annotations
 
+import secrets
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from workers.toy import inner_step, make_model
 
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
 from gradientmail.learner import Learner
-from gradientmail.mailbox import MemoryMailbox
+from gradientmail.mailbox import Mailbox, S3Mailbox
 
 H, ROUNDS, LEARNERS, INNER_LR = 3, 4, 2, 0.05
-
-
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-
-
-def batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * worker + step)
-    return torch.randn(5, 6, generator=g), torch.randn(5, 2, generator=g)
-
-
-def inner_step(model: torch.nn.Module, opt: torch.optim.Optimizer, worker: int, step: int) -> None:
-    x, y = batch(worker, step)
-    opt.zero_grad()
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    opt.step()
 
 
 def oracle() -> list[torch.Tensor]:
@@ -59,7 +45,7 @@ def oracle() -> list[torch.Tensor]:
     return [p.detach().clone() for p in params]
 
 
-def run_learners(mailbox_url: str) -> list[list[torch.Tensor]]:
+def run_learners(mailbox_for: Callable[[], Mailbox | str]) -> list[list[torch.Tensor]]:
     algorithm = DiLoCo(
         sync_every=H,
         fragments=1,
@@ -78,7 +64,7 @@ def run_learners(mailbox_url: str) -> list[list[torch.Tensor]]:
             learner = Learner(
                 TorchAdapter(model),
                 algorithm,
-                mailbox_url,
+                mailbox_for(),
                 f"learner-{w}",
                 poll_interval=0.01,
                 lease_every=5.0,
@@ -106,13 +92,24 @@ def run_learners(mailbox_url: str) -> list[list[torch.Tensor]]:
     return results
 
 
-@pytest.mark.parametrize("kind", ["memory", "local"])
-def test_standard_diloco_equals_the_synchronous_loop(kind: str, tmp_path: Path) -> None:
-    url = "memory://oracle" if kind == "memory" else str(tmp_path / "run")
+@pytest.mark.parametrize("kind", ["memory", "local", "s3"])
+def test_standard_diloco_equals_the_synchronous_loop(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    mailbox_for: Callable[[], Mailbox | str]
     if kind == "memory":
-        MemoryMailbox.forget("oracle")
+        name = f"oracle-{secrets.token_hex(4)}"
+        mailbox_for = lambda: f"memory://{name}"  # noqa: E731
+    elif kind == "local":
+        mailbox_for = lambda: str(tmp_path / "run")  # noqa: E731
+    else:
+        bucket = request.getfixturevalue("s3_bucket")
+        endpoint = request.getfixturevalue("moto_endpoint")
+        prefix = f"oracle-{secrets.token_hex(4)}"
+        # One client per learner, as on separate machines.
+        mailbox_for = lambda: S3Mailbox(bucket, prefix=prefix, endpoint_url=endpoint)  # noqa: E731
     want = oracle()
-    for got in run_learners(url):
+    for got in run_learners(mailbox_for):
         assert len(got) == len(want)
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=0, atol=1e-6)

@@ -44,7 +44,7 @@ MANIFEST = Manifest(
 )
 SNAPSHOT = SnapshotRecord(
     "node-1", 7, 1, 3, 1234, 50, 204800, False, C, "BF16",
-    ref("payloads/0000000007/node-1.safetensors.zst", A),
+    ref("payloads/0000000007/node-1.safetensors.zst", A), 0.25,
 )
 ROUND = RoundRecord(
     7, 1, 4,
@@ -78,7 +78,7 @@ GOLDEN: list[tuple[Any, bytes]] = [
         b'aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa","size":123},'
         b'"round":7,"schema_digest":"'
         b'cccccccccccccccccccccccccccccccccccccccccccccccccccccccccccccccc",'
-        b'"steps":50,"tokens":204800,"v":1}'
+        b'"step_seconds":0.25,"steps":50,"tokens":204800,"v":1}'
     )),
     (ROUND, (
         b'{"all_final":false,"closer":"node-2","dropped":[{"learner":"node-3","reason":'
@@ -366,7 +366,8 @@ def test_round_record_round_trip(record: RoundRecord) -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(st.builds(SnapshotRecord, ids, counts, counts, counts, counts, counts, counts,
-                 st.booleans(), shas, st.sampled_from(["F32", "BF16", "F4"]), refs))
+                 st.booleans(), shas, st.sampled_from(["F32", "BF16", "F4"]), refs,
+                 st.none() | st.floats(0, 1e6, allow_nan=False)))
 def test_snapshot_round_trip(record: SnapshotRecord) -> None:
     assert SnapshotRecord.decode(record.encode(), KEY) == record
 

@@ -1,0 +1,114 @@
+"""A learner in its own OS process, for multi-process tests.
+
+    python tests/workers/learner_proc.py MAILBOX ID --steps N --out OUT.json [options]
+
+Trains the toy model with plain SGD, steps the learner after every optimizer step, closes,
+and writes the final parameters and the events it saw to OUT.json. With --pause-at K it
+writes OUT.json.ready at step K and waits there until killed (for crash tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+from toy import inner_step, make_model
+
+from gradientmail.adapters import TorchAdapter
+from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.events import Event
+from gradientmail.learner import Learner
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mailbox")
+    ap.add_argument("learner_id")
+    ap.add_argument("--worker", type=int, default=0)
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--sync-every", type=int, default=3)
+    ap.add_argument("--fragments", type=int, default=1)
+    ap.add_argument("--standard", type=int, default=0, help="standard DiLoCo with this quorum")
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--sleep", type=float, default=0.0)
+    ap.add_argument("--pause-at", type=int, default=-1)
+    ap.add_argument("--start-step", type=int, default=0)
+    ap.add_argument("--wait-for", type=int, default=0, help="wait for this many live learners")
+    args = ap.parse_args()
+
+    if args.standard:
+        alg = DiLoCo(
+            sync_every=args.sync_every,
+            fragments=1,
+            in_flight=1,
+            overlap_steps=0,
+            merge=WeightedMean(),
+            quorum_size=args.standard,
+        )
+    else:
+        alg = DiLoCo(
+            sync_every=args.sync_every, fragments=args.fragments, in_flight=min(2, args.fragments)
+        )
+    seen: list[dict[str, object]] = []
+
+    def on_event(e: Event) -> None:
+        seen.append(
+            {
+                "type": type(e).__name__,
+                **{
+                    f.name: getattr(e, f.name)
+                    for f in dataclasses.fields(e)
+                    if isinstance(getattr(e, f.name), int | float | str | None)
+                },
+            }
+        )
+
+    model = make_model()
+    learner = Learner(
+        TorchAdapter(model),
+        alg,
+        args.mailbox,
+        args.learner_id,
+        poll_interval=0.01,
+        lease_every=2.0,
+        lease_timeout=6.0,
+        on_event=on_event,
+    )
+    learner.start()
+    deadline = time.monotonic() + 120
+    while len(learner.live_learners) < args.wait_for and time.monotonic() < deadline:
+        time.sleep(0.02)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    for step in range(args.start_step, args.start_step + args.steps):
+        if step == args.pause_at:
+            Path(args.out + ".ready").write_text(str(os.getpid()))
+            while True:
+                time.sleep(1)
+        inner_step(model, opt, args.worker, step)
+        learner.step(5)
+        if args.sleep:
+            time.sleep(args.sleep)
+    learner.close()
+    params = {n: p.detach().reshape(-1).tolist() for n, p in model.named_parameters()}
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "params": params,
+                "rounds_seen": learner.rounds_seen,
+                "events": seen,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
