@@ -154,6 +154,7 @@ class Learner:
         self._stop: asyncio.Event | None = None
         self._closed = False
         self._last_step_time: float | None = None
+        self._touched: set[int] = set()
         # Written by the mailman, read by the training thread (plain attribute swaps).
         self._others: tuple[int, int] = (-1, 0)  # (round, learners other than us in it)
         self._live: frozenset[str] = frozenset()
@@ -225,12 +226,15 @@ class Learner:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._begin_loops, result)
 
-    def step(self, samples: int = 0) -> None:
+    def step(self, samples: int = 0) -> tuple[int, ...]:
         """Account for one optimizer step over `samples` tokens (or samples).
 
         Applies commits that arrived, publishes a round when one is due, and waits only
         when `overlap_steps` says training may not run further ahead. Never does I/O.
+        Returns the fragments whose parameters it overwrote (sorted), so a data-parallel
+        integration knows which tensors to broadcast from its rank 0 (`plan[p]` names them).
         """
+        self._touched.clear()
         state = self._require_started()
         self._check_alive()
         now = time.perf_counter()
@@ -242,6 +246,7 @@ class Learner:
         self._state = state
         self._maybe_publish()
         self._wait_while_overdue()
+        return tuple(sorted(self._touched))
 
     def close(self) -> None:
         """Wait for the commits of the rounds in flight, reset the model to the newest
@@ -319,6 +324,7 @@ class Learner:
         )
         mixing = self.algorithm.mixing
         self.adapter.apply(commit.loaded, mixing)
+        self._touched.add(rec.fragment)
         self._anchors[rec.fragment] = commit.loaded
         self._state = ls.applied(state, rec.round, rec.fragment, rec.version, took_part, mixing)
         self.on_event(
