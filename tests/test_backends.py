@@ -200,3 +200,51 @@ def test_empty_and_scalar_tensors() -> None:
             v = be.load(tb(x))
             assert be.gram([v, v]) == [[v.dot(v)] * 2] * 2
             assert be.outer_step(v, v, [v], [1.0], 0.5, 0.5)[0].shape == shape
+
+
+def test_numpy_results_do_not_depend_on_the_thread_count() -> None:
+    n = 2 * nbk.BLOCK + 7  # three blocks
+    raw = [tb(randn((n,), 40 + i)) for i in range(3)]
+    outs = []
+    for threads in (1, 3):
+        be = NumpyBackend(threads=threads)
+        vs = [be.load(t) for t in raw]
+        th, m = be.outer_step(vs[0], vs[1], vs, [0.5, 0.25, 0.125], 0.7, 0.9)
+        outs.append((be.gram(vs), th.to_bytes("F32"), m.to_bytes("F32"),
+                     be.lincomb(vs, [1.0, 2.0, 3.0]).to_bytes("F32")))
+        assert be.gram(vs)[0][1] == vs[0].dot(vs[1])  # same blocks, same float64 sums
+    assert outs[0] == outs[1]
+    with pytest.raises(ConfigError, match="threads=0 must be an int >= 1"):
+        NumpyBackend(threads=0)
+
+
+@pytest.mark.parametrize("be", BACKENDS, ids=IDS)
+def test_all_finite(be: Backend) -> None:
+    x = randn((nbk.BLOCK + 5,), 7)
+    assert be.all_finite(be.load(tb(x)))
+    assert be.all_finite(be.zeros((0,)))
+    for bad in (np.nan, np.inf, -np.inf):
+        y = x.copy()
+        y[nbk.BLOCK + 1] = bad
+        assert not be.all_finite(be.load(tb(y)))
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_values_match_numpy_bytes() -> None:
+    n = 3 * nbk.CHUNK + 5
+    raw = [tb(randn((n,), 50 + i, scale=10.0**-i)) for i in range(3)]
+
+    def run(be: Backend) -> bytes:
+        vs = [be.load(t) for t in raw]
+        th, m = be.outer_step(vs[0], vs[1], vs, [0.25, -0.5, 1 / 3], 0.7, 0.9)
+        x = vs[0] * 0.1 + vs[1] - vs[2]
+        return b"".join(
+            v.to_bytes(d).data for v in (th, m, x, be.lincomb(vs, [1.0, 2.0, 0.3]))
+            for d in ("F32", "F16", "BF16")
+        )
+
+    assert run(NumpyBackend()) == run(TorchBackend("cuda"))
+    x = np.array([np.nan, np.inf, -np.inf, 1 + 2**-8, 65520.0], np.float32)
+    for d in ("BF16", "F16"):
+        assert TorchBackend("cuda").load(tb(x)).to_bytes(d) == NumpyBackend().load(
+            tb(x)).to_bytes(d)

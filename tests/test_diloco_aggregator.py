@@ -381,3 +381,21 @@ def test_fragment_state_checks_consistency() -> None:
         FragmentState(0, 0, theta, None, {n: t for n, t in theta.items() if n != "ln.w"})
     with pytest.raises(ConfigError, match="version=-1 must be an int >= 0"):
         FragmentState(0, -1, theta, None, theta)
+
+
+CUDA = pytest.mark.skipif(
+    not __import__("torch").cuda.is_available(), reason="needs a CUDA device"
+)
+
+
+@CUDA
+@pytest.mark.parametrize(
+    ("dtype", "commit"), [("F32", None), ("F16", None), ("BF16", "F4"), ("F32", "F8_E4M3")]
+)
+def test_cuda_closes_rounds_to_the_numpy_bytes(dtype: str, commit: str | None) -> None:
+    cfg = DiLoCo(sync_every=10, fragments=1, in_flight=1, commit_dtype=commit)
+    _, ra = trajectory(cfg, NP, dtype, rounds=3)
+    _, rb = trajectory(cfg, TorchBackend("cuda"), dtype, rounds=3)
+    for x, y in zip(ra, rb, strict=True):
+        assert digest(x.state, x.update) == digest(y.state, y.update)
+        assert x.mean_cosine == y.mean_cosine

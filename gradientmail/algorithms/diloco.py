@@ -388,7 +388,7 @@ class DiLoCoAggregator:
                 )
                 momentum[name] = new_mom.to_bytes("F32")
             # The momentum cannot overflow alone: a non-finite m makes Θ non-finite (η > 0).
-            if not new_master.isfinite():
+            if not be.all_finite(new_master):
                 raise NonFiniteError(
                     f"the outer step overflowed float32 in {name!r} of fragment "
                     f"{state.fragment}; the deltas are too large (lower outer_lr or the "

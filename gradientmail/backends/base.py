@@ -53,6 +53,10 @@ class Backend(Protocol):
 
     def zeros(self, shape: tuple[int, ...]) -> Value: ...
 
+    def all_finite(self, value: Value) -> bool:
+        """`value.isfinite()`, possibly faster (several threads, one reduction)."""
+        ...
+
     def gram(self, values: Sequence[Value]) -> list[list[float]]:
         """G[i][j] = values[i].dot(values[j]) for every pair, reading each value once."""
         ...

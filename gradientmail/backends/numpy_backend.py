@@ -6,16 +6,19 @@ inputs. Reductions (`dot`, `norm`, `gram`) convert to float64 chunk by chunk: a 
 two float32 numbers is exact in float64, so the only difference between backends is the
 order of the float64 summation, far below float32 resolution.
 
-The fused helpers (`gram`, `lincomb`, `outer_step`) walk the tensors in cache-sized chunks
-so that a merge reads each contribution from memory about twice instead of once per
-operation; they give exactly the bytes of the equivalent chain of Value operations.
+The fused helpers (`gram`, `lincomb`, `outer_step`) walk the tensors in cache-sized chunks,
+on several threads, so that a merge reads each contribution from memory about twice
+instead of once per operation; they give exactly the bytes of the equivalent chain of
+Value operations.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+import os
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -27,9 +30,21 @@ __all__ = ["NumpyBackend", "NumpyValue", "f32", "f32_to_bf16_bits"]
 
 F32Array = npt.NDArray[np.float32]
 
-#: Elements per chunk of the fused helpers: a few float32 vectors of this length plus
+#: Elements per step of the fused helpers: a few float32 vectors of this length plus
 #: their float64 copies stay in a core's L2 cache.
 CHUNK = 1 << 14
+#: Elements per task a thread takes. Fixed, not derived from the thread count, so that
+#: float64 partial sums are added in the same order whatever the number of threads.
+BLOCK = 1 << 20
+
+_T = TypeVar("_T")
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def f32(x: float) -> float:
@@ -94,15 +109,14 @@ class NumpyValue:
     __rmul__ = __mul__
 
     def dot(self, other: Any) -> float:
-        return NumpyBackend._dot64(self._flat(), _flat(self._other(other)))
+        return _gram([self._flat(), _flat(self._other(other))], _serial)[0][1]
 
     def norm(self) -> float:
-        flat = self._flat()
-        return math.sqrt(NumpyBackend._dot64(flat, flat))
+        return math.sqrt(_gram([self._flat()], _serial)[0][0])
 
     def isfinite(self) -> bool:
         flat = self._flat()
-        return all(bool(np.isfinite(flat[s : s + CHUNK]).all()) for s in range(0, flat.size, CHUNK))
+        return all(_finite(flat, span) for span in _blocks(flat.size))
 
     def to_bytes(self, dtype: str) -> TensorBytes:
         flat = self._flat()
@@ -140,9 +154,22 @@ def _arrays(values: Sequence[Any]) -> list[F32Array]:
 
 
 class NumpyBackend:
-    """Values as numpy float32 arrays; the backend of a CPU syncer (numpy only)."""
+    """Values as numpy float32 arrays; the backend of a CPU syncer (numpy only).
+
+    The fused helpers split the data into fixed blocks and run them on `threads` threads
+    (default: the usable CPUs, at most 8; numpy releases the GIL inside its loops). The
+    result does not depend on the number of threads.
+    """
 
     name = "numpy"
+
+    def __init__(self, threads: int | None = None) -> None:
+        if threads is None:
+            threads = min(_usable_cpus(), 8)
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ConfigError(f"threads={threads!r} must be an int >= 1")
+        self.threads = threads
+        self._pool: ThreadPoolExecutor | None = None
 
     def load(self, tensor: TensorBytes) -> NumpyValue:
         """A Value from F32 (zero-copy, read-only), F16 or BF16 bytes (exactly widened)."""
@@ -162,32 +189,17 @@ class NumpyBackend:
     def zeros(self, shape: tuple[int, ...]) -> NumpyValue:
         return NumpyValue(np.zeros(shape, dtype=np.float32))
 
-    @staticmethod
-    def _dot64(a: F32Array, b: F32Array) -> float:
-        buf = np.empty((2, min(CHUNK, a.size)), dtype=np.float64)
-        total = 0.0
-        for s in range(0, a.size, CHUNK):
-            n = min(CHUNK, a.size - s)
-            x, y = buf[0, :n], buf[1, :n]
-            np.copyto(x, a[s : s + n])
-            np.copyto(y, b[s : s + n])
-            total += float(np.dot(x, y))
-        return total
+    def _map(self, fn: Callable[[tuple[int, int]], _T], spans: list[tuple[int, int]]) -> list[_T]:
+        if self.threads == 1 or len(spans) < 2:
+            return [fn(span) for span in spans]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="gradientmail-numpy")
+        return list(self._pool.map(fn, spans))
 
     def gram(self, values: Sequence[Any]) -> list[list[float]]:
         """G[i][j] = values[i].dot(values[j]) (float64 sums of exact products), reading
         each value once. A non-finite value gives a non-finite diagonal entry."""
-        arrays = _arrays(values)
-        m, size = len(arrays), arrays[0].size
-        g = np.zeros((m, m), dtype=np.float64)
-        buf = np.empty((m, min(CHUNK, size)), dtype=np.float64)
-        for s in range(0, size, CHUNK):
-            n = min(CHUNK, size - s)
-            block = buf[:, :n]
-            for i, a in enumerate(arrays):
-                np.copyto(block[i], a[s : s + n])
-            g += block @ block.T
-        return [[float(x) for x in row] for row in g]
+        return _gram(_arrays(values), self._map)
 
     def lincomb(self, values: Sequence[Any], coeffs: Sequence[float]) -> NumpyValue:
         """c₀·v₀ + c₁·v₁ + … evaluated left to right in float32 (coefficients rounded to
@@ -195,11 +207,14 @@ class NumpyBackend:
         arrays = _arrays(values)
         ks = _coeffs(coeffs, len(arrays))
         out = np.empty(arrays[0].size, dtype=np.float32)
-        tmp = np.empty(min(CHUNK, out.size), dtype=np.float32)
-        with np.errstate(over="ignore", invalid="ignore"):
-            for s in range(0, out.size, CHUNK):
-                n = min(CHUNK, out.size - s)
-                _lincomb_chunk(arrays, ks, s, n, out[s : s + n], tmp[:n])
+
+        def run(span: tuple[int, int]) -> None:
+            tmp = np.empty(CHUNK, dtype=np.float32)
+            with np.errstate(over="ignore", invalid="ignore"):
+                for s, n in _chunks(span):
+                    _lincomb_chunk(arrays, ks, s, n, out[s : s + n], tmp[:n])
+
+        self._map(run, _blocks(out.size))
         return NumpyValue(out.reshape(values[0].shape))
 
     def outer_step(
@@ -222,21 +237,75 @@ class NumpyBackend:
         b, eta = np.float32(beta), np.float32(lr)
         th_out = np.empty_like(th)
         mo_out = np.empty_like(mo)
-        d = np.empty(min(CHUNK, th.size), dtype=np.float32)
-        tmp = np.empty_like(d)
-        with np.errstate(over="ignore", invalid="ignore"):
-            for s in range(0, th.size, CHUNK):
-                n = min(CHUNK, th.size - s)
-                dd, tt, mm = d[:n], tmp[:n], mo_out[s : s + n]
-                _lincomb_chunk(arrays, ks, s, n, dd, tt)
-                np.multiply(mo[s : s + n], b, out=mm)
-                np.add(mm, dd, out=mm)
-                np.multiply(mm, b, out=tt)
-                np.add(dd, tt, out=tt)
-                np.multiply(tt, eta, out=tt)
-                np.subtract(th[s : s + n], tt, out=th_out[s : s + n])
+
+        def run(span: tuple[int, int]) -> None:
+            d = np.empty(CHUNK, dtype=np.float32)
+            tmp = np.empty_like(d)
+            with np.errstate(over="ignore", invalid="ignore"):
+                for s, n in _chunks(span):
+                    dd, tt, mm = d[:n], tmp[:n], mo_out[s : s + n]
+                    _lincomb_chunk(arrays, ks, s, n, dd, tt)
+                    np.multiply(mo[s : s + n], b, out=mm)
+                    np.add(mm, dd, out=mm)
+                    np.multiply(mm, b, out=tt)
+                    np.add(dd, tt, out=tt)
+                    np.multiply(tt, eta, out=tt)
+                    np.subtract(th[s : s + n], tt, out=th_out[s : s + n])
+
+        self._map(run, _blocks(th.size))
         shape = theta.shape
         return NumpyValue(th_out.reshape(shape)), NumpyValue(mo_out.reshape(shape))
+
+    def all_finite(self, value: Any) -> bool:
+        """`value.isfinite()`, on the backend's threads."""
+        (a,) = _arrays([value])
+        return all(self._map(lambda span: _finite(a, span), _blocks(a.size)))
+
+
+def _blocks(size: int) -> list[tuple[int, int]]:
+    return [(s, min(size, s + BLOCK)) for s in range(0, size, BLOCK)]
+
+
+def _chunks(span: tuple[int, int]) -> Iterator[tuple[int, int]]:
+    start, end = span
+    for s in range(start, end, CHUNK):
+        yield s, min(CHUNK, end - s)
+
+
+def _finite(a: F32Array, span: tuple[int, int]) -> bool:
+    return all(bool(np.isfinite(a[s : s + n]).all()) for s, n in _chunks(span))
+
+
+def _gram_block(arrays: list[F32Array], span: tuple[int, int]) -> npt.NDArray[np.float64]:
+    m = len(arrays)
+    g = np.zeros((m, m), dtype=np.float64)
+    buf = np.empty((m, CHUNK), dtype=np.float64)
+    for s, n in _chunks(span):
+        block = buf[:, :n]
+        for i, a in enumerate(arrays):
+            np.copyto(block[i], a[s : s + n])
+        g += block @ block.T
+    return g
+
+
+def _gram(
+    arrays: list[F32Array],
+    mapper: Callable[
+        [Callable[[tuple[int, int]], npt.NDArray[np.float64]], list[tuple[int, int]]],
+        list[npt.NDArray[np.float64]],
+    ],
+) -> list[list[float]]:
+    m = len(arrays)
+    total = np.zeros((m, m), dtype=np.float64)
+    # Block partial sums are added in block order: the same float64 result for any
+    # number of threads, and for Value.dot, which runs the same blocks in one thread.
+    for part in mapper(lambda span: _gram_block(arrays, span), _blocks(arrays[0].size)):
+        total += part
+    return [[float(x) for x in row] for row in total]
+
+
+def _serial(fn: Callable[[tuple[int, int]], _T], spans: list[tuple[int, int]]) -> list[_T]:
+    return [fn(span) for span in spans]
 
 
 def _coeffs(coeffs: Sequence[float], m: int) -> list[np.float32]:

@@ -24,9 +24,11 @@ from gradientmail.serialization import STORAGE_DTYPES, TensorBytes
 
 __all__ = ["TorchBackend", "TorchValue"]
 
-#: Elements per chunk of the fused helpers on CPU: larger than numpy's because each torch
-#: call costs microseconds of dispatch. On an accelerator the helpers run unchunked.
-CPU_CHUNK = 1 << 16
+#: Elements per chunk of the fused helpers on CPU: far larger than numpy's, because each
+#: torch call costs microseconds of dispatch and, on several threads, a barrier (on a busy
+#: machine a barrier can wait for a descheduled thread). On an accelerator the helpers run
+#: unchunked.
+CPU_CHUNK = 1 << 20
 
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -86,7 +88,7 @@ class TorchValue:
         return math.sqrt(float(_gram([self._t.reshape(-1)])[0, 0]))
 
     def isfinite(self) -> bool:
-        return bool(torch.isfinite(self._t).all())
+        return _all_finite(self._t)
 
     def to_bytes(self, dtype: str) -> TensorBytes:
         if dtype not in STORAGE_DTYPES:
@@ -115,6 +117,15 @@ def _tensors(values: Sequence[Any]) -> list[torch.Tensor]:
     if not isinstance(first, TorchValue):
         raise ConfigError(f"the torch backend cannot use a {type(first).__name__}")
     return [first._t.reshape(-1)] + [first._other(v).reshape(-1) for v in values[1:]]
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    if t.numel() == 0:
+        return True
+    # One reduction pass and no boolean tensor of the input's size: NaN propagates through
+    # min and max, and an infinity is the min or the max.
+    lo, hi = torch.aminmax(t.reshape(-1))
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
 
 
 def _chunk(t: torch.Tensor) -> int:
@@ -167,6 +178,11 @@ class TorchBackend:
 
     def zeros(self, shape: tuple[int, ...]) -> TorchValue:
         return TorchValue(torch.zeros(shape, dtype=torch.float32, device=self.device))
+
+    def all_finite(self, value: Any) -> bool:
+        """`value.isfinite()`."""
+        (t,) = _tensors([value])
+        return _all_finite(t)
 
     def gram(self, values: Sequence[Any]) -> list[list[float]]:
         """G[i][j] = values[i].dot(values[j]) (float64 sums of exact products)."""

@@ -1,0 +1,159 @@
+"""Seconds to close one round, against the memory-bound floor measured in the same run.
+
+A round of M contributions to one F32 fragment of ~31M parameters (a few large tensors,
+one of them an embedding so both the RDA and the weighted-mean paths run) is closed by
+`DiLoCoAggregator.close_round` on the numpy backend and on the torch CPU backend. The
+floor is numpy reading the same M × fragment bytes once (summing each tensor). Prints a
+markdown table and appends it to benchmarks/RESULTS.md.
+
+    python benchmarks/syncer.py            # 31M parameters, M in 2, 4, 8
+    python benchmarks/syncer.py --quick    # 1M parameters, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from gradientmail.algorithms import Aggregator, Contribution, FragmentState
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.backends import NumpyBackend
+from gradientmail.backends.base import Backend
+from gradientmail.serialization import ParameterSpec, Schema, TensorBytes
+
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+
+
+def shapes(quick: bool) -> dict[str, tuple[int, ...]]:
+    if quick:
+        return {"wte.embed.weight": (512, 1024), "h.0.mlp.fc": (256, 1024),
+                "h.0.mlp.proj": (1024, 256)}
+    # 12.6M + 9.4M + 9.4M = 31.5M parameters, 126 MB in F32.
+    return {"wte.embed.weight": (8192, 1536), "h.0.mlp.fc": (1536, 6144),
+            "h.0.mlp.proj": (6144, 1536)}
+
+
+def best_of(fn: Callable[[], object], reps: int) -> tuple[float, float]:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times), statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a 1M-parameter fragment")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions (best is kept)")
+    ap.add_argument("--no-torch", action="store_true", help="skip the torch backend")
+    ap.add_argument("--device", default=None, help="also time TorchBackend(DEVICE), e.g. cuda")
+    ap.add_argument("--numpy-threads", type=int, default=None, help="NumpyBackend(threads=)")
+    ap.add_argument("--torch-cpu-chunk", type=int, default=None,
+                    help="override gradientmail.backends.torch_backend.CPU_CHUNK")
+    ap.add_argument("--no-append", action="store_true", help="do not write RESULTS.md")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="the file to append to")
+    args = ap.parse_args()
+    reps = args.reps or (5 if args.quick else 3)
+    spec = shapes(args.quick)
+    schema = Schema(tuple(ParameterSpec(n, "F32", s) for n, s in spec.items()))
+    numel = sum(int(np.prod(s)) for s in spec.values())
+    rng = np.random.default_rng(0)
+    theta = {n: TensorBytes.from_numpy(rng.standard_normal(s, dtype=np.float32))
+             for n, s in spec.items()}
+    cfg = DiLoCo(sync_every=100, fragments=1, in_flight=1)
+    numpy_backend = NumpyBackend(threads=args.numpy_threads)
+    backends: list[Backend] = [numpy_backend]
+    labels = [f"numpy ({numpy_backend.threads} threads)"]
+    if not args.no_torch or args.device:
+        import torch
+
+        from gradientmail.backends import TorchBackend, torch_backend
+
+        if args.torch_cpu_chunk:
+            torch_backend.CPU_CHUNK = args.torch_cpu_chunk
+    if not args.no_torch:
+        backends.append(TorchBackend())
+        labels.append(f"torch cpu ({torch.get_num_threads()} threads, chunk "
+                      f"{torch_backend.CPU_CHUNK})")
+    if args.device:
+        backends.append(TorchBackend(args.device))
+        labels.append(f"torch {args.device}")
+    rows = []
+    ms = (2, 4, 8)
+    contributions: list[Contribution] = []
+    for m in ms:
+        while len(contributions) < m:
+            i = len(contributions)
+            delta = {n: TensorBytes.from_numpy(rng.standard_normal(s, dtype=np.float32) * 1e-2)
+                     for n, s in spec.items()}
+            contributions.append(Contribution(f"l{i}", 100, 100, 1000 + i, False, delta))
+        cs = contributions[:m]
+        arrays = [np.frombuffer(t.data, np.float32) for c in cs for t in c.delta.values()]
+
+        def read_once(arrays: list[np.ndarray] = arrays) -> None:
+            for a in arrays:
+                a.sum()
+
+        floor, _ = best_of(read_once, reps)
+        row = [f"{m}", f"{m * numel * 4 / 1e6:.0f}", f"{floor:.3f}"]
+        state = cfg.initial_state(0, theta)
+        reference = None
+        for be in backends:
+            agg = cfg.aggregator(be)
+            out = agg.close_round(state, cs, schema)  # warm up, and check the bytes
+            if reference is None:
+                reference = out.state.theta
+            elif out.state.theta != reference:
+                sys.exit(f"{be.name} gave other bytes than numpy for M={m}")
+
+            def close(
+                agg: Aggregator = agg, state: FragmentState = state, cs: list[Contribution] = cs
+            ) -> None:
+                agg.close_round(state, cs, schema)
+
+            best, med = best_of(close, reps)
+            row += [f"{best:.3f} (median {med:.3f})", f"{best / floor:.2f}x"]
+        rows.append(row)
+        print(" | ".join(row), file=sys.stderr)
+    header = ["M", "MB read", "floor s (numpy sum)"]
+    for label in labels:
+        header += [f"{label} s", "/ floor"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    table = "\n".join(lines)
+    print(table)
+    if not args.no_append:
+        command = "python " + " ".join(["benchmarks/syncer.py", *sys.argv[1:]])
+        when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+        text = (
+            f"\n## syncer: close_round vs the memory-bound floor ({when})\n\n"
+            f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, numpy {np.__version__}"
+            f"{_torch_version(args.no_torch and not args.device)}. Command: `{command}`. "
+            "Byte-identical results on every backend (checked). One F32 fragment of "
+            f"{numel / 1e6:.1f}M parameters in {len(spec)} tensors (RDA, the embedding by "
+            f"weighted mean); best of {reps}.\n\n{table}\n"
+        )
+        with open(args.results, "a") as f:
+            f.write(text)
+
+
+def _torch_version(skip: bool) -> str:
+    if skip:
+        return ""
+    import torch
+
+    return f", torch {torch.__version__}"
+
+
+if __name__ == "__main__":
+    main()
