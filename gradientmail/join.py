@@ -26,7 +26,7 @@ from gradientmail.events import (
 from gradientmail.mailbox.selftest import verify_conditional_writes
 from gradientmail.protocol import Exchange, current_attempt
 from gradientmail.records import Manifest, PayloadRef
-from gradientmail.serialization import Schema
+from gradientmail.serialization import Schema, TensorBytes
 
 __all__ = [
     "JoinResult",
@@ -45,6 +45,7 @@ class JoinResult:
     plan: tuple[tuple[str, ...], ...]
     rounds_seen: int
     fragments: tuple[tuple[int, Any], ...]  # (version, loaded values) per fragment
+    thetas: tuple[dict[str, TensorBytes], ...]  # host bytes of the same, per fragment
     created: bool
     manifest: Manifest
 
@@ -147,6 +148,7 @@ async def join_run(
         newest = await ex.newest_round()
         latest = await ex.latest_commit_per_fragment(len(plan), newest)
         fragments = []
+        thetas = []
         for p, names in enumerate(plan):
             rec = latest.get(p)
             ref: PayloadRef = rec.theta if rec is not None else manifest.init[p]
@@ -156,12 +158,13 @@ async def join_run(
             values = {n: tensors[n] for n in names}
             loaded = await asyncio.to_thread(adapter.load, values)
             fragments.append((rec.version if rec is not None else 0, loaded))
+            thetas.append(values)
         else:
             # Beat before training starts, so every observer counts this learner from
             # its next lease listing on.
             await ex.beat(learner)
             on_event(Joined(learner, newest, tuple(v for v, _ in fragments), created))
-            return JoinResult(plan, newest, tuple(fragments), created, manifest)
+            return JoinResult(plan, newest, tuple(fragments), tuple(thetas), created, manifest)
 
 
 async def _create(

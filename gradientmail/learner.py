@@ -27,6 +27,7 @@ from typing import Any
 from gradientmail import learner_state as ls
 from gradientmail.adapters.base import Adapter
 from gradientmail.algorithms.base import Algorithm
+from gradientmail.algorithms.diloco import rebuild_theta
 from gradientmail.algorithms.schedule import RoundSchedule
 from gradientmail.clock import Clock, MonotonicClock
 from gradientmail.errors import ConfigError, GradientmailError
@@ -51,6 +52,7 @@ from gradientmail.protocol import Exchange
 from gradientmail.quantization import quantize
 from gradientmail.records import RoundRecord, check_learner_id
 from gradientmail.serialization import TensorBytes
+from gradientmail.syncer import theta_digest
 from gradientmail.syncer_state import effective_quorum
 
 __all__ = ["Learner", "default_learner_id"]
@@ -160,6 +162,8 @@ class Learner:
         self._live: frozenset[str] = frozenset()
         self._newest_seen = -1
         self._cursor = -1  # the newest record fetched (communication thread)
+        # Host bytes of each fragment's newest commit, to rebuild the next from its update.
+        self._host: dict[int, tuple[int, dict[str, TensorBytes]]] = {}
         # Publishes handed over and finished: each counter has a single writer thread.
         self._handed = 0
         self._finished = 0
@@ -222,6 +226,9 @@ class Learner:
             self._anchors[p] = values
             versions.append(version)
         self._state = ls.initial_state(len(result.plan), versions, result.rounds_seen)
+        self._host = {
+            p: (v, t) for p, (v, t) in enumerate(zip(versions, result.thetas, strict=True))
+        }
         self._newest_seen = result.rounds_seen
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._begin_loops, result)
@@ -578,15 +585,13 @@ class Learner:
                     rec.closer,
                 )
             )
-            theta = await ex.fetch_tensors(rec.theta)
-            if theta is None:
+            commit = await self._fetch_commit(rec)
+            if commit is None:
                 # Swept under us: a newer commit of this fragment exists; start over from
-                # the newest record at the next poll.
+                # the newest record.
                 newest = await ex.newest_round(cursor)
                 return await self._skip_to(newest, cursor)
-            names = self._plan[rec.fragment]
-            loaded = await asyncio.to_thread(self.adapter.load, {n: theta[n] for n in names})
-            batch.append(_Commit(rec, loaded, rec.theta.size))
+            batch.append(commit)
         # A batch is queued only once every payload in it is in hand.
         for commit in batch:
             self._inbox.put(commit)
@@ -601,15 +606,39 @@ class Learner:
         for rec in sorted(latest.values(), key=lambda r: r.round):
             if rec.round <= cursor:
                 continue
-            theta = await ex.fetch_tensors(rec.theta)
-            if theta is None:
+            commit = await self._fetch_commit(rec)
+            if commit is None:
                 return cursor
-            names = self._plan[rec.fragment]
-            loaded = await asyncio.to_thread(self.adapter.load, {n: theta[n] for n in names})
-            batch.append(_Commit(rec, loaded, rec.theta.size))
+            batch.append(commit)
         for commit in batch:
             self._inbox.put(commit)
+        self._newest_seen = max(self._newest_seen, newest)
         return newest
+
+    async def _fetch_commit(self, rec: RoundRecord) -> _Commit | None:
+        """The commit's parameters, rebuilt from its quantized update when this learner
+        holds the previous version (checked against the record's digest), else
+        downloaded. None when the payloads were swept."""
+        ex = self._exchange
+        assert ex is not None
+        names = self._plan[rec.fragment]
+        theta: dict[str, TensorBytes] | None = None
+        nbytes = 0
+        held = self._host.get(rec.fragment)
+        if rec.update is not None and held is not None and held[0] == rec.version - 1:
+            update = await ex.fetch_tensors(rec.update.payload)
+            if update is not None:
+                rebuilt = await asyncio.to_thread(rebuild_theta, held[1], update, rec.update.format)
+                if theta_digest(rebuilt, names) == rec.update.theta_sha256:
+                    theta, nbytes = rebuilt, rec.update.payload.size
+        if theta is None:
+            fetched = await ex.fetch_tensors(rec.theta)
+            if fetched is None:
+                return None
+            theta, nbytes = {n: fetched[n] for n in names}, rec.theta.size
+        self._host[rec.fragment] = (rec.version, theta)
+        loaded = await asyncio.to_thread(self.adapter.load, theta)
+        return _Commit(rec, loaded, nbytes)
 
     async def _watch_next_round(self) -> None:
         ex = self._exchange

@@ -372,3 +372,64 @@ def test_global_batch_size_is_split_over_live_learners() -> None:
         time.sleep(0.005)
     assert learner.batch_size == 34
     learner.close()
+
+
+@pytest.mark.parametrize("fmt", ["BF16", "F8_E4M3", "F4"])
+def test_quantized_deltas_and_commit_updates(fmt: str) -> None:
+    mailbox = MemoryMailbox()
+    alg = DiLoCo(
+        sync_every=4,
+        fragments=2,
+        in_flight=1,
+        overlap_steps=0,
+        quorum_size=2,
+        delta_dtype=fmt,
+        commit_dtype=fmt,
+    )
+    rec = Recorder()
+    models = [make_model(seed=w, width=64) for w in range(2)]
+    learners = [
+        Learner(
+            TorchAdapter(m),
+            alg,
+            mailbox,
+            f"q{w}",
+            on_event=rec,
+            compression="zstd",
+            keep_versions=1000,
+            **FAST,
+        )
+        for w, m in enumerate(models)
+    ]
+    ready = threading.Barrier(2)
+
+    def work(w: int) -> Callable[[], None]:
+        def go() -> None:
+            learners[w].start()
+            ready.wait(timeout=30)
+            assert wait_for(lambda: len(learners[w].live_learners) == 2)
+            opt = torch.optim.SGD(models[w].parameters(), lr=0.05)
+            for step in range(24):
+                train_step(models[w], opt, 31 * w + step)
+                learners[w].step(4)
+            learners[w].close()
+
+        return go
+
+    in_threads(work(0), work(1))
+    records = all_records(mailbox)
+    assert len(records) >= 10
+    assert all(r.update is not None and r.update.format == fmt for r in records)
+    assert all(len(r.participants) == 2 for r in records)
+    published = rec.of(ev.SnapshotPublished)
+    theta_bytes = {r.round: r.theta.size for r in records}
+    update_bytes = {r.round: r.update.payload.size for r in records if r.update}
+    # deltas travel quantized: far below the F32 theta of the same fragment
+    assert all(e.bytes < 0.6 * theta_bytes[e.round] for e in published if e.round in theta_bytes)
+    aligned = rec.of(ev.FragmentAligned)
+    rebuilt = [e for e in aligned if e.bytes == update_bytes.get(e.round)]
+    assert len(rebuilt) >= len(aligned) - 4  # all but each fragment's first per learner
+    for w, learner in enumerate(learners):
+        want = newest_theta(mailbox, learner.rounds_seen)
+        for name, p in models[w].named_parameters():
+            assert torch.equal(p.detach(), want[name]), (w, name)
