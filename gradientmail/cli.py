@@ -1,0 +1,473 @@
+"""The `gradientmail` command: `status`, `sync`, `export`, `sweep` (and `demo`, to come).
+
+    gradientmail status URL [--json]
+    gradientmail sync URL [--poll-interval S] [--closer-id ID] [--keep N]
+    gradientmail export URL OUT.safetensors
+    gradientmail sweep URL [--keep N]
+
+URL is a mailbox URL (`s3://bucket/prefix`, `file:///dir`, or a plain path). For S3,
+`--endpoint-url` names a MinIO/R2/moto endpoint; without it boto3 reads `AWS_ENDPOINT_URL`
+and the rest of the usual AWS environment itself.
+
+Each subcommand is a function `cmd_<name>(args) -> int` registered in `build_parser`;
+`main(argv)` parses, runs it, and turns a `GradientmailError` into one line on stderr,
+`gradientmail: error: <message>`, with exit status 1 (usage errors exit 2, as argparse
+does). The work itself is in small async functions (`read_status`, `newest_model`) that
+tests and other tools can call on an `Exchange`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from gradientmail import __version__
+from gradientmail.errors import ConfigError, GradientmailError
+from gradientmail.mailbox.base import Mailbox
+from gradientmail.mailbox.url import open_mailbox
+from gradientmail.protocol import Exchange
+from gradientmail.records import Manifest, check_learner_id
+from gradientmail.serialization import TensorBytes, pack
+
+__all__ = [
+    "build_parser",
+    "format_status",
+    "main",
+    "newest_model",
+    "read_status",
+    "require_manifest",
+    "write_safetensors",
+]
+
+_PROG = "gradientmail"
+T = TypeVar("T")
+
+
+# -- shared ------------------------------------------------------------------------------
+
+
+def _open(args: argparse.Namespace) -> Mailbox:
+    options: dict[str, Any] = {}
+    if args.endpoint_url:
+        options["endpoint_url"] = args.endpoint_url
+    return open_mailbox(args.url, **options)
+
+
+async def require_manifest(ex: Exchange, url: str) -> Manifest:
+    """The run's manifest, or a `ConfigError` saying that `url` holds no run."""
+    manifest = await ex.read_manifest()
+    if manifest is None:
+        raise ConfigError(
+            f"no run found in {url!r}: it holds no manifest.json. Check the URL (and "
+            "--endpoint-url or AWS_ENDPOINT_URL for S3); a run is created by its first "
+            "learner"
+        )
+    return manifest
+
+
+def _with_mailbox(args: argparse.Namespace, work: Callable[[Exchange], Awaitable[T]]) -> T:
+    """Open the mailbox, run `work(exchange)` on a fresh event loop, close the mailbox."""
+
+    async def go() -> T:
+        mailbox = _open(args)
+        try:
+            return await work(Exchange(mailbox))
+        finally:
+            await mailbox.close()
+
+    return asyncio.run(go())
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    if n < 1024:
+        return f"{n} B"
+    value, unit = n / 1024, "KiB"
+    for bigger in ("MiB", "GiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{value:.1f} {unit}"
+
+
+def _seconds(s: float | None) -> str:
+    return "-" if s is None else f"{s:.3g} s"
+
+
+# -- status ------------------------------------------------------------------------------
+
+
+async def read_status(ex: Exchange, url: str) -> dict[str, Any]:
+    """What `gradientmail status --json` prints: a JSON-ready summary of the run.
+
+    Reads the manifest, each fragment's newest record, the leases and the open round's
+    contributions and claims; downloads no payload. `live_learners` are the learners
+    holding a lease: one look cannot tell a lease left by a crashed learner from a live
+    one (learners release theirs on close; the syncer judges them over time).
+    """
+    manifest = await require_manifest(ex, url)
+    plan = manifest.plan
+    newest = await ex.newest_round()
+    latest = await ex.latest_commit_per_fragment(len(plan), newest)
+    last = max(latest.values(), key=lambda rec: rec.round, default=None)
+    leases = await ex.leases()
+    open_round = newest + 1
+    fragments = []
+    for p, names in enumerate(plan):
+        rec = latest.get(p)
+        fragments.append({
+            "fragment": p,
+            "version": rec.version if rec is not None else 0,
+            "round": rec.round if rec is not None else None,
+            "tensors": len(names),
+            "theta_bytes": rec.theta.size if rec is not None else manifest.init[p].size,
+            "outer_bytes": rec.outer.size if rec is not None else None,
+            "update_bytes": rec.update.payload.size
+            if rec is not None and rec.update is not None else None,
+        })
+    algorithm = dict(manifest.algorithm)
+    try:
+        from gradientmail.algorithms.base import algorithm_from_json
+
+        open_fragment: int | None = algorithm_from_json(algorithm).schedule_for(
+            len(plan)).fragment_of(open_round)
+    except GradientmailError:
+        open_fragment = None
+    estimates = last.estimates.to_json() if last is not None else {
+        "step": None, "quorum": None, "sync": None}
+    return {
+        "url": url,
+        "creator": manifest.creator,
+        "algorithm": algorithm,
+        "tensors": len(manifest.schema),
+        "parameters": sum(p.numel for p in manifest.schema.params),
+        "model_bytes": manifest.schema.total_nbytes,
+        "rounds_committed": newest + 1,
+        "fragments": fragments,
+        "live_learners": sorted(leases),
+        "leases": dict(sorted(leases.items())),
+        "estimates": estimates,
+        "last_round": None if last is None else {
+            "round": last.round,
+            "fragment": last.fragment,
+            "version": last.version,
+            "closer": last.closer,
+            "participants": [p.learner for p in last.participants],
+            "tokens": sum(p.tokens for p in last.participants),
+            "dropped": [{"learner": d.learner, "reason": d.reason} for d in last.dropped],
+            "mean_cosine": last.mean_cosine,
+        },
+        "open_round": {
+            "round": open_round,
+            "fragment": open_fragment,
+            "contributions": sorted(await ex.publishers(open_round)),
+            "claims": await ex.round_claims(open_round),
+        },
+    }
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """The readable form of `read_status`'s summary."""
+    alg = status["algorithm"]
+    if alg.get("type") == "diloco":
+        algorithm = (f"DiLoCo H={alg.get('sync_every')} P={alg.get('fragments')} "
+                     f"tau={alg.get('in_flight')} quorum={alg.get('quorum_size')} "
+                     f"outer lr={alg.get('outer_lr')} momentum={alg.get('outer_momentum')}")
+    else:
+        algorithm = str(alg.get("type"))
+    last, opened, est = status["last_round"], status["open_round"], status["estimates"]
+    lines = [
+        f"run         {status['url']} (created by {status['creator']})",
+        f"algorithm   {algorithm}",
+        f"model       {status['tensors']} tensors, {status['parameters']:,} parameters, "
+        f"{_size(status['model_bytes'])}",
+        f"rounds      {status['rounds_committed']} committed",
+    ]
+    if last is not None:
+        cosine = "-" if last["mean_cosine"] is None else f"{last['mean_cosine']:.3f}"
+        lines.append(
+            f"last round  {last['round']}: fragment {last['fragment']} v{last['version']}, "
+            f"closed by {last['closer']}, {len(last['participants'])} participants "
+            f"({last['tokens']:,} tokens), {len(last['dropped'])} dropped, mean cosine {cosine}"
+        )
+    frag = "" if opened["fragment"] is None else f" (fragment {opened['fragment']})"
+    who = ", ".join(opened["contributions"]) or "none yet"
+    claims = ", ".join(str(c) for c in opened["claims"]) or "none"
+    lines.append(f"open round  {opened['round']}{frag}: contributions {who}; claims {claims}")
+    learners = status["live_learners"]
+    lines.append(f"learners    {len(learners)} holding a lease"
+                 + (f": {', '.join(learners)}" if learners else ""))
+    lines.append(f"estimates   step {_seconds(est['step'])}, quorum {_seconds(est['quorum'])},"
+                 f" sync {_seconds(est['sync'])}")
+    lines.append("")
+    rows = [("fragment", "version", "round", "tensors", "theta", "outer", "update")]
+    for f in status["fragments"]:
+        rows.append((str(f["fragment"]), str(f["version"]),
+                     "init" if f["round"] is None else str(f["round"]), str(f["tensors"]),
+                     _size(f["theta_bytes"]), _size(f["outer_bytes"]), _size(f["update_bytes"])))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
+                     .rstrip())
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    status = _with_mailbox(args, lambda ex: read_status(ex, args.url))
+    if args.json:
+        print(json.dumps(status, indent=2, sort_keys=True))
+    else:
+        print(format_status(status))
+    return 0
+
+
+# -- export ------------------------------------------------------------------------------
+
+
+async def newest_model(ex: Exchange, url: str) -> tuple[dict[str, TensorBytes], dict[str, str]]:
+    """Every parameter at its fragment's newest committed version (Θ⁰ for a fragment
+    never committed), in schema order, and metadata naming the round and versions.
+
+    A payload swept while it is read means a newer commit exists: it reads again.
+    """
+    manifest = await require_manifest(ex, url)
+    seen = -2
+    while True:
+        newest = await ex.newest_round(max(seen, -1))
+        latest = await ex.latest_commit_per_fragment(len(manifest.plan), newest)
+        values: dict[str, TensorBytes] = {}
+        versions = []
+        for p, names in enumerate(manifest.plan):
+            rec = latest.get(p)
+            ref = rec.theta if rec is not None else manifest.init[p]
+            tensors = await ex.fetch_tensors(ref)
+            if tensors is None:
+                if newest == seen:
+                    raise GradientmailError(
+                        f"the payload {ref.key!r} of fragment {p} in {url!r} is missing, "
+                        f"though round {newest} is the newest; the run is damaged"
+                    )
+                break
+            values.update((n, tensors[n]) for n in names)
+            versions.append(rec.version if rec is not None else 0)
+        else:
+            ordered = {n: values[n] for n in manifest.schema.names}
+            metadata = {
+                "format": "pt",
+                "gradientmail.url": url,
+                "gradientmail.round": str(newest),
+                "gradientmail.versions": json.dumps(versions),
+            }
+            return ordered, metadata
+        seen = newest
+
+
+def write_safetensors(path: str, tensors: dict[str, TensorBytes],
+                      metadata: dict[str, str]) -> int:
+    """Write `tensors` as a safetensors file at `path` atomically; returns its size."""
+    blob = pack(tensors, metadata)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".gradientmail-export-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return len(blob)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    tensors, metadata = _with_mailbox(args, lambda ex: newest_model(ex, args.url))
+    try:
+        size = write_safetensors(args.out, tensors, metadata)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {args.out!r}: {exc.strerror or exc}") from exc
+    print(f"wrote {args.out}: {len(tensors)} tensors, {_size(size)}, round "
+          f"{metadata['gradientmail.round']} (fragment versions "
+          f"{metadata['gradientmail.versions']})")
+    return 0
+
+
+# -- sweep -------------------------------------------------------------------------------
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    async def work(ex: Exchange) -> list[str]:
+        await require_manifest(ex, args.url)
+        return await ex.sweep(args.keep)
+
+    doomed = _with_mailbox(args, work)
+    print(f"swept {len(doomed)} keys from {args.url} (kept the newest {args.keep} "
+          "versions of each fragment)")
+    return 0
+
+
+# -- sync --------------------------------------------------------------------------------
+
+
+def _default_closer_id() -> str:
+    from gradientmail.learner import default_learner_id
+
+    return ("sync-" + default_learner_id())[:64]
+
+
+async def _sync(args: argparse.Namespace, closer: str) -> tuple[int, str]:
+    from gradientmail.syncer import Syncer
+
+    mailbox = _open(args)
+    syncer = Syncer(mailbox, closer_id=closer, poll_interval=args.poll_interval,
+                    keep_versions=args.keep, lease_timeout=args.lease_timeout)
+    stop = asyncio.Event()
+    caught: list[str] = []
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        caught.append(sig.name)
+        stop.set()
+
+    signals = [signal.SIGINT, signal.SIGTERM]
+    for sig in signals:
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        if await syncer.exchange.read_manifest() is None:
+            print(f"{_PROG} sync: no run in {args.url} yet; waiting for its first learner",
+                  file=sys.stderr, flush=True)
+        print(f"{_PROG} sync: closing rounds of {args.url} as {closer!r} "
+              "(Ctrl-C or SIGTERM to stop)", file=sys.stderr, flush=True)
+        await syncer.run(stop)
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        await mailbox.close()
+    return syncer.rounds_closed, caught[0] if caught else "stop"
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    if not args.poll_interval > 0:
+        raise ConfigError(f"--poll-interval {args.poll_interval} must be > 0 seconds")
+    closer = check_learner_id(args.closer_id or _default_closer_id())
+    if not args.quiet:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    closed, why = asyncio.run(_sync(args, closer))
+    print(f"{_PROG} sync: stopped by {why} after closing {closed} "
+          f"round{'' if closed == 1 else 's'} of {args.url} as {closer!r}", flush=True)
+    return 0
+
+
+# -- demo --------------------------------------------------------------------------------
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    print(f"{_PROG} demo: not built yet", file=sys.stderr)
+    return 2
+
+
+# -- parser ------------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; each subcommand sets `func` to its `cmd_<name>`."""
+    parser = argparse.ArgumentParser(
+        prog=_PROG,
+        description="Train one model on many machines that share nothing but a bucket.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    mailbox = argparse.ArgumentParser(add_help=False)
+    mailbox.add_argument("url", metavar="URL",
+                         help="the run's mailbox: s3://bucket/prefix, file:///dir or a path")
+    mailbox.add_argument("--endpoint-url", default=None, metavar="URL",
+                         help="S3 endpoint (MinIO, R2, moto); default: AWS_ENDPOINT_URL")
+
+    p = sub.add_parser("status", parents=[mailbox], help="rounds, versions, learners, bytes",
+                       description="Summarize a run: rounds committed, each fragment's "
+                       "version and payload sizes, learners holding a lease, estimates.")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("sync", parents=[mailbox], help="close rounds until interrupted",
+                       description="Run a standalone syncer on this machine (numpy only) "
+                       "until SIGINT or SIGTERM; several may run at once.")
+    p.add_argument("--poll-interval", type=float, default=1.0, metavar="S",
+                   help="seconds between polls (default 1)")
+    p.add_argument("--closer-id", default=None, metavar="ID",
+                   help="name in the records (default sync-<host>-<pid>)")
+    p.add_argument("--keep", type=_positive_int, default=2, metavar="N",
+                   help="theta/outer versions kept per fragment by the sweep (default 2)")
+    p.add_argument("--lease-timeout", type=float, default=120.0, metavar="S",
+                   help="seconds after which a learner whose lease did not change is "
+                   "counted out (default 120)")
+    p.add_argument("--quiet", action="store_true", help="do not log events")
+    p.set_defaults(func=cmd_sync)
+
+    p = sub.add_parser("export", parents=[mailbox], help="the newest model as safetensors",
+                       description="Write the newest committed parameters of every "
+                       "fragment (Θ⁰ where none was committed) as one safetensors file, "
+                       "loadable with safetensors.torch.load_file + load_state_dict "
+                       "(strict=False for a model with tied weights or buffers).")
+    p.add_argument("out", metavar="OUT.safetensors", help="the file to write")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("sweep", parents=[mailbox], help="delete what closed rounds left",
+                       description="Delete the contributions and claims of closed rounds "
+                       "and all but the newest N theta/outer versions of each fragment.")
+    p.add_argument("--keep", type=_positive_int, default=2, metavar="N",
+                   help="versions kept per fragment (default 2)")
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("demo", help="several learners train a small GPT-2 (not built yet)")
+    p.add_argument("--learners", type=_positive_int, default=None, metavar="N")
+    p.add_argument("--steps", type=_positive_int, default=None, metavar="S")
+    p.add_argument("--mailbox", default=None, metavar="DIR")
+    p.add_argument("--data", default=None, metavar="PATH")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line `argv` (default: sys.argv[1:]); returns the exit status."""
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except GradientmailError as exc:
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"{_PROG}: error: {message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{_PROG}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader went away (`gradientmail status --json | head`): stop quietly, and
+        # keep Python's exit-time flush of stdout from raising again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

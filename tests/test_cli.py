@@ -1,0 +1,357 @@
+"""The `gradientmail` command on real runs in a local directory.
+
+A finished run is made once by two learners in threads (as in test_learner_oracle.py) and
+copied for each test; `status`, `export` and `sweep` run in-process through `main(argv)`;
+`sync` runs as a subprocess and is stopped with a signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_syncer import Run, algorithm
+
+from gradientmail.adapters import TorchAdapter
+from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.cli import main
+from gradientmail.learner import Learner
+from gradientmail.mailbox import LocalMailbox
+from gradientmail.protocol import Exchange, round_key
+from gradientmail.serialization import unpack
+
+H, FRAGMENTS, STEPS, LEARNERS = 4, 2, 12, 2
+REPO = Path(__file__).resolve().parent.parent
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def train(url: str) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
+    """Two learners, standard DiLoCo over two fragments; their final state dicts and the
+    last round each saw."""
+    alg = DiLoCo(H, FRAGMENTS, in_flight=1, overlap_steps=0, quorum_size=LEARNERS,
+                 merge=WeightedMean())
+    finals: list[dict[str, torch.Tensor]] = [{} for _ in range(LEARNERS)]
+    seen = [-1] * LEARNERS
+    errors: list[BaseException] = []
+    ready = threading.Barrier(LEARNERS)
+
+    def work(w: int) -> None:
+        try:
+            model = make_model()
+            learner = Learner(TorchAdapter(model), alg, url, f"learner-{w}",
+                              poll_interval=0.01, lease_every=5.0, lease_timeout=30.0)
+            learner.start()
+            ready.wait(timeout=60)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            for step in range(STEPS):
+                g = torch.Generator().manual_seed(1000 * w + step)
+                x, y = torch.randn(5, 6, generator=g), torch.randn(5, 2, generator=g)
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]
+                opt.step()
+                learner.step(5)
+            learner.close()
+            seen[w] = learner.rounds_seen
+            finals[w] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        except BaseException as exc:  # re-raised in the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(LEARNERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    if errors:
+        raise errors[0]
+    return finals, seen
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, list[int]]:
+    directory = tmp_path_factory.mktemp("cli") / "run"
+    finals, seen = train(str(directory))
+    return directory, finals, seen
+
+
+@pytest.fixture
+def finished(trained: tuple[Path, Any, list[int]], tmp_path: Path) -> Path:
+    """A private copy of the finished run (tests may sweep or beat in it)."""
+    copy = tmp_path / "run"
+    shutil.copytree(trained[0], copy)
+    return copy
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# -- status ------------------------------------------------------------------------------
+
+
+def test_status_json_describes_the_finished_run(
+    finished: Path, trained: tuple[Path, Any, list[int]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    asyncio.run(Exchange(LocalMailbox(str(finished))).beat("watcher"))
+    rc, out, err = cli(capsys, "status", str(finished), "--json")
+    assert (rc, err) == (0, "")
+    status = json.loads(out)
+    rounds = trained[2][0] + 1
+    assert trained[2] == [rounds - 1] * LEARNERS
+    assert rounds == STEPS * FRAGMENTS // H  # a round every H/P steps
+    assert status["rounds_committed"] == rounds
+    assert [(f["fragment"], f["version"]) for f in status["fragments"]] == [
+        (p, rounds // FRAGMENTS) for p in range(FRAGMENTS)]
+    assert [f["round"] for f in status["fragments"]] == [rounds - 2, rounds - 1]
+    assert all(f["theta_bytes"] > 0 and f["outer_bytes"] > 0 for f in status["fragments"])
+    assert status["live_learners"] == ["watcher"]  # the learners released theirs on close
+    assert set(status["estimates"]) == {"step", "quorum", "sync"}
+    assert status["estimates"]["sync"] is not None
+    assert status["last_round"]["participants"] == ["learner-0", "learner-1"]
+    assert status["open_round"] == {"round": rounds, "fragment": rounds % FRAGMENTS,
+                                    "contributions": [], "claims": []}
+    assert status["tensors"] == 4 and status["parameters"] == 6 * 8 + 8 + 8 * 2 + 2
+    assert status["algorithm"]["quorum_size"] == LEARNERS
+
+
+def test_status_prints_a_readable_table(
+    finished: Path, trained: tuple[Path, Any, list[int]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, out, _ = cli(capsys, "status", str(finished))
+    assert rc == 0
+    rounds = trained[2][0] + 1
+    lines = out.splitlines()
+    assert lines[0] == f"run         {finished} (created by {json_creator(finished)})"
+    assert f"rounds      {rounds} committed" in lines
+    assert "learners    0 holding a lease" in lines
+    assert lines[-3].split() == ["fragment", "version", "round", "tensors", "theta", "outer",
+                                 "update"]
+    plan = json.loads((finished / "manifest.json").read_bytes())["plan"]
+    assert [len(names) for names in plan] == [1, 3]  # 0.weight; the rest by bytes
+    assert lines[-2].split()[:4] == ["0", str(rounds // 2), str(rounds - 2), "1"]
+    assert lines[-1].split()[:4] == ["1", str(rounds // 2), str(rounds - 1), "3"]
+    assert lines[-1].split()[-1] == "-"  # no quantized update
+
+
+def json_creator(directory: Path) -> str:
+    manifest = json.loads((directory / "manifest.json").read_bytes())
+    return str(manifest["creator"])
+
+
+# -- export ------------------------------------------------------------------------------
+
+
+def test_export_loads_into_the_model_and_equals_the_learners(
+    finished: Path, trained: tuple[Path, Any, list[int]], capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    out_file = tmp_path / "model.safetensors"
+    rc, out, err = cli(capsys, "export", str(finished), str(out_file))
+    assert (rc, err) == (0, "")
+    assert out.startswith(f"wrote {out_file}: 4 tensors")
+    model = make_model()
+    model.load_state_dict(load_file(str(out_file)))  # strict: every parameter, nothing else
+    for final in trained[1]:
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, final[name]), name
+    assert not torch.equal(model.state_dict()["0.weight"], make_model().state_dict()["0.weight"])
+    _, metadata = unpack_meta(out_file)
+    assert metadata["gradientmail.round"] == str(trained[2][0])
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".gradientmail-export")]
+
+
+def unpack_meta(path: Path) -> tuple[Any, dict[str, str]]:
+    from gradientmail.serialization import unpack_with_metadata
+
+    return unpack_with_metadata(path.read_bytes())
+
+
+def test_export_takes_init_for_a_fragment_never_committed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory = tmp_path / "run"
+    r = Run(LocalMailbox(str(directory)), algorithm(fragments=2, quorum_size=1))
+
+    async def setup() -> tuple[Any, Any]:
+        manifest = await r.create()
+        await r.contribute(0, "a")
+        assert await r.syncer().poll(live=frozenset({"a"}))
+        rec = await r.ex.read_round(0)
+        assert rec is not None
+        return await r.ex.fetch_tensors(rec.theta), await r.ex.fetch_tensors(manifest.init[1])
+
+    committed, init = asyncio.run(setup())
+    out_file = tmp_path / "out.safetensors"
+    rc, _, _ = cli(capsys, "export", str(directory), str(out_file))
+    assert rc == 0
+    got = unpack(out_file.read_bytes())
+    assert got == {"w": committed["w"], "b": init["b"]}
+    assert r.plan == (("w",), ("b",))
+
+
+def test_export_to_a_missing_directory_is_one_error_line(
+    finished: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "no" / "such" / "dir" / "m.safetensors"
+    rc, out, err = cli(capsys, "export", str(finished), str(target))
+    assert (rc, out) == (1, "")
+    assert err.startswith(f"gradientmail: error: cannot write {str(target)!r}: ")
+    assert err.count("\n") == 1
+
+
+# -- sweep -------------------------------------------------------------------------------
+
+
+def test_sweep_keeps_the_newest_versions(
+    finished: Path, trained: tuple[Path, Any, list[int]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    rounds = trained[2][0] + 1
+    before = sorted(p.name for p in (finished / "theta" / "0").iterdir())
+    assert len(before) == 2  # the learners' syncers keep 2 versions
+    rc, out, _ = cli(capsys, "sweep", str(finished), "--keep", "1")
+    assert rc == 0
+    # theta and outer of each fragment's older version
+    assert out == f"swept 4 keys from {finished} (kept the newest 1 versions of each fragment)\n"
+    for p in range(FRAGMENTS):
+        names = sorted(f.name for f in (finished / "theta" / str(p)).iterdir())
+        assert names == [f"{rounds // 2:010d}-000000.safetensors"]
+    rc, out, _ = cli(capsys, "sweep", str(finished), "--keep", "1")
+    assert out.startswith("swept 0 keys")
+    # The model is whole after sweeping.
+    rc, _, _ = cli(capsys, "export", str(finished), str(finished.parent / "m.safetensors"))
+    assert rc == 0
+
+
+# -- errors ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["status", "export", "sweep"])
+def test_a_missing_run_names_the_url(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [command, str(tmp_path / "empty")]
+    if command == "export":
+        argv.append(str(tmp_path / "m.safetensors"))
+    rc, out, err = cli(capsys, *argv)
+    assert (rc, out) == (1, "")
+    assert err == (f"gradientmail: error: no run found in {str(tmp_path / 'empty')!r}: it "
+                   "holds no manifest.json. Check the URL (and --endpoint-url or "
+                   "AWS_ENDPOINT_URL for S3); a run is created by its first learner\n")
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_bad_urls_and_options_are_one_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, _, err = cli(capsys, "status", str(tmp_path), "--endpoint-url", "http://127.0.0.1:1")
+    assert rc == 1
+    assert err.startswith("gradientmail: error: option(s) ['endpoint_url'] are not accepted "
+                          "by LocalMailbox")
+    rc, _, err = cli(capsys, "status", "ftp://host/x")
+    assert rc == 1 and "unsupported scheme 'ftp'" in err
+    rc, _, err = cli(capsys, "sync", str(tmp_path), "--closer-id", "no spaces")
+    assert rc == 1 and err.startswith("gradientmail: error: learner id 'no spaces' is invalid")
+    with pytest.raises(SystemExit) as exc:
+        main(["sweep", str(tmp_path), "--keep", "0"])
+    assert exc.value.code == 2
+    assert "--keep: 0 must be >= 1" in capsys.readouterr().err
+
+
+def test_demo_is_a_stub_for_now(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = cli(capsys, "demo", "--learners", "3")
+    assert (rc, out, err) == (2, "", "gradientmail demo: not built yet\n")
+
+
+# -- sync --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sync_closes_a_published_round_and_stops_cleanly(
+    sig: signal.Signals, tmp_path: Path
+) -> None:
+    directory = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gradientmail.cli", "sync", str(directory),
+         "--poll-interval", "0.05", "--closer-id", "cli-sync"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        first = proc.stderr.readline()  # the run does not exist yet
+        assert first == f"gradientmail sync: no run in {directory} yet; waiting for its " \
+                        "first learner\n"
+        r = Run(LocalMailbox(str(directory)), algorithm(fragments=2, quorum_size=1))
+
+        async def publish() -> None:
+            await r.create()  # after the syncer started: it waits for the run
+            await r.contribute(0, "a")
+
+        asyncio.run(publish())
+        record = directory / round_key(0)
+        deadline = time.monotonic() + 60
+        while not record.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.02)
+        assert record.exists(), "the syncer wrote no record"
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert out == (f"gradientmail sync: stopped by {sig.name} after closing 1 round of "
+                   f"{directory} as 'cli-sync'\n")
+    assert "RoundClosed(closer='cli-sync', round=0" in err
+    rec = json.loads(record.read_bytes())
+    assert rec["closer"] == "cli-sync"
+    assert [p["learner"] for p in rec["participants"]] == ["a"]
+    theta = np.frombuffer(unpack((directory / rec["theta"]["key"]).read_bytes())["w"].data,
+                          np.float32)
+    assert theta.shape == (6,)
+
+
+# -- S3 ----------------------------------------------------------------------------------
+
+
+def test_status_and_export_on_s3_with_an_endpoint_option_or_the_environment(
+    mailbox_factory: Any, moto_endpoint: str, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    mailbox = mailbox_factory("s3")
+    r = Run(mailbox, algorithm(fragments=2, quorum_size=1))
+
+    async def setup() -> None:
+        await r.create()
+        await r.contribute(0, "a")
+        assert await r.syncer().poll(live=frozenset({"a"}))
+
+    asyncio.run(setup())
+    url = mailbox.url
+    rc, out, err = cli(capsys, "status", url, "--endpoint-url", moto_endpoint, "--json")
+    assert (rc, err) == (0, "")
+    status = json.loads(out)
+    assert status["rounds_committed"] == 1
+    assert [(f["fragment"], f["version"]) for f in status["fragments"]] == [(0, 1), (1, 0)]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)  # boto3 reads it itself
+    rc, out, err = cli(capsys, "export", url, str(tmp_path / "m.safetensors"))
+    assert (rc, err) == (0, "")
+    assert set(unpack((tmp_path / "m.safetensors").read_bytes())) == {"w", "b"}
