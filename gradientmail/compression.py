@@ -21,10 +21,11 @@ Pass the bound the schema allows (`size_bound`) wherever it is known.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from gradientmail.errors import ConfigError, CorruptPayload, MissingExtra, RemoteProtocolError
 from gradientmail.quantization import quantized_nbytes
@@ -60,7 +61,7 @@ SHUFFLE_KEY = "gradientmail.shuffle"
 DEFAULT_MAX_BYTES = 8 << 30
 _LEVEL = 1
 _THREADED_FROM = 8 << 20  # below this, starting zstd's worker threads costs more than it saves
-_CHUNK = 1 << 20  # bytes per piece fed to the compressor
+_BLOCK = 1 << 16  # elements per transpose step of the (un)shuffle
 
 
 def check_compression(compression: str) -> str:
@@ -119,34 +120,25 @@ def unshuffle(tensor: TensorBytes) -> TensorBytes:
     return TensorBytes(tensor.dtype, tensor.shape, _interleave(memoryview(tensor.data), width))
 
 
-def _planes(data: bytes, width: int) -> Iterator[memoryview]:
-    """The shuffled bytes of `data` in pieces of at most `_CHUNK` bytes, in order.
-
-    Gathering one byte plane a chunk at a time keeps each piece in cache until the
-    compressor reads it, instead of writing (and then re-reading) a shuffled copy.
-    """
+def _shuffle_into(data: bytes, width: int, out: npt.NDArray[np.uint8]) -> None:
+    """Write the shuffled bytes of `data` into `out` (same length)."""
+    source = np.frombuffer(data, np.uint8)
     if width <= 1:
-        view = memoryview(data)
-        for i in range(0, len(view), _CHUNK):
-            yield view[i : i + _CHUNK]
+        out[:] = source
         return
-    elements = np.frombuffer(data, np.uint8).reshape(-1, width)
-    buf = np.empty(min(_CHUNK, elements.shape[0]), np.uint8)
-    for plane in range(width):
-        column = elements[:, plane]
-        for i in range(0, elements.shape[0], _CHUNK):
-            piece = column[i : i + _CHUNK]
-            buf[: piece.size] = piece
-            yield buf.data[: piece.size]  # reused: the consumer must copy it before next()
+    elements = source.reshape(-1, width)
+    planes = out.reshape(width, -1)
+    # A block of elements at a time, so the transpose reads and writes stay in cache.
+    for i in range(0, elements.shape[0], _BLOCK):
+        planes[:, i : i + _BLOCK] = elements[i : i + _BLOCK].T
 
 
 def _interleave(shuffled: memoryview, width: int) -> bytes:
     """Inverse of the shuffle: `shuffled` holds `width` byte planes one after another."""
     planes = np.frombuffer(shuffled, np.uint8).reshape(width, -1)
     out = np.empty((planes.shape[1], width), np.uint8)
-    for i in range(0, planes.shape[1], _CHUNK):
-        for plane in range(width):
-            out[i : i + _CHUNK, plane] = planes[plane, i : i + _CHUNK]
+    for i in range(0, planes.shape[1], _BLOCK):
+        out[i : i + _BLOCK] = planes[:, i : i + _BLOCK].T
     return out.tobytes()
 
 
@@ -166,8 +158,8 @@ def encode(
     """The payload bytes of `tensors` under `compression` (deterministic for equal input).
 
     Under ``zstd`` the decompressed frame is exactly ``pack`` of the shuffled tensors with
-    the shuffle marker in the metadata; it is streamed into the compressor rather than
-    built in memory.
+    the shuffle marker in the metadata, built in one buffer and compressed in one call
+    (measured faster than streaming the shuffled pieces into zstd).
     """
     check_compression(compression)
     meta = dict(metadata or {})
@@ -178,19 +170,20 @@ def encode(
     zstandard = _zstd()
     meta[SHUFFLE_KEY] = "1"
     header, order = pack_header(tensors, meta)  # shuffling keeps every length
-    total = len(header) + sum(len(tensors[n].data) for n in order)
-    # zstd's multi-threaded frames are the same for any number of workers >= 1, so the
-    # bytes depend on the payload's size alone, never on the machine.
-    threads = min(os.cpu_count() or 1, 4) if total >= _THREADED_FROM else 0
-    cctx = zstandard.ZstdCompressor(level=_LEVEL, threads=threads, write_content_size=True)
-    stream = cctx.compressobj(size=total)
-    parts = [stream.compress(header)]
+    blob = np.empty(len(header) + sum(tensors[n].nbytes for n in order), np.uint8)
+    blob[: len(header)] = np.frombuffer(header, np.uint8)
+    pos = len(header)
     for name in order:
         tensor = tensors[name]
-        for piece in _planes(tensor.data, dtype_bits(tensor.dtype) // 8):
-            parts.append(stream.compress(piece))
-    parts.append(stream.flush())
-    return b"".join(parts)
+        end = pos + tensor.nbytes
+        _shuffle_into(tensor.data, dtype_bits(tensor.dtype) // 8, blob[pos:end])
+        pos = end
+    # zstd's multi-threaded frames are the same for any number of workers >= 1, so the
+    # bytes depend on the payload's size alone, never on the machine.
+    threads = min(os.cpu_count() or 1, 4) if blob.size >= _THREADED_FROM else 0
+    cctx = zstandard.ZstdCompressor(level=_LEVEL, threads=threads, write_content_size=True)
+    out: bytes = cctx.compress(blob)
+    return out
 
 
 def decode(
