@@ -242,15 +242,16 @@ class Learner:
         integration knows which tensors to broadcast from its rank 0 (`plan[p]` names them).
         """
         self._touched.clear()
-        state = self._require_started()
+        self._require_started()
         self._check_alive()
         now = time.perf_counter()
         seconds = None if self._last_step_time is None else now - self._last_step_time
         self._last_step_time = now
+        # Count the step on the version it was taken on; a commit applied now overwrites
+        # it and keeps α of it (the steps counters follow the parameters).
+        self._state = ls.advanced(self._state_now(), int(samples), seconds)
         self._apply_arrived()
         self._retract_failed()
-        state = ls.advanced(self._state_now(), int(samples), seconds)
-        self._state = state
         self._maybe_publish()
         self._wait_while_overdue()
         return tuple(sorted(self._touched))
@@ -273,9 +274,13 @@ class Learner:
             self._apply_arrived()
             if flush:
                 self._flush()
-            else:
-                for anchor in self._anchors:
-                    self.adapter.apply(anchor)
+                self._wait_for_pending()
+                self._final_catch_up()
+                self._apply_arrived()
+            # Training since the last alignment that went out in no round is dropped:
+            # the model ends on the newest commits, as every other learner sees them.
+            for anchor in self._anchors:
+                self.adapter.apply(anchor)
         stop = self._stop
         if stop is not None and self._loop.is_running():
             self._loop.call_soon_threadsafe(stop.set)

@@ -433,3 +433,45 @@ def test_quantized_deltas_and_commit_updates(fmt: str) -> None:
         want = newest_theta(mailbox, learner.rounds_seen)
         for name, p in models[w].named_parameters():
             assert torch.equal(p.detach(), want[name]), (w, name)
+
+
+def test_flush_on_close_publishes_final_snapshots() -> None:
+    mailbox = MemoryMailbox()
+    alg = DiLoCo(
+        sync_every=4,
+        fragments=1,
+        in_flight=1,
+        overlap_steps=0,
+        merge=WeightedMean(),
+        flush_on_close=True,
+    )
+    rec = Recorder()
+    model = make_model()
+    learner = Learner(
+        TorchAdapter(model), alg, mailbox, "leaver", on_event=rec, keep_versions=1000, **FAST
+    )
+    learner.start()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(7):  # the barrier at step 4 waits for round 0's commit
+        train_step(model, opt, step)
+        learner.step(10)
+    learner.close()
+    first, last = all_records(mailbox)
+    assert not first.all_final and first.participants[0].steps == 4
+    assert last.all_final
+    (part,) = last.participants
+    assert (part.learner, part.steps, part.tokens) == ("leaver", 3, 30)
+
+    # the final round moved the master by Δ alone and kept the momentum
+    async def outer(r: RoundRecord) -> dict[str, Any]:
+        tensors = await Exchange(mailbox).fetch_tensors(r.outer)
+        assert tensors is not None
+        return tensors
+
+    before, after = run(outer(first)), run(outer(last))
+    assert {k: v for k, v in before.items() if k.startswith("momentum/")} == {
+        k: v for k, v in after.items() if k.startswith("momentum/")
+    }
+    want = newest_theta(mailbox)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), want[name]), name
