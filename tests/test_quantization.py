@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -252,7 +253,7 @@ def test_f4_rounding_matches_ml_dtypes_on_every_bf16_pattern_and_tie(backend: st
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_half_precision_inputs(dtype: object, fmt: str) -> None:
+def test_half_precision_inputs(dtype: Any, fmt: str) -> None:
     x = np.array([0.5, -1.5, 3.0, 0.0], dtype=np.float32)
     half = TensorBytes.from_numpy(x.astype(dtype))
     assert roundtrip(half, fmt) == f32(x)  # representable in every format (F4: scale 2^-1)
