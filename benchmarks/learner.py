@@ -1,0 +1,183 @@
+"""What the learner costs a training loop.
+
+    python benchmarks/learner.py [--quick] [--device cpu|cuda] [--model tiny|124m]
+
+Measures, in one run:
+- the median microseconds of `Learner.step()` when no round is due;
+- `step()` when a round is due against a plain on-device clone of the same fragment
+  (the floor: a due step must snapshot the fragment; goal <= 1.5x);
+- steps/s of a GPT-2 training loop with the learner against the same loop without it,
+  interleaved in blocks so drift on a shared machine hits both arms (goal >= 0.99x);
+- peak memory the learner adds (host RSS on CPU, allocator peak on CUDA).
+Prints a markdown table and appends it to benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from gradientmail.adapters import TorchAdapter
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.learner import Learner
+
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+
+
+def gpt2(size: str, device: str) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    if size == "124m":
+        cfg = GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
+    else:
+        cfg = GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=4096, n_positions=128,
+                         bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg).to(device)
+    if size == "124m" and device == "cuda":
+        model = model.to(torch.bfloat16)
+    return model
+
+
+def rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def train_loop(model: torch.nn.Module, steps: int, batch: int, block: int, device: str,
+               learner: Learner | None) -> float:
+    vocab = model.config.vocab_size
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(1)
+    data = torch.randint(0, vocab, (steps, batch, block), generator=g)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(steps):
+        ids = data[i].to(device, non_blocking=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if learner is not None:
+            learner.step(batch * block)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return steps / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--model", default="tiny", choices=["tiny", "124m"])
+    args = ap.parse_args()
+    dev = args.device
+    steps = 20 if args.quick else 60
+    blocks = 2 if args.quick else 4
+    batch, block = (4, 64) if args.model == "tiny" else (8, 1024)
+    if dev == "cpu":
+        torch.set_num_threads(1)  # leave the second core to the mailman, as a user would
+
+    tmp = tempfile.mkdtemp(prefix="gm-bench-learner-")
+    model = gpt2(args.model, dev)
+    rss0 = rss_mib()
+    cuda0 = torch.cuda.max_memory_allocated() if dev == "cuda" else 0
+    alg = DiLoCo(sync_every=10**6, fragments=4, in_flight=1)  # nothing due on its own
+    learner = Learner(TorchAdapter(model), alg, os.path.join(tmp, "idle"), "bench",
+                      on_event=lambda e: None, poll_interval=0.02)
+    learner.start()
+    idle = []
+    for _ in range(200 if args.quick else 2000):
+        t = time.perf_counter()
+        learner.step(1)
+        idle.append(time.perf_counter() - t)
+    # A due step: make the next round due, time step(), and compare with a plain clone
+    # of the same fragment on the same device.
+    params = dict(model.named_parameters())
+    due, clone = [], []
+    for _ in range(5 if args.quick else 20):
+        # Let the previous round's commit arrive, so the next round is publishable, then
+        # make it due by opportunity ("the others are in, the round is about to close").
+        deadline = time.monotonic() + 30
+        while learner._inbox.empty() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        learner.step(1)  # applies it
+        r = learner.rounds_seen + 1
+        frag = [params[n] for n in learner.plan[r % len(learner.plan)]]
+        learner._others = (r, 10**6)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        _copies = [p.detach().clone() for p in frag]
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        clone.append(time.perf_counter() - t)
+        del _copies
+        t = time.perf_counter()
+        learner.step(1)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        due.append(time.perf_counter() - t)
+        assert learner._state_now().last_published == r, "the round was not due"
+    learner.close()
+
+    # Training throughput, interleaved blocks: without, with, without, with, ...
+    run_alg = DiLoCo(sync_every=20, fragments=4, in_flight=2)
+    with_l = Learner(TorchAdapter(model), run_alg, os.path.join(tmp, "run"), "bench-run",
+                     on_event=lambda e: None, poll_interval=0.5)
+    with_l.start()
+    rss1 = rss_mib()
+    train_loop(model, 3, batch, block, dev, None)  # warm-up
+    plain, gm = [], []
+    for _ in range(blocks):
+        plain.append(train_loop(model, steps, batch, block, dev, None))
+        gm.append(train_loop(model, steps, batch, block, dev, with_l))
+    rounds = with_l.rounds_seen + 1
+    with_l.close()
+    added_mib = (
+        (torch.cuda.max_memory_allocated() - cuda0) / 2**20 if dev == "cuda" else rss1 - rss0
+    )
+
+    med_idle = statistics.median(idle) * 1e6
+    med_due = statistics.median(due) * 1e6
+    med_clone = statistics.median(clone) * 1e6
+    sp_plain, sp_gm = statistics.median(plain), statistics.median(gm)
+    frag_mb = sum(
+        params[n].numel() * params[n].element_size() for names in learner.plan for n in names
+    ) / 1e6 / len(learner.plan)
+    table = "\n".join([
+        "| measure | value | goal |",
+        "|---|---|---|",
+        f"| step(), no round due (median) | {med_idle:.1f} µs | |",
+        f"| step(), round due (median) | {med_due:.0f} µs | |",
+        f"| plain clone of the same fragment (mean {frag_mb:.1f} MB) | {med_clone:.0f} µs | |",
+        f"| due step / clone | {med_due / med_clone:.2f}x | <= 1.5x |",
+        f"| training steps/s without learner | {sp_plain:.2f} | |",
+        f"| training steps/s with learner ({rounds} rounds committed) | {sp_gm:.2f} | |",
+        f"| with / without | {sp_gm / sp_plain:.3f}x | >= 0.99x |",
+        f"| peak memory added | {added_mib:.0f} MiB | |",
+    ])
+    header = (
+        f"\n## learner overhead — {datetime.date.today()}\n\n"
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, device {dev}"
+        f"{' (' + torch.cuda.get_device_name() + ')' if dev == 'cuda' else ''}; "
+        f"model GPT-2 {args.model}, batch {batch}x{block}, {blocks} interleaved blocks of "
+        f"{steps} steps.\nCommand: `python benchmarks/learner.py {' '.join(sys.argv[1:])}`\n\n"
+    )
+    print(header + table)
+    with RESULTS.open("a") as f:
+        f.write(header + table + "\n")
+
+
+if __name__ == "__main__":
+    main()
