@@ -151,6 +151,29 @@ def test_status_prints_a_readable_table(
     assert lines[-1].split()[-1] == "-"  # no quantized update
 
 
+def test_status_of_a_run_with_no_round_yet(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    directory = tmp_path / "run"
+    r = Run(LocalMailbox(str(directory)), algorithm(fragments=2, quorum_size=1))
+    manifest = asyncio.run(r.create())
+    asyncio.run(r.contribute(0, "a"))
+    rc, out, _ = cli(capsys, "status", str(directory), "--json")
+    assert rc == 0
+    status = json.loads(out)
+    assert (status["rounds_committed"], status["last_round"]) == (0, None)
+    assert [(f["fragment"], f["version"], f["round"], f["theta_bytes"])
+            for f in status["fragments"]] == [(p, 0, None, ref.size)
+                                              for p, ref in enumerate(manifest.init)]
+    assert status["estimates"] == {"step": None, "quorum": None, "sync": None}
+    assert status["open_round"] == {"round": 0, "fragment": 0, "contributions": ["a"],
+                                    "claims": []}
+    rc, out, _ = cli(capsys, "status", str(directory))
+    assert rc == 0
+    assert "open round  0 (fragment 0): contributions a; claims none" in out.splitlines()
+    assert "estimates   step -, quorum -, sync -" in out.splitlines()
+    assert out.splitlines()[-1].split()[:3] == ["1", "0", "init"]
+
+
 def json_creator(directory: Path) -> str:
     manifest = json.loads((directory / "manifest.json").read_bytes())
     return str(manifest["creator"])
