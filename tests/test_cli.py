@@ -298,11 +298,6 @@ def test_bad_urls_and_options_are_one_error_line(
     assert "--keep: 0 must be >= 1" in capsys.readouterr().err
 
 
-def test_demo_is_a_stub_for_now(capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, err = cli(capsys, "demo", "--learners", "3")
-    assert (rc, out, err) == (2, "", "gradientmail demo: not built yet\n")
-
-
 # -- sync --------------------------------------------------------------------------------
 
 
