@@ -1,0 +1,313 @@
+"""DiLoCoPlugin: built in code, from the YAML file named by GRADIENTMAIL_CONFIG, and from
+GRADIENTMAIL_* variables (which override the file); every bad key and value is refused
+with a message naming it and the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradientmail.algorithms.diloco import ByBytes, DiLoCo, Rda, Strided, WeightedMean
+from gradientmail.errors import ConfigError
+from gradientmail_accelerate import DEFAULT_ALGORITHM, DiLoCoPlugin
+from gradientmail_accelerate.plugin import algorithm_from_mapping
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "diloco.yaml"
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "gm.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_the_example_yaml_reads_as_documented() -> None:
+    plugin = DiLoCoPlugin.from_yaml(EXAMPLE)
+    assert plugin == DiLoCoPlugin(
+        "runs/accelerate-demo",
+        DiLoCo(
+            sync_every=20,
+            fragments=2,
+            in_flight=2,
+            overlap_steps=None,
+            quorum_size=1,
+            outer_lr=0.7,
+            outer_momentum=0.9,
+            merge=Rda(direct_pattern="embed"),
+            partition=ByBytes(),
+        ),
+        learner_id=None,
+        poll_interval=0.2,
+        compression="off",
+    )
+
+
+def test_environment_overrides_the_yaml_file() -> None:
+    env = {
+        "GRADIENTMAIL_CONFIG": str(EXAMPLE),
+        "GRADIENTMAIL_MAILBOX": "s3://bucket/run-7",
+        "GRADIENTMAIL_LEARNER_ID": "node-3",
+        "GRADIENTMAIL_SYNC_EVERY": "8",
+        "GRADIENTMAIL_FRAGMENTS": "1",
+        "GRADIENTMAIL_IN_FLIGHT": "1",
+        "GRADIENTMAIL_OVERLAP_STEPS": "0",
+        "GRADIENTMAIL_MIXING": "0.25",
+        "GRADIENTMAIL_MERGE": "weighted_mean",
+        "GRADIENTMAIL_PARTITION": r"{type: strided, block_pattern: 'h\.(\d+)\.'}",
+        "GRADIENTMAIL_GLOBAL_BATCH_SIZE": "256",
+        "GRADIENTMAIL_DELTA_DTYPE": "F4",
+        "GRADIENTMAIL_FLUSH_ON_CLOSE": "yes",
+        "GRADIENTMAIL_SYNC": "false",
+        "GRADIENTMAIL_TOKENS_PER_STEP": "4096",
+        "GRADIENTMAIL_COMPRESSION": "zstd",
+        "GRADIENTMAIL_LEASE_EVERY": "5",
+        "GRADIENTMAIL_LEASE_TIMEOUT": "12.5",
+        "GRADIENTMAIL_PREFIX": "runs/a/",
+        "GRADIENTMAIL_RUN_KEY": "not ours: ignored",
+        "HOME": "/root",
+    }
+    plugin = DiLoCoPlugin.from_env(env)
+    assert plugin == DiLoCoPlugin(
+        "s3://bucket/run-7",
+        DiLoCo(
+            sync_every=8,
+            fragments=1,
+            in_flight=1,
+            overlap_steps=0,
+            mixing=0.25,
+            quorum_size=1,
+            merge=WeightedMean(),
+            partition=Strided(r"h\.(\d+)\."),
+            global_batch_size=256,
+            delta_dtype="F4",
+            flush_on_close=True,
+        ),
+        learner_id="node-3",
+        tokens_per_step=4096,
+        sync=False,
+        poll_interval=0.2,  # from the file
+        compression="zstd",
+        lease_every=5.0,
+        lease_timeout=12.5,
+        prefix="runs/a/",
+    )
+
+
+def test_environment_alone_and_defaults() -> None:
+    plugin = DiLoCoPlugin.from_env({"GRADIENTMAIL_MAILBOX": "/data/run"})
+    assert plugin.mailbox == "/data/run" and plugin.algorithm is None
+    assert plugin.resolved_algorithm == DEFAULT_ALGORITHM
+    # Missing diloco fields take the default's; in_flight follows fragments.
+    plugin = DiLoCoPlugin.from_env(
+        {"GRADIENTMAIL_MAILBOX": "/data/run", "GRADIENTMAIL_FRAGMENTS": "1"}
+    )
+    assert plugin.algorithm == DiLoCo(
+        sync_every=DEFAULT_ALGORITHM.sync_every, fragments=1, in_flight=1
+    )
+    plugin = DiLoCoPlugin.from_env(
+        {"GRADIENTMAIL_MAILBOX": "/data/run", "GRADIENTMAIL_OVERLAP_STEPS": "none"}
+    )
+    assert plugin.algorithm == dataclasses.replace(DEFAULT_ALGORITHM, overlap_steps=None)
+
+
+def test_an_empty_file_with_a_mailbox_variable(tmp_path: Path) -> None:
+    path = write(tmp_path, "# nothing yet\n")
+    plugin = DiLoCoPlugin.from_env({"GRADIENTMAIL_CONFIG": path, "GRADIENTMAIL_MAILBOX": "m"})
+    assert plugin == DiLoCoPlugin("m")
+
+
+def test_merge_and_partition_spellings(tmp_path: Path) -> None:
+    cases: list[tuple[str, Any]] = [
+        ("merge: rda", Rda()),
+        ("merge: {type: rda, direct_pattern: wte}", Rda("wte")),
+        ("merge: {type: rda, direct_pattern: null}", Rda(None)),
+        ("merge: weighted_mean", WeightedMean()),
+        ("partition: by_bytes", ByBytes()),
+        ("partition: strided", Strided()),
+        (
+            r"partition: {type: strided, block_pattern: 'layers\.(\d+)\.'}",
+            Strided(r"layers\.(\d+)\."),
+        ),
+    ]
+    for line, want in cases:
+        path = write(tmp_path, f"mailbox: m\ndiloco:\n  fragments: 2\n  {line}\n")
+        alg = DiLoCoPlugin.from_yaml(path).resolved_algorithm
+        assert getattr(alg, line.split(":")[0]) == want, line
+
+
+def bad_yaml(tmp_path: Path, text: str) -> str:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        DiLoCoPlugin.from_yaml(path)
+    msg = str(info.value)
+    assert msg.startswith(path + ": "), msg
+    return msg
+
+
+def test_unknown_keys_are_named_with_the_valid_ones(tmp_path: Path) -> None:
+    msg = bad_yaml(tmp_path, "mailbox: m\nmailbx: n\n")
+    assert msg.endswith(
+        "unknown key mailbx; valid keys: mailbox, learner_id, tokens_per_step, sync, "
+        "poll_interval, compression, lease_every, lease_timeout, prefix, diloco"
+    )
+    msg = bad_yaml(tmp_path, "mailbox: m\ndiloco:\n  sync_evry: 3\n  outer_lrr: 1\n")
+    assert "unknown keys diloco.sync_evry, diloco.outer_lrr; valid keys: sync_every, " in msg
+    assert msg.endswith("delta_dtype, commit_dtype, flush_on_close")
+    msg = bad_yaml(tmp_path, "mailbox: m\ndiloco:\n  merge: {type: rda, pattern: x}\n")
+    assert msg.endswith("diloco.merge: unknown option pattern for rda; its options: direct_pattern")
+    msg = bad_yaml(tmp_path, "mailbox: m\ndiloco:\n  merge: {type: weighted_mean, x: 1}\n")
+    assert msg.endswith("unknown option x for weighted_mean; its options: none")
+    msg = bad_yaml(tmp_path, "mailbox: m\ndiloco:\n  merge: mean\n")
+    assert msg.endswith("diloco.merge: type 'mean' is unknown; use one of rda, weighted_mean")
+    msg = bad_yaml(tmp_path, "mailbox: m\ndiloco:\n  partition: [1]\n")
+    assert "diloco.partition=[1] must be one of by_bytes, strided or a mapping" in msg
+
+
+def test_bad_values_name_the_key_and_the_rule(tmp_path: Path) -> None:
+    msg = bad_yaml(tmp_path, "mailbox: m\ndiloco:\n  sync_every: ten\n")
+    assert msg.endswith("diloco.sync_every='ten' must be an integer")
+    msg = bad_yaml(tmp_path, "mailbox: m\ndiloco:\n  sync_every: true\n")
+    assert msg.endswith("diloco.sync_every=True must be an integer")
+    msg = bad_yaml(tmp_path, "mailbox: m\ndiloco:\n  overlap_steps: 1.5\n")
+    assert msg.endswith("diloco.overlap_steps=1.5 must be an integer or null")
+    msg = bad_yaml(tmp_path, "mailbox: m\ndiloco:\n  fragments: 2\n  in_flight: 3\n")
+    assert msg.endswith(
+        "diloco.in_flight=3 exceeds fragments=2; need 1 <= in_flight <= fragments <= sync_every"
+    )
+    msg = bad_yaml(tmp_path, "mailbox: m\ndiloco:\n  mixing: 1.0\n")
+    assert msg.endswith("diloco.mixing=1.0 is out of range; need 0 <= mixing < 1")
+    msg = bad_yaml(
+        tmp_path, "mailbox: m\ndiloco:\n  partition: {type: strided, block_pattern: x}\n"
+    )
+    assert "block_pattern='x' has 0 capture groups" in msg
+    msg = bad_yaml(tmp_path, "mailbox: m\ncompression: off\n")
+    assert msg.endswith(
+        "compression=False is not a codec; use 'off' or 'zstd' "
+        '(YAML reads a bare off as false: write compression: "off")'
+    )
+    msg = bad_yaml(tmp_path, "mailbox: m\nsync: 1\n")
+    assert msg.endswith("sync=1 must be true or false")
+    msg = bad_yaml(tmp_path, "mailbox: m\nlease_every: 60\nlease_timeout: 30\n")
+    assert msg.endswith(
+        "lease_timeout=30.0 must exceed lease_every=60.0; use about twice lease_every"
+    )
+    msg = bad_yaml(tmp_path, "learner_id: a\n")
+    assert "'mailbox' is required" in msg and "GRADIENTMAIL_MAILBOX" in msg
+    msg = bad_yaml(tmp_path, "- mailbox\n")
+    assert msg.endswith("the config must be a mapping, got list ['mailbox']")
+    msg = bad_yaml(tmp_path, "mailbox: m\ndiloco: 3\n")
+    assert msg.endswith("diloco must be a mapping, got int 3")
+    msg = bad_yaml(tmp_path, "mailbox: [unclosed\n")
+    assert "not valid YAML" in msg
+
+
+def bad_env(env: dict[str, str]) -> str:
+    with pytest.raises(ConfigError) as info:
+        DiLoCoPlugin.from_env({"GRADIENTMAIL_MAILBOX": "m", **env})
+    return str(info.value)
+
+
+def test_bad_environment_values_name_the_variable() -> None:
+    assert bad_env({"GRADIENTMAIL_SYNC_EVERY": "ten"}) == (
+        "GRADIENTMAIL_SYNC_EVERY='ten' is not an integer"
+    )
+    assert (
+        bad_env({"GRADIENTMAIL_OUTER_LR": "fast"}) == "GRADIENTMAIL_OUTER_LR='fast' is not a number"
+    )
+    assert bad_env({"GRADIENTMAIL_SYNC": "maybe"}) == (
+        "GRADIENTMAIL_SYNC='maybe' is not a bool; use one of 1, true, yes, on, 0, false, no, off"
+    )
+    assert bad_env({"GRADIENTMAIL_MERGE": "median"}) == (
+        "GRADIENTMAIL_MERGE: type 'median' is unknown; use one of rda, weighted_mean"
+    )
+    assert "GRADIENTMAIL_PARTITION='{type: [' is not a YAML flow mapping" in bad_env(
+        {"GRADIENTMAIL_PARTITION": "{type: ["}
+    )
+    assert bad_env({"GRADIENTMAIL_QUORUM_SIZE": "0"}) == (
+        "GRADIENTMAIL_* variables: diloco.quorum_size=0 is below 1; need quorum_size >= 1"
+    )
+    assert bad_env({"GRADIENTMAIL_POLL_INTERVAL": "nan"}) == (
+        "GRADIENTMAIL_* variables: poll_interval=nan must be a finite number of seconds > 0"
+    )
+    assert bad_env({"GRADIENTMAIL_CONFIG": "/no/such/gm.yaml"}) == (
+        "cannot read the gradientmail config '/no/such/gm.yaml': No such file or directory; "
+        "point GRADIENTMAIL_CONFIG at an existing YAML file"
+    )
+    with pytest.raises(ConfigError, match=r"^GRADIENTMAIL_\* variables: 'mailbox' is required"):
+        DiLoCoPlugin.from_env({})
+
+
+def test_an_unknown_variable_draws_a_warning_with_the_valid_names() -> None:
+    with pytest.warns(UserWarning) as record:
+        plugin = DiLoCoPlugin.from_env({"GRADIENTMAIL_MAILBOX": "m", "GRADIENTMAIL_SYNC_EVRY": "5"})
+    assert plugin == DiLoCoPlugin("m")
+    msg = str(record[0].message)
+    assert msg.startswith(
+        "ignoring environment variables ['GRADIENTMAIL_SYNC_EVRY']: no such gradientmail "
+        "setting; valid: GRADIENTMAIL_MAILBOX, GRADIENTMAIL_LEARNER_ID, "
+    )
+    assert "GRADIENTMAIL_SYNC_EVERY" in msg and msg.endswith("(and GRADIENTMAIL_CONFIG)")
+
+
+def test_plugin_fields_are_validated_in_code() -> None:
+    def msg(**kw: Any) -> str:
+        with pytest.raises(ConfigError) as info:
+            DiLoCoPlugin(**{"mailbox": "m", **kw})
+        return str(info.value)
+
+    assert msg(mailbox="") == (
+        "mailbox='' must be a Mailbox or a non-empty URL (a directory, file:///dir or "
+        "s3://bucket/prefix)"
+    )
+    assert msg(algorithm={"sync_every": 3}).startswith("algorithm={'sync_every': 3} must be a ")
+    assert msg(tokens_per_step=-1) == "tokens_per_step=-1 is negative; need tokens_per_step >= 0"
+    assert msg(tokens_per_step=2.5) == (
+        "tokens_per_step=2.5 must be an int >= 0, a callable returning one, or None"
+    )
+    assert msg(compression="gzip") == "compression='gzip' is not a codec; use 'off' or 'zstd'"
+    assert msg(poll_interval=0) == "poll_interval=0 must be a finite number of seconds > 0"
+    assert msg(learner_id=3) == "learner_id=3 must be a string or None"
+    assert DiLoCoPlugin("m", tokens_per_step=lambda: 3).tokens_per_step is not None
+
+
+configs = st.builds(
+    lambda h, p, tau, overlap, q, merge, part, fmt, flush: DiLoCo(
+        sync_every=h * p,
+        fragments=p,
+        in_flight=min(tau, p),
+        overlap_steps=overlap,
+        quorum_size=q,
+        merge=merge,
+        partition=part,
+        delta_dtype=fmt,
+        flush_on_close=flush,
+    ),
+    st.integers(1, 50),
+    st.integers(1, 4),
+    st.integers(1, 4),
+    st.none() | st.integers(0, 9),
+    st.integers(1, 8),
+    st.sampled_from([WeightedMean(), Rda(), Rda(None), Rda("wte")]),
+    st.sampled_from([ByBytes(), Strided(), Strided(r"layer(\d+)")]),
+    st.sampled_from([None, "BF16", "F8_E4M3", "F4"]),
+    st.booleans(),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(configs)
+def test_a_diloco_section_round_trips_every_configuration(config: DiLoCo) -> None:
+    section = {k: v for k, v in config.to_json().items() if k not in ("type", "version")}
+    assert algorithm_from_mapping(section) == config
+    # The same through YAML text, as a user would write it.
+    import yaml
+
+    text = yaml.safe_dump({"mailbox": "m", "diloco": section})
+    assert DiLoCoPlugin.from_mapping(yaml.safe_load(text)).algorithm == config
+    assert re.search(r"sync_every: \d+", text)

@@ -1,0 +1,125 @@
+"""One Accelerate launch as one learner, for the wrapper's multi-process tests.
+
+    torchrun --nproc_per_node 2 tests/workers/accelerate_worker.py MAILBOX ID --out DIR ...
+    python tests/workers/accelerate_worker.py MAILBOX ID --out DIR ...      # one process
+
+Every rank trains the toy model on its own batches (gradient accumulation optional), counts
+its tokens with `diloco.count(x)`, and after every real optimizer step records the step,
+the rounds seen and a SHA-256 of its parameters. At the end each rank writes
+DIR/<ID>.rank<R>.json (those records, its final parameters, and on rank 0 the learner's
+local step and the launch's token count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+from gradientmail.algorithms.diloco import DiLoCo as Config
+from gradientmail.algorithms.diloco import WeightedMean
+from gradientmail_accelerate import DiLoCo, DiLoCoPlugin
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def batch(stream: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * stream + i)
+    return torch.randn(5, 6, generator=g), torch.randn(5, 2, generator=g)
+
+
+def checksum(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        h.update(name.encode())
+        h.update(p.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mailbox")
+    ap.add_argument("learner_id")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=12, help="optimizer steps")
+    ap.add_argument("--accum", type=int, default=1)
+    ap.add_argument("--sync-every", type=int, default=4)
+    ap.add_argument("--fragments", type=int, default=1)
+    ap.add_argument("--quorum", type=int, default=0, help="standard DiLoCo with this quorum")
+    ap.add_argument("--wait-for", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0, help="data stream of this learner")
+    args = ap.parse_args()
+
+    torch.set_num_threads(1)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accum)
+    if args.quorum:
+        alg = Config.standard(args.sync_every, args.quorum)
+    else:
+        alg = Config(
+            sync_every=args.sync_every,
+            fragments=args.fragments,
+            in_flight=min(2, args.fragments),
+            merge=WeightedMean(),
+        )
+    plugin = DiLoCoPlugin(
+        args.mailbox,
+        alg,
+        learner_id=args.learner_id,
+        poll_interval=0.02,
+        lease_every=1.0,
+        lease_timeout=5.0,
+    )
+    # Every rank starts from a different model: start() must give them rank 0's.
+    model = make_model(seed=accelerator.process_index + 7 * args.seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = accelerator.prepare(model, opt)
+    rank = accelerator.process_index
+    records = []
+    micro = 0
+    with DiLoCo(accelerator, model, opt, plugin) as diloco:
+        assert diloco.wait_for_learners(args.wait_for, timeout=60), "peers never came"
+        net = accelerator.unwrap_model(model)
+        records.append({"step": 0, "rounds_seen": diloco.rounds_seen, "sum": checksum(net)})
+        while diloco.optimizer_steps < args.steps:
+            x, y = batch(100 * args.seed + rank, micro)
+            micro += 1
+            diloco.count(x)  # before the step that consumes it
+            with accelerator.accumulate(model):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                accelerator.backward(loss)
+                before = diloco.optimizer_steps
+                opt.step()
+                opt.zero_grad()
+            if diloco.optimizer_steps != before:
+                records.append(
+                    {
+                        "step": diloco.optimizer_steps,
+                        "rounds_seen": diloco.rounds_seen,
+                        "sum": checksum(net),
+                    }
+                )
+        learner = diloco.learner
+    records.append({"step": "closed", "rounds_seen": diloco.rounds_seen, "sum": checksum(net)})
+    out = {
+        "rank": rank,
+        "world": accelerator.num_processes,
+        "micro_batches": micro,
+        "records": records,
+        "params": {n: p.detach().reshape(-1).tolist() for n, p in net.named_parameters()},
+        "local_step": learner.local_step if learner is not None else None,
+        "tokens": diloco.tokens,
+        "state": diloco.state_dict(),
+    }
+    path = Path(args.out) / f"{args.learner_id}.rank{rank}.json"
+    path.write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
