@@ -21,7 +21,7 @@ from gradientmail.algorithms.base import Algorithm, Contribution, FragmentState,
 from gradientmail.algorithms.schedule import Estimates, RoundSchedule
 from gradientmail.backends.base import Backend
 from gradientmail.clock import Clock, MonotonicClock
-from gradientmail.errors import GradientmailError, SchemaMismatch
+from gradientmail.errors import GradientmailError, NonFiniteError, SchemaMismatch
 from gradientmail.events import (
     ClaimSuperseded,
     CommitLost,
@@ -283,9 +283,21 @@ class Syncer:
             contribution = await self._screen(r, fragment, state, schema, names, snap, dropped)
             if contribution is not None:
                 contributions.append(contribution)
+        result = None
         if contributions:
             aggregator = self._alg().aggregator(self.backend)
-            result = await asyncio.to_thread(aggregator.close_round, state, contributions, schema)
+            try:
+                result = await asyncio.to_thread(
+                    aggregator.close_round, state, contributions, schema
+                )
+            except NonFiniteError as exc:
+                # The outer step overflowed: every closer would fail the same way after
+                # each takeover, forever. Leave the round's contributions out instead.
+                for c in contributions:
+                    self._drop(r, c.learner, f"round {r}", f"outer step overflowed: {exc}",
+                               dropped)
+                contributions = []
+        if result is not None:
             new_state, update = result.state, result.update
             participants, cosine, all_final = (
                 result.participants,

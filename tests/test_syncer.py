@@ -690,3 +690,24 @@ def test_run_stops_when_told_without_waiting_out_the_poll_interval(mailbox: Mail
         assert s.rounds_closed == 1
 
     run(main())
+
+
+def test_an_outer_step_that_overflows_drops_the_round_instead_of_retrying_forever(
+    mailbox: Mailbox,
+) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=1))
+        manifest = await r.create()
+        huge = {n: TensorBytes.from_numpy(np.full(SCHEMA[n].shape, 3e38, np.float32))
+                for n in r.plan[0]}
+        await r.contribute(0, "a", tensors=huge)
+        s = r.syncer()
+        assert await s.poll(live=frozenset({"a"}))
+        rec = await r.ex.read_round(0)
+        assert rec is not None and rec.participants == () and rec.version == 1
+        (dropped,) = rec.dropped
+        assert dropped.learner == "a" and "outer step overflowed" in dropped.reason
+        theta = await r.ex.fetch_tensors(rec.theta)
+        assert theta == await r.ex.fetch_tensors(manifest.init[0])
+
+    run(main())
