@@ -30,9 +30,12 @@ __all__ = ["NumpyBackend", "NumpyValue", "f32", "f32_to_bf16_bits"]
 
 F32Array = npt.NDArray[np.float32]
 
-#: Elements per step of the fused helpers: a few float32 vectors of this length plus
-#: their float64 copies stay in a core's L2 cache.
-CHUNK = 1 << 14
+#: Elements per step of the fused elementwise helpers: the few float32 vectors of this
+#: length a step touches stay in a core's L2 cache, and each numpy call does enough work
+#: to amortise its overhead (and the GIL, when several threads run).
+CHUNK = 1 << 16
+#: Elements per step of `gram`, whose float64 copies of M vectors must fit in L2 too.
+GRAM_CHUNK = 1 << 14
 #: Elements per task a thread takes. Fixed, not derived from the thread count, so that
 #: float64 partial sums are added in the same order whatever the number of threads.
 BLOCK = 1 << 20
@@ -70,12 +73,15 @@ def f32_to_bf16_bits(a: F32Array) -> npt.NDArray[np.uint16]:
 class NumpyValue:
     """An F32 tensor held as a numpy array. Operations return new Values; none mutates."""
 
-    __slots__ = ("_a",)
+    __slots__ = ("_a", "_source")
 
-    def __init__(self, array: F32Array) -> None:
+    def __init__(self, array: F32Array, source: bytes | None = None) -> None:
         if array.dtype != np.float32:
             raise ConfigError(f"NumpyValue holds float32 arrays, not {array.dtype}")
         self._a = array
+        # The F32 bytes the array views, when it was loaded from them: to_bytes("F32")
+        # hands them back instead of copying (bytes are immutable, so they cannot differ).
+        self._source = source
 
     @property
     def array(self) -> F32Array:
@@ -121,10 +127,16 @@ class NumpyValue:
     def to_bytes(self, dtype: str) -> TensorBytes:
         flat = self._flat()
         if dtype == "F32":
+            if self._source is not None:
+                return TensorBytes("F32", self.shape, self._source)
             data = flat.astype("<f4", copy=False).tobytes()
         elif dtype == "F16":
-            with np.errstate(over="ignore"):
-                data = flat.astype("<f2").tobytes()
+            with np.errstate(over="ignore", invalid="ignore"):
+                half = flat.astype("<f2")
+            # NaN payloads differ between converters (numpy keeps the payload, CUDA writes
+            # 0x7FFF): pin one NaN so every backend writes the same bytes.
+            half.view(np.uint16)[np.isnan(flat)] = 0x7E00
+            data = half.tobytes()
         elif dtype == "BF16":
             data = f32_to_bf16_bits(flat).astype("<u2", copy=False).tobytes()
         else:
@@ -157,15 +169,16 @@ class NumpyBackend:
     """Values as numpy float32 arrays; the backend of a CPU syncer (numpy only).
 
     The fused helpers split the data into fixed blocks and run them on `threads` threads
-    (default: the usable CPUs, at most 8; numpy releases the GIL inside its loops). The
-    result does not depend on the number of threads.
+    (default: the usable CPUs, at most 4, about where a merge becomes bound by memory
+    bandwidth; numpy releases the GIL inside its loops). The result does not depend on the
+    number of threads.
     """
 
     name = "numpy"
 
     def __init__(self, threads: int | None = None) -> None:
         if threads is None:
-            threads = min(_usable_cpus(), 8)
+            threads = min(_usable_cpus(), 4)
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ConfigError(f"threads={threads!r} must be an int >= 1")
         self.threads = threads
@@ -174,8 +187,9 @@ class NumpyBackend:
     def load(self, tensor: TensorBytes) -> NumpyValue:
         """A Value from F32 (zero-copy, read-only), F16 or BF16 bytes (exactly widened)."""
         if tensor.dtype == "F32":
-            a = np.frombuffer(tensor.data, dtype="<f4")
-        elif tensor.dtype == "F16":
+            return NumpyValue(np.frombuffer(tensor.data, dtype="<f4").reshape(tensor.shape),
+                              tensor.data)
+        if tensor.dtype == "F16":
             a = np.frombuffer(tensor.data, dtype="<f2").astype(np.float32)
         elif tensor.dtype == "BF16":
             bits = np.frombuffer(tensor.data, dtype="<u2").astype(np.uint32) << np.uint32(16)
@@ -266,10 +280,10 @@ def _blocks(size: int) -> list[tuple[int, int]]:
     return [(s, min(size, s + BLOCK)) for s in range(0, size, BLOCK)]
 
 
-def _chunks(span: tuple[int, int]) -> Iterator[tuple[int, int]]:
+def _chunks(span: tuple[int, int], step: int = CHUNK) -> Iterator[tuple[int, int]]:
     start, end = span
-    for s in range(start, end, CHUNK):
-        yield s, min(CHUNK, end - s)
+    for s in range(start, end, step):
+        yield s, min(step, end - s)
 
 
 def _finite(a: F32Array, span: tuple[int, int]) -> bool:
@@ -278,13 +292,24 @@ def _finite(a: F32Array, span: tuple[int, int]) -> bool:
 
 def _gram_block(arrays: list[F32Array], span: tuple[int, int]) -> npt.NDArray[np.float64]:
     m = len(arrays)
+    # Multiply in slices of k elements, small enough (m·m·k <= 2^17) that OpenBLAS runs
+    # each product on the calling thread: above 2^18 it uses its own thread pool, which
+    # serialises concurrent callers on a lock, and our threads would wait for each other.
+    k = 1 << max(6, min(GRAM_CHUNK, (1 << 17) // (m * m)).bit_length() - 1)
     g = np.zeros((m, m), dtype=np.float64)
-    buf = np.empty((m, CHUNK), dtype=np.float64)
-    for s, n in _chunks(span):
-        block = buf[:, :n]
-        for i, a in enumerate(arrays):
-            np.copyto(block[i], a[s : s + n])
-        g += block @ block.T
+    buf = np.empty((GRAM_CHUNK // k, m, k), dtype=np.float64)
+    for s, n in _chunks(span, GRAM_CHUNK):
+        full = n // k
+        if full:
+            block = buf[:full]
+            for i, a in enumerate(arrays):
+                np.copyto(block[:, i, :], a[s : s + full * k].reshape(full, k))
+            g += np.matmul(block, block.transpose(0, 2, 1)).sum(axis=0)
+        if n > full * k:
+            tail = np.empty((m, n - full * k), dtype=np.float64)
+            for i, a in enumerate(arrays):
+                np.copyto(tail[i], a[s + full * k : s + n])
+            g += tail @ tail.T
     return g
 
 

@@ -102,8 +102,13 @@ class TorchValue:
             # 0x7FC0; pin 0x7FC0 so both backends write the same bytes.
             bits = torch.where(torch.isnan(t), torch.tensor(0x7FC0, dtype=torch.int16), bits)
             data = bits.cpu().numpy().tobytes()
+        elif dtype == "F16":
+            bits = t.to(torch.float16).view(torch.int16)
+            # As numpy writes it; CUDA's conversion writes 0x7FFF.
+            bits = torch.where(torch.isnan(t), torch.tensor(0x7E00, dtype=torch.int16), bits)
+            data = bits.cpu().numpy().tobytes()
         else:
-            data = t.to(_TORCH_DTYPES[dtype]).cpu().numpy().tobytes()
+            data = t.cpu().numpy().tobytes()
         return TensorBytes(dtype, self.shape, data)
 
     def __repr__(self) -> str:
