@@ -1,0 +1,280 @@
+"""DiLoCoCallback on a real Trainer in this process (CPU, a toy module): real steps under
+accumulation, token counts, metrics, checkpoint state, crash and resume, refusals."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
+
+from lightning_toy import ToyModule, flat_params, toy_loader
+
+from gradientmail import events as ev
+from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.errors import ConfigError, RunConfigMismatch
+from gradientmail.mailbox import LocalMailbox
+from gradientmail.protocol import Exchange
+from gradientmail.records import RoundRecord
+from gradientmail_lightning import DiLoCoCallback
+from gradientmail_lightning.callback import STATE_KEY, RunMetrics, batch_tokens, check_strategy
+
+FAST: dict[str, Any] = {"poll_interval": 0.01, "lease_every": 2.0, "lease_timeout": 6.0}
+STANDARD = DiLoCo.standard(3, 1)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[ev.Event] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, event: ev.Event) -> None:
+        with self.lock:
+            self.events.append(event)
+
+    def of(self, cls: type[Any]) -> list[Any]:
+        with self.lock:
+            return [e for e in self.events if isinstance(e, cls)]
+
+
+def trainer(**kw: Any) -> Trainer:
+    base: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    base.update(kw)
+    return Trainer(**base)
+
+
+def records(box: Path) -> list[RoundRecord]:
+    return list(asyncio.run(Exchange(LocalMailbox(box)).rounds_after(-1)))
+
+
+def test_accumulation_counts_real_steps_and_tokens(tmp_path: Path) -> None:
+    box = tmp_path / "run"
+    cb = DiLoCoCallback(str(box), STANDARD, "acc-0", **FAST)
+    t = trainer(max_steps=6, accumulate_grad_batches=2, callbacks=[cb])
+    t.fit(ToyModule(), toy_loader(batch_size=4))
+    assert t.global_step == 6
+    assert cb.state_dict() == {"learner_id": "acc-0", "local_step": 6, "rounds_seen": 1}
+    recs = records(box)
+    assert [r.round for r in recs] == [0, 1]
+    for r in recs:
+        (p,) = r.participants
+        # 3 real steps of 2 micro-batches of x[4, 6]: the first tensor of each batch.
+        assert (p.learner, p.steps, p.tokens) == ("acc-0", 3, 3 * 2 * 24)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "per_step"), [(5, 5), (lambda batch: int(batch[1].shape[0]), 4)]
+)
+def test_tokens_per_step_int_or_callable(tmp_path: Path, tokens: Any, per_step: int) -> None:
+    box = tmp_path / "run"
+    cb = DiLoCoCallback(str(box), STANDARD, "tok-0", tokens_per_step=tokens, **FAST)
+    trainer(max_steps=3, callbacks=[cb]).fit(ToyModule(), toy_loader())
+    (rec,) = records(box)
+    assert rec.participants[0].tokens == 3 * per_step
+
+
+def test_metrics_reach_the_progress_bar_and_the_loggers(tmp_path: Path) -> None:
+    box = tmp_path / "run"
+    cb = DiLoCoCallback(str(box), STANDARD, "log-0", **FAST)
+    logger = CSVLogger(tmp_path / "logs", name="m", version=0)
+    t = trainer(max_steps=9, callbacks=[cb], logger=logger, log_every_n_steps=1)
+    t.fit(ToyModule(), toy_loader())
+    bar = t.progress_bar_metrics
+    assert bar["diloco/rounds_seen"] == 2.0
+    assert bar["diloco/live"] == 1.0
+    assert bar["diloco/bytes_up"] > 0
+    logger.finalize("success")
+    with open(tmp_path / "logs" / "m" / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    committed = [float(r["diloco/rounds_committed"]) for r in rows if r["diloco/rounds_committed"]]
+    # Logged every step (rounds close at steps 3, 6, 9), then once more by on_train_end.
+    assert committed[0] <= 1.0
+    assert committed[-1] == 3.0
+    # Each publish is a 106-parameter F32 delta plus its safetensors header.
+    published = [float(r["diloco/bytes_up"]) for r in rows if r["diloco/bytes_up"]]
+    assert published[-1] >= 3 * 106 * 4
+    assert any(r["diloco/staleness"] for r in rows)
+
+
+def test_log_every_n_steps_spaces_the_metrics(tmp_path: Path) -> None:
+    cb = DiLoCoCallback(str(tmp_path / "run"), STANDARD, "log-1", log_every_n_steps=4, **FAST)
+    logger = CSVLogger(tmp_path / "logs", name="m", version=0)
+    t = trainer(max_steps=9, callbacks=[cb], logger=logger, log_every_n_steps=1)
+    t.fit(ToyModule(), toy_loader())
+    logger.finalize("success")
+    with open(tmp_path / "logs" / "m" / "version_0" / "metrics.csv") as f:
+        seen = {int(r["step"]): float(r["diloco/rounds_seen"]) for r in csv.DictReader(f)
+                if r["diloco/rounds_seen"]}
+    # Logged at global steps 4 and 8 (Lightning's row index is global step - 1), then by
+    # on_train_end at step 9. Lightning repeats a logged value on the rows in between, so
+    # the row of global step 6, where round 1 was already applied, still says round 0.
+    assert min(seen) == 3
+    assert (seen[3], seen[5], seen[7], seen[9]) == (0.0, 0.0, 1.0, 2.0)
+
+
+def test_crash_then_resume_from_checkpoint_rejoins_as_the_same_learner(tmp_path: Path) -> None:
+    box = tmp_path / "run"
+    ckpts = tmp_path / "ckpt"
+    seen = Recorder()
+
+    class Crash(Callback):
+        def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+            if trainer.global_step == 5:
+                raise RuntimeError("boom at step 5")
+
+    cb = DiLoCoCallback(str(box), STANDARD, "crashy-7", on_event=seen, **FAST)
+    saver = ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4, save_top_k=-1)
+    t1 = trainer(max_steps=30, callbacks=[cb, Crash(), saver], enable_checkpointing=True)
+    with pytest.raises(RuntimeError, match="boom at step 5"):
+        t1.fit(ToyModule(), toy_loader())
+    # on_exception closed the learner: its lease is released, nothing left running.
+    assert cb.learner is None
+    assert [e.learner for e in seen.of(ev.LeaseReleased)] == ["crashy-7"]
+    before = records(box)
+    assert [r.round for r in before] == [0]
+    # Read now: the sweep deletes old versions once the run moves on.
+    theta = asyncio.run(Exchange(LocalMailbox(box)).fetch_tensors(before[0].theta))
+    assert theta is not None
+    want = torch.cat(
+        [
+            torch.frombuffer(bytearray(theta[n].data), dtype=torch.float32)
+            for n, _ in ToyModule().named_parameters()
+        ]
+    )
+    ckpt = torch.load(ckpts / "epoch=0-step=4.ckpt", weights_only=False)
+    assert ckpt["callbacks"][STATE_KEY] == {
+        "learner_id": "crashy-7",
+        "local_step": 4,
+        "rounds_seen": 0,
+    }
+    # One step past round 0's commit, so the checkpoint's weights are not the run's.
+    saved = torch.cat([t.reshape(-1) for t in ckpt["state_dict"].values()])
+    assert not torch.equal(saved, want)
+
+    # A fresh process would build a fresh callback with no id: the checkpoint supplies it.
+    resumed = DiLoCoCallback(str(box), STANDARD, None, **FAST)
+    model = ToyModule(seed=1)
+
+    class AtStart(Callback):
+        params: torch.Tensor | None = None
+
+        def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+            self.params = flat_params(pl_module)
+
+    at_start = AtStart()
+    t2 = trainer(max_steps=10, callbacks=[resumed, at_start])
+    t2.fit(model, toy_loader(), ckpt_path=ckpts / "epoch=0-step=4.ckpt")
+    assert t2.global_step == 10
+    # A restart is a join: local steps count from it, rounds continue the run's.
+    assert resumed.state_dict() == {"learner_id": "crashy-7", "local_step": 6, "rounds_seen": 2}
+    after = records(box)
+    assert [r.round for r in after] == [0, 1, 2]
+    assert [p.learner for r in after for p in r.participants] == ["crashy-7"] * 3
+    # Joining aligned the restored model with the run's newest commit (round 0).
+    assert at_start.params is not None
+    torch.testing.assert_close(at_start.params, want, rtol=0, atol=0)
+
+
+def test_a_learner_that_cannot_join_fails_fit_without_hanging(tmp_path: Path) -> None:
+    box = tmp_path / "run"
+    trainer(max_steps=3, callbacks=[DiLoCoCallback(str(box), STANDARD, "a-0", **FAST)]).fit(
+        ToyModule(), toy_loader()
+    )
+    other = DiLoCo.standard(4, 1, merge=WeightedMean())
+    cb = DiLoCoCallback(str(box), other, "b-0", **FAST)
+    with pytest.raises(RunConfigMismatch):
+        trainer(max_steps=3, callbacks=[cb]).fit(ToyModule(), toy_loader())
+    assert cb.learner is None
+
+
+def test_fixed_state_key_and_state_round_trip() -> None:
+    a = DiLoCoCallback("unused", STANDARD, "x-1")
+    b = DiLoCoCallback("elsewhere", DiLoCo.standard(5, 2), "y-2", log_every_n_steps=3)
+    assert a.state_key == b.state_key == STATE_KEY == "DiLoCoCallback"
+    assert a.state_dict() == {"learner_id": "x-1", "local_step": 0, "rounds_seen": -1}
+    fresh = DiLoCoCallback("unused", STANDARD)
+    fresh.load_state_dict({"learner_id": "x-1", "local_step": 12, "rounds_seen": 3})
+    assert fresh.state_dict() == {"learner_id": "x-1", "local_step": 12, "rounds_seen": 3}
+    with pytest.raises(ConfigError, match=r"keys \['learner_id'\], expected"):
+        fresh.load_state_dict({"learner_id": "x-1"})
+
+
+def test_constructor_refuses_bad_arguments() -> None:
+    with pytest.raises(ConfigError, match=r"unknown options \['lease_evry'\]; Learner options"):
+        DiLoCoCallback("run", STANDARD, lease_evry=3)
+    with pytest.raises(ConfigError, match=r"tokens_per_step='many' must be an int, a callable"):
+        DiLoCoCallback("run", STANDARD, tokens_per_step="many")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"tokens_per_step=-1 must be >= 0"):
+        DiLoCoCallback("run", STANDARD, tokens_per_step=-1)
+    with pytest.raises(ConfigError, match=r"log_every_n_steps=0 must be an int >= 1"):
+        DiLoCoCallback("run", STANDARD, log_every_n_steps=0)
+
+
+def test_sharded_strategies_are_refused_by_name() -> None:
+    from lightning.pytorch.strategies import (
+        DDPStrategy,
+        FSDPStrategy,
+        ModelParallelStrategy,
+        SingleDeviceStrategy,
+    )
+
+    check_strategy(SingleDeviceStrategy("cpu"))
+    check_strategy(DDPStrategy())
+    for strategy, name in ((FSDPStrategy(), "FSDPStrategy"),
+                           (ModelParallelStrategy(), "ModelParallelStrategy")):
+        with pytest.raises(ConfigError) as info:
+            check_strategy(strategy)
+        assert str(info.value).startswith(
+            f"DiLoCoCallback does not support the {name} strategy; it supports a single "
+            "device and DDP"
+        )
+
+
+def test_batch_tokens_finds_input_ids_or_the_first_tensor() -> None:
+    assert batch_tokens({"labels": torch.ones(2), "input_ids": torch.ones(3, 5)}) == 15
+    assert batch_tokens((torch.ones(4, 6), torch.ones(4, 2))) == 24
+    assert batch_tokens({"a": [{"b": torch.ones(7)}], "c": torch.ones(2)}) == 7
+    assert batch_tokens(["no tensors", 3]) == 0
+
+
+def test_run_metrics_accumulate_events() -> None:
+    m = RunMetrics()
+    m.feed(ev.SnapshotPublished("me", 0, 0, 3, 30, 1000, 0.1))
+    m.feed(ev.SnapshotPublished("me", 1, 1, 3, 30, 500, 0.1))
+    m.feed(ev.RoundRecorded(4, 0, 2, ("me", "you"), 0.25, "you"))
+    m.feed(ev.RoundRecorded(3, 1, 1, ("me",), None, "me"))
+    m.feed(ev.FragmentAligned("me", 4, 0, 2, 7, 800))
+    m.feed(ev.PublishFailed("me", 5, "oops"))
+    m.feed(ev.PollFailed("me", "oops"))
+    got = m.values()
+    since = got.pop("diloco/since_commit")
+    assert 0.0 <= since < 60.0
+    assert got == {
+        "diloco/rounds_committed": 5.0,
+        "diloco/published": 2.0,
+        "diloco/bytes_up": 1500.0,
+        "diloco/bytes_down": 800.0,
+        "diloco/failures": 2.0,
+        "diloco/staleness": 7.0,
+        "diloco/cosine": 0.25,
+    }
