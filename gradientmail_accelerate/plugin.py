@@ -18,8 +18,8 @@ The YAML file::
       merge: {type: rda, direct_pattern: embed}   # or: rda, weighted_mean
       partition: by_bytes                         # or: {type: strided, block_pattern: ...}
 
-Missing `diloco` fields take `DEFAULT_ALGORITHM`'s values, except `in_flight`, which
-defaults to min(2, fragments). Each key has a variable: `GRADIENTMAIL_MAILBOX`,
+Missing `diloco` fields take `DEFAULT_ALGORITHM`'s values, except that `fragments`
+defaults to min(4, sync_every) and `in_flight` to min(2, fragments). Each key has a variable: `GRADIENTMAIL_MAILBOX`,
 `GRADIENTMAIL_SYNC_EVERY`, `GRADIENTMAIL_MERGE` (`rda`, `weighted_mean` or a YAML flow
 mapping such as `{type: rda, direct_pattern: null}`), ...; `none` (or an empty value)
 sets an optional field to None.
@@ -240,7 +240,8 @@ def algorithm_from_mapping(data: Any, source: str = "config") -> DiLoCo:
     _check_keys(data, tuple(_DILOCO_KINDS), source, "diloco.")
     kw = {k: _typed(k, v, _DILOCO_KINDS[k], source, prefix="diloco.") for k, v in data.items()}
     kw.setdefault("sync_every", DEFAULT_ALGORITHM.sync_every)
-    kw.setdefault("fragments", DEFAULT_ALGORITHM.fragments)
+    if "fragments" not in kw and isinstance(kw["sync_every"], int):
+        kw["fragments"] = max(1, min(DEFAULT_ALGORITHM.fragments, kw["sync_every"]))
     if "in_flight" not in kw and isinstance(kw["fragments"], int):
         kw["in_flight"] = max(1, min(2, kw["fragments"]))
     algorithm: DiLoCo = _build(DiLoCo, kw, source, prefix="diloco.")

@@ -111,6 +111,10 @@ def test_environment_alone_and_defaults() -> None:
         sync_every=DEFAULT_ALGORITHM.sync_every, fragments=1, in_flight=1
     )
     plugin = DiLoCoPlugin.from_env(
+        {"GRADIENTMAIL_MAILBOX": "/data/run", "GRADIENTMAIL_SYNC_EVERY": "3"}
+    )
+    assert plugin.algorithm == DiLoCo(sync_every=3, fragments=3, in_flight=2)
+    plugin = DiLoCoPlugin.from_env(
         {"GRADIENTMAIL_MAILBOX": "/data/run", "GRADIENTMAIL_OVERLAP_STEPS": "none"}
     )
     assert plugin.algorithm == dataclasses.replace(DEFAULT_ALGORITHM, overlap_steps=None)

@@ -1,0 +1,228 @@
+"""The Accelerate wrapper in this process (one process, Accelerator(cpu=True)): the hook on
+the inner optimizer counts real steps only, tokens reach the commit records, the wrapper's
+state survives save_state/load_state, and the `with` block closes on an exception."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+
+from gradientmail.algorithms.diloco import DiLoCo as Config
+from gradientmail.errors import ConfigError, SchemaMismatch
+from gradientmail.events import Event, LeaseReleased
+from gradientmail.mailbox import LocalMailbox
+from gradientmail.protocol import Exchange
+from gradientmail.records import RoundRecord
+from gradientmail_accelerate import DiLoCo, DiLoCoPlugin, count_tokens
+
+STANDARD = Config.standard(sync_every=4, learners=1)
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state() -> Iterator[None]:
+    # Accelerate keeps process-wide singletons; each test builds its own Accelerator.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def plugin(box: Path, **kw: Any) -> DiLoCoPlugin:
+    kw.setdefault("algorithm", STANDARD)
+    return DiLoCoPlugin(str(box), poll_interval=0.02, lease_every=1.0, lease_timeout=5.0, **kw)
+
+
+def setup(accum: int = 1, width: int = 8) -> tuple[Accelerator, Any, Any]:
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accum)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, width), torch.nn.Tanh(), torch.nn.Linear(width, 2)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = accelerator.prepare(model, opt)
+    return accelerator, model, opt
+
+
+def train(
+    accelerator: Accelerator, model: Any, opt: Any, diloco: DiLoCo, micro_batches: int, count: bool
+) -> None:
+    for i in range(micro_batches):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(5, 6, generator=g), torch.randn(5, 2, generator=g)
+        if count:
+            diloco.count(x)
+        with accelerator.accumulate(model):
+            accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+
+
+def records(box: Path) -> list[RoundRecord]:
+    return list(asyncio.run(Exchange(LocalMailbox(box)).rounds_after(-1)))
+
+
+def test_gradient_accumulation_counts_real_steps_and_tokens(tmp_path: Path) -> None:
+    accelerator, model, opt = setup(accum=2)
+    with DiLoCo(accelerator, model, opt, plugin(tmp_path / "run")) as diloco:
+        train(accelerator, model, opt, diloco, micro_batches=16, count=True)
+        learner = diloco.learner
+        assert learner is not None
+        assert learner.local_step == diloco.optimizer_steps == 8
+        assert diloco.tokens == 16 * 30
+    recs = records(tmp_path / "run")
+    # H = 4 optimizer steps (8 micro-batches) per round; 2 micro-batches of 5x6 per step.
+    assert [(r.round, [(p.steps, p.tokens) for p in r.participants]) for r in recs] == [
+        (0, [(4, 240)]),
+        (1, [(4, 240)]),
+    ]
+    assert diloco.rounds_seen == 1
+    assert diloco.metrics()["diloco/rounds_seen"] == 1.0
+    assert diloco.metrics()["diloco/bytes_sent"] > 0
+
+
+@pytest.mark.parametrize("per_step", [7, "callable"])
+def test_tokens_per_step_as_an_int_or_a_callable(tmp_path: Path, per_step: Any) -> None:
+    calls = []
+
+    def tokens() -> int:
+        calls.append(1)
+        return 7
+
+    accelerator, model, opt = setup()
+    p = plugin(tmp_path / "run", tokens_per_step=tokens if per_step == "callable" else 7)
+    with DiLoCo(accelerator, model, opt, p) as diloco:
+        train(accelerator, model, opt, diloco, micro_batches=4, count=False)
+        with pytest.raises(ConfigError, match=r"count\(\) called while tokens_per_step="):
+            diloco.count(3)
+    assert [[(q.steps, q.tokens) for q in r.participants] for r in records(tmp_path / "run")] == [
+        [(4, 28)]
+    ]
+    assert len(calls) == (4 if per_step == "callable" else 0)
+
+
+def test_count_tokens_reads_common_batch_shapes() -> None:
+    ids = torch.ones(2, 5, dtype=torch.long)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]])
+    assert count_tokens(12) == 12
+    assert count_tokens(ids) == 10
+    assert count_tokens({"input_ids": ids}) == 10
+    assert count_tokens({"input_ids": ids, "attention_mask": mask}) == 7
+    assert count_tokens((ids, ids[:, :1])) == 10
+    with pytest.raises(ConfigError, match=r"keys \['labels'\]; it needs 'attention_mask' or"):
+        count_tokens({"labels": ids})
+    with pytest.raises(ConfigError, match="a token count must be >= 0, got -1"):
+        count_tokens(-1)
+    with pytest.raises(ConfigError, match="cannot count tokens in a str"):
+        count_tokens("text")
+
+
+def test_checkpoint_round_trip_of_the_wrapper_state(tmp_path: Path) -> None:
+    box, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    accelerator, model, opt = setup()
+    diloco = DiLoCo(accelerator, model, opt, plugin(box, learner_id="first-run"))
+    with diloco:
+        train(accelerator, model, opt, diloco, micro_batches=6, count=True)
+        accelerator.save_state(str(ckpt))
+        saved = diloco.state_dict()
+    assert saved == {
+        "version": 1,
+        "learner_id": "first-run",
+        "optimizer_steps": 6,
+        "tokens": 180,
+        "rounds_seen": 0,
+    }
+
+    # A resumed job: a new wrapper without a learner id loads the checkpoint before start.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator, model, opt = setup()
+    seen: list[Event] = []
+    again = DiLoCo(accelerator, model, opt, plugin(box), on_event=seen.append)
+    assert again.learner_id is None
+    accelerator.load_state(str(ckpt))
+    assert again.state_dict() == saved
+    with again:
+        # It rejoins as the same learner, not as a new <host>-<pid>.
+        assert again.learner is not None and again.learner.learner_id == "first-run"
+        train(accelerator, model, opt, again, micro_batches=2, count=True)
+        assert again.optimizer_steps == 8 and again.tokens == 240
+        with pytest.warns(UserWarning, match=r"load_state\(\) after DiLoCo.start\(\)"):
+            accelerator.load_state(str(ckpt))
+    assert any(isinstance(e, LeaseReleased) and e.learner == "first-run" for e in seen)
+
+
+def test_bad_states_are_refused_with_the_reason(tmp_path: Path) -> None:
+    accelerator, model, opt = setup()
+    diloco = DiLoCo(accelerator, model, opt, plugin(tmp_path / "run", learner_id="pinned"))
+    with pytest.raises(
+        ConfigError, match=r"not a gradientmail_accelerate.DiLoCo state: keys \['x'\]"
+    ):
+        diloco.load_state_dict({"x": 1})
+    state = {**diloco.state_dict(), "version": 9}
+    with pytest.raises(ConfigError, match="wrapper state version 9 is not 1; the checkpoint was"):
+        diloco.load_state_dict(state)
+    # A learner id named by the plugin wins over the checkpoint's.
+    diloco.load_state_dict({**diloco.state_dict(), "learner_id": "other", "optimizer_steps": 5})
+    assert diloco.learner_id == "pinned" and diloco.optimizer_steps == 5
+
+
+def test_an_exception_in_the_block_closes_the_learner_and_propagates(tmp_path: Path) -> None:
+    box = tmp_path / "run"
+    accelerator, model, opt = setup()
+    seen: list[Event] = []
+    diloco = DiLoCo(accelerator, model, opt, plugin(box, learner_id="crash"), on_event=seen.append)
+    with pytest.raises(RuntimeError, match="boom"), diloco:
+        train(accelerator, model, opt, diloco, micro_batches=3, count=True)
+        raise RuntimeError("boom")
+    assert any(isinstance(e, LeaseReleased) and e.learner == "crash" for e in seen)
+    assert asyncio.run(LocalMailbox(box).list("leases/")) == []
+    # Unhooked: more optimizer steps no longer reach the closed learner.
+    train(accelerator, model, opt, diloco, micro_batches=2, count=False)
+    assert diloco.optimizer_steps == 3
+    diloco.close()  # idempotent
+
+
+def test_joining_a_run_of_another_model_fails_in_start(tmp_path: Path) -> None:
+    box = tmp_path / "run"
+    accelerator, model, opt = setup(width=8)
+    with DiLoCo(accelerator, model, opt, plugin(box, learner_id="a")) as diloco:
+        train(accelerator, model, opt, diloco, micro_batches=1, count=False)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator, model, opt = setup(width=9)
+    other = DiLoCo(accelerator, model, opt, plugin(box, learner_id="b"))
+    with pytest.raises(SchemaMismatch), other:
+        pass
+    train(accelerator, model, opt, other, micro_batches=1, count=False)
+    assert other.optimizer_steps == 0  # never hooked
+    with pytest.raises(ConfigError, match="was started already; start it once"):
+        other.start()
+
+
+def test_unsupported_setups_are_refused(tmp_path: Path) -> None:
+    accelerator, model, opt = setup()
+    with pytest.raises(ConfigError, match="neither a torch optimizer nor an AcceleratedOptimizer"):
+        DiLoCo(accelerator, model, object(), plugin(tmp_path))
+
+    class FsdpAccelerator:
+        distributed_type = "FSDP"
+
+    with pytest.raises(ConfigError, match=r"distributed_type=FSDP is not supported; the wrapper"):
+        DiLoCo(FsdpAccelerator(), model, opt, plugin(tmp_path))
+
+
+def test_plugin_defaults_to_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GRADIENTMAIL_MAILBOX", str(tmp_path / "env-run"))
+    monkeypatch.setenv("GRADIENTMAIL_SYNC_EVERY", "3")
+    accelerator, model, opt = setup()
+    diloco = DiLoCo(accelerator, model, opt)
+    assert diloco.plugin.mailbox == str(tmp_path / "env-run")
+    assert diloco.plugin.resolved_algorithm.sync_every == 3
