@@ -19,10 +19,10 @@ The YAML file::
       partition: by_bytes                         # or: {type: strided, block_pattern: ...}
 
 Missing `diloco` fields take `DEFAULT_ALGORITHM`'s values, except that `fragments`
-defaults to min(4, sync_every) and `in_flight` to min(2, fragments). Each key has a variable: `GRADIENTMAIL_MAILBOX`,
-`GRADIENTMAIL_SYNC_EVERY`, `GRADIENTMAIL_MERGE` (`rda`, `weighted_mean` or a YAML flow
-mapping such as `{type: rda, direct_pattern: null}`), ...; `none` (or an empty value)
-sets an optional field to None.
+defaults to min(4, sync_every) and `in_flight` to min(2, fragments). Each key has a
+variable: `GRADIENTMAIL_MAILBOX`, `GRADIENTMAIL_SYNC_EVERY`, `GRADIENTMAIL_MERGE` (`rda`,
+`weighted_mean` or a YAML flow mapping such as `{type: rda, direct_pattern: null}`), ...;
+`none` (or an empty value) sets an optional field to None.
 """
 
 from __future__ import annotations
