@@ -80,10 +80,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--model", default="tiny", choices=["tiny", "124m"])
+    ap.add_argument("--steps", type=int, default=None, help="steps per block")
+    ap.add_argument("--blocks", type=int, default=None, help="interleaved blocks per arm")
+    ap.add_argument("--sync-every", type=int, default=None)
+    ap.add_argument("--table-out", default=None, help="also write the table to this file")
     args = ap.parse_args()
     dev = args.device
-    steps = 20 if args.quick else 60
-    blocks = 2 if args.quick else 4
+    steps = args.steps or (20 if args.quick else 60)
+    blocks = args.blocks or (2 if args.quick else 4)
+    sync_every = args.sync_every or (20 if args.model == "tiny" else 100)
     batch, block = (4, 64) if args.model == "tiny" else (8, 1024)
     if dev == "cpu":
         torch.set_num_threads(1)  # leave the second core to the mailman, as a user would
@@ -101,38 +106,43 @@ def main() -> None:
         t = time.perf_counter()
         learner.step(1)
         idle.append(time.perf_counter() - t)
-    # A due step: make the next round due, time step(), and compare with a plain clone
-    # of the same fragment on the same device.
+    learner.close()
+
+    # Due steps: a schedule with a round due every step (gap 1), τ=2. Each step() call is
+    # classified by what it did; a call that published and applied nothing is "a due step".
+    # The floor is a plain clone of the same fragment on the same device.
     params = dict(model.named_parameters())
+    due_alg = DiLoCo(sync_every=4, fragments=4, in_flight=2)
+    learner = Learner(TorchAdapter(model), due_alg, os.path.join(tmp, "due"), "bench-due",
+                      on_event=lambda e: None, poll_interval=0.02)
+    learner.start()
     due, clone = [], []
-    for _ in range(5 if args.quick else 20):
-        # Let the previous round's commit arrive, so the next round is publishable, then
-        # make it due by opportunity ("the others are in, the round is about to close").
-        deadline = time.monotonic() + 30
-        while learner._inbox.empty() and time.monotonic() < deadline:
-            time.sleep(0.005)
-        learner.step(1)  # applies it
-        r = learner.rounds_seen + 1
+    for _ in range(60 if args.quick else 200):
+        before = learner._state_now().last_published
+        r = before + 1
         frag = [params[n] for n in learner.plan[r % len(learner.plan)]]
-        learner._others = (r, 10**6)
         if dev == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
         _copies = [p.detach().clone() for p in frag]
         if dev == "cuda":
             torch.cuda.synchronize()
-        clone.append(time.perf_counter() - t)
+        t_clone = time.perf_counter() - t
         del _copies
         t = time.perf_counter()
-        learner.step(1)
+        applied = learner.step(1)
         if dev == "cuda":
             torch.cuda.synchronize()
-        due.append(time.perf_counter() - t)
-        assert learner._state_now().last_published == r, "the round was not due"
+        t_step = time.perf_counter() - t
+        if learner._state_now().last_published == r and not applied:
+            due.append(t_step)
+            clone.append(t_clone)
+        time.sleep(0.01)
     learner.close()
-
+    if not due:
+        raise SystemExit("no step published without applying; rerun")
     # Training throughput, interleaved blocks: without, with, without, with, ...
-    run_alg = DiLoCo(sync_every=20, fragments=4, in_flight=2)
+    run_alg = DiLoCo(sync_every=sync_every, fragments=4, in_flight=2)
     with_l = Learner(TorchAdapter(model), run_alg, os.path.join(tmp, "run"), "bench-run",
                      on_event=lambda e: None, poll_interval=0.5)
     with_l.start()
@@ -172,11 +182,14 @@ def main() -> None:
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, device {dev}"
         f"{' (' + torch.cuda.get_device_name() + ')' if dev == 'cuda' else ''}; "
         f"model GPT-2 {args.model}, batch {batch}x{block}, {blocks} interleaved blocks of "
-        f"{steps} steps.\nCommand: `python benchmarks/learner.py {' '.join(sys.argv[1:])}`\n\n"
+        f"{steps} steps, DiLoCo H={sync_every}, P=4, τ=2, local-directory mailbox.\n"
+        f"Command: `python benchmarks/learner.py {' '.join(sys.argv[1:])}`\n\n"
     )
     print(header + table)
     with RESULTS.open("a") as f:
         f.write(header + table + "\n")
+    if args.table_out:
+        Path(args.table_out).write_text(header + table + "\n")
 
 
 if __name__ == "__main__":
