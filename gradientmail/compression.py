@@ -78,7 +78,6 @@ def extension(compression: str) -> str:
 
 def compression_of(key: str) -> str:
     """The codec a key's extension names; `RemoteProtocolError` for any other key."""
-    # ".safetensors.zst" first: it also ends like neither, but is the longer match.
     if key.endswith(_EXTENSIONS["zstd"]):
         return "zstd"
     if key.endswith(_EXTENSIONS["off"]):
@@ -99,7 +98,9 @@ def size_bound(schema: Schema, names: Iterable[str] | None = None, fmt: str | No
     for name in schema.names if names is None else names:
         spec = schema[name]
         data = spec.nbytes if fmt is None else quantized_nbytes(fmt, spec.numel)
-        total += data + 2 * (len(name.encode()) + 80 + 24 * len(spec.shape)) + 64
+        # Header room for up to three entries per parameter (codes, scale, F4 shape
+        # metadata), each naming it, JSON-escaped at worst 6 bytes per byte.
+        total += data + 3 * (6 * len(name.encode()) + 100 + 24 * len(spec.shape))
     return total + 4096
 
 

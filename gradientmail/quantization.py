@@ -61,7 +61,12 @@ TORCH_MIN_NUMEL = 1 << 16
 
 _F32 = np.float32
 _F32_MAX = float(np.finfo(np.float32).max)
-_CHUNK = 1 << 18  # elements per pass: keeps temporaries in cache
+_CHUNK = 1 << 18  # elements per numpy pass: keeps temporaries in cache
+# Elements per torch op: ATen's grain size, below which an op runs in the calling thread.
+# The learner quantizes on its communication thread while training runs torch on the
+# others; multi-threaded ops there meet at OpenMP barriers that stall whenever the cores
+# are oversubscribed (measured 10x to 100x slowdowns on a busy 2-core machine).
+_TORCH_CHUNK = 1 << 15
 
 # (largest code value as mantissa · 2^exponent with mantissa in [0.5, 1), k range)
 _F8_MAX_M, _F8_MAX_E, _F8_K = 0.875, 9, (-126, 127)  # 448 = 0.875 · 2^9
@@ -239,10 +244,14 @@ def _torch_view(x: npt.NDArray[Any]) -> Any:
 def _torch_absmax(x: npt.NDArray[np.float32]) -> float:
     import torch
 
-    if x.size == 0:
-        return 0.0
-    lo, hi = (float(v) for v in torch.aminmax(_torch_view(x)))
-    return math.nan if math.isnan(lo) or math.isnan(hi) else max(hi, -lo)
+    xt = _torch_view(x)
+    best = 0.0
+    for i in range(0, x.size, _TORCH_CHUNK):
+        lo, hi = (float(v) for v in torch.aminmax(xt[i : i + _TORCH_CHUNK]))
+        if math.isnan(lo) or math.isnan(hi):
+            return math.nan
+        best = max(best, hi, -lo)
+    return best
 
 
 def _cast_f8_torch(x: npt.NDArray[np.float32], inv: float) -> bytes:
@@ -250,11 +259,11 @@ def _cast_f8_torch(x: npt.NDArray[np.float32], inv: float) -> bytes:
 
     xt = _torch_view(x)
     out = torch.empty(x.size, dtype=torch.float8_e4m3fn)
-    buf = torch.empty(min(_CHUNK, x.size), dtype=torch.float32)
-    for i in range(0, x.size, _CHUNK):
-        part = xt[i : i + _CHUNK]
+    buf = torch.empty(min(_TORCH_CHUNK, x.size), dtype=torch.float32)
+    for i in range(0, x.size, _TORCH_CHUNK):
+        part = xt[i : i + _TORCH_CHUNK]
         y = torch.mul(part, inv, out=buf[: part.numel()])
-        out[i : i + _CHUNK].copy_(y)
+        out[i : i + _TORCH_CHUNK].copy_(y)
     return bytes(out.view(torch.uint8).numpy().data)
 
 
@@ -303,7 +312,7 @@ def _block_absmax_torch(blocks: npt.NDArray[np.float32]) -> npt.NDArray[np.float
 
     bt = _torch_view(blocks)
     out = torch.empty(blocks.shape[0], dtype=torch.float32)
-    step = _CHUNK // BLOCK
+    step = _TORCH_CHUNK // BLOCK
     for i in range(0, blocks.shape[0], step):
         torch.amax(bt[i : i + step].abs(), dim=1, out=out[i : i + step])
     result: npt.NDArray[np.float32] = out.numpy()
@@ -335,7 +344,7 @@ def _codes_f4_torch(blocks: npt.NDArray[np.float32], inv: npt.NDArray[np.float32
 
     bt, it = _torch_view(blocks), _torch_view(inv)
     out = torch.empty(blocks.size // 2, dtype=torch.uint8)
-    step = _CHUNK // BLOCK
+    step = _TORCH_CHUNK // BLOCK
     for i in range(0, blocks.shape[0], step):
         bits = (bt[i : i + step] * it[i : i + step, None]).view(torch.int32)
         mag = bits & 0x7FFFFFFF

@@ -162,6 +162,16 @@ def test_size_bound_covers_every_honest_payload(
     assert len(pack(tensors, {"round": "123456"})) <= size_bound(schema, names, fmt)
 
 
+def test_size_bound_with_long_escaped_names_and_odd_f4_shapes() -> None:
+    name = "h.\x01\x02" + "é" * 200
+    schema = Schema((ParameterSpec(name, "F32", (3, 5, 7)),))
+    tensor = TensorBytes.from_numpy(np.ones((3, 5, 7), np.float32))
+    for fmt in FORMATS:
+        payload = pack(quantize(name, tensor, fmt), {SHUFFLE_KEY: "1"})
+        assert len(payload) <= size_bound(schema, fmt=fmt)
+    assert len(pack({name: tensor})) <= size_bound(schema)
+
+
 def test_roundtrip_helper_agrees_with_codec_path() -> None:
     w = golden_tensors()["w"]
     for fmt in FORMATS:
