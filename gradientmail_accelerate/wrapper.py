@@ -110,7 +110,7 @@ class DiLoCo:
             raise ConfigError(
                 f"accelerator.distributed_type={dist_type} is not supported; the wrapper "
                 "broadcasts whole parameters, which needs single-process or DDP training "
-                f"({', '.join(_SUPPORTED)}); use gradientmail_lightning for FSDP"
+                f"({', '.join(_SUPPORTED)}), not sharded parameters"
             )
         inner = getattr(optimizer, "optimizer", optimizer)
         if not isinstance(inner, torch.optim.Optimizer):
