@@ -12,7 +12,9 @@
 All the processes of one launch are ONE learner. Only the main process (global rank 0)
 builds a `Learner` and talks to the mailbox. The learner is stepped by a post-hook on the
 *inner* optimizer (`AcceleratedOptimizer.optimizer`), which runs only on real, synced
-steps, so gradient accumulation counts once per optimizer step. After each step rank 0
+steps, so gradient accumulation counts once per optimizer step. Tokens counted per
+process are summed over the launch (one all-reduce per step, none for an int
+`tokens_per_step`) before rank 0's learner steps. After each step rank 0
 broadcasts a small control tensor (an error flag, rounds seen, the batch size, and which
 fragments its learner overwrote); every rank then joins one broadcast per overwritten
 fragment and dtype, so all ranks hold rank 0's parameters and make the same collective
