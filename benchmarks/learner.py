@@ -96,7 +96,6 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="gm-bench-learner-")
     model = gpt2(args.model, dev)
     rss0 = rss_mib()
-    cuda0 = torch.cuda.max_memory_allocated() if dev == "cuda" else 0
     alg = DiLoCo(sync_every=10**6, fragments=4, in_flight=1)  # nothing due on its own
     learner = Learner(TorchAdapter(model), alg, os.path.join(tmp, "idle"), "bench",
                       on_event=lambda e: None, poll_interval=0.02)
@@ -149,14 +148,22 @@ def main() -> None:
     rss1 = rss_mib()
     train_loop(model, 3, batch, block, dev, None)  # warm-up
     plain, gm = [], []
+    peak_plain = peak_gm = 0
     for _ in range(blocks):
+        if dev == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         plain.append(train_loop(model, steps, batch, block, dev, None))
+        if dev == "cuda":
+            peak_plain = max(peak_plain, torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
         gm.append(train_loop(model, steps, batch, block, dev, with_l))
+        if dev == "cuda":
+            peak_gm = max(peak_gm, torch.cuda.max_memory_allocated())
     rounds = with_l.rounds_seen + 1
     with_l.close()
-    added_mib = (
-        (torch.cuda.max_memory_allocated() - cuda0) / 2**20 if dev == "cuda" else rss1 - rss0
-    )
+    # CUDA: the peak of a training block with the learner over one without it (anchors,
+    # snapshots and loaded commits live on the device). CPU: the process's RSS growth.
+    added_mib = (peak_gm - peak_plain) / 2**20 if dev == "cuda" else rss1 - rss0
 
     med_idle = statistics.median(idle) * 1e6
     med_due = statistics.median(due) * 1e6
