@@ -7,7 +7,8 @@
 
 URL is a mailbox URL (`s3://bucket/prefix`, `file:///dir`, or a plain path). For S3,
 `--endpoint-url` names a MinIO/R2/moto endpoint; without it boto3 reads `AWS_ENDPOINT_URL`
-and the rest of the usual AWS environment itself.
+and the rest of the usual AWS environment itself. `GRADIENTMAIL_RUN_KEY` holds the key of
+an authenticated run (read here, and only here in the command).
 
 Each subcommand is a function `cmd_<name>(args) -> int` registered in `build_parser`;
 `main(argv)` parses, runs it, and turns a `GradientmailError` into one line on stderr,
@@ -33,7 +34,7 @@ from gradientmail import __version__
 from gradientmail.errors import ConfigError, GradientmailError
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
-from gradientmail.protocol import Exchange
+from gradientmail.protocol import Exchange, payload_bound
 from gradientmail.records import Manifest, check_learner_id
 from gradientmail.serialization import TensorBytes, pack
 
@@ -48,10 +49,16 @@ __all__ = [
 ]
 
 _PROG = "gradientmail"
+RUN_KEY_VARIABLE = "GRADIENTMAIL_RUN_KEY"
 T = TypeVar("T")
 
 
 # -- shared ------------------------------------------------------------------------------
+
+
+def _run_key() -> str | None:
+    """The run key from `GRADIENTMAIL_RUN_KEY` (None when unset or empty)."""
+    return os.environ.get(RUN_KEY_VARIABLE) or None
 
 
 def _open(args: argparse.Namespace) -> Mailbox:
@@ -79,7 +86,7 @@ def _with_mailbox(args: argparse.Namespace, work: Callable[[Exchange], Awaitable
     async def go() -> T:
         mailbox = _open(args)
         try:
-            return await work(Exchange(mailbox))
+            return await work(Exchange(mailbox, run_key=_run_key()))
         finally:
             await mailbox.close()
 
@@ -249,7 +256,7 @@ async def newest_model(ex: Exchange, url: str) -> tuple[dict[str, TensorBytes], 
         for p, names in enumerate(manifest.plan):
             rec = latest.get(p)
             ref = rec.theta if rec is not None else manifest.init[p]
-            tensors = await ex.fetch_tensors(ref)
+            tensors = await ex.fetch_tensors(ref, payload_bound(manifest.schema, names, "theta"))
             if tensors is None:
                 if newest == seen:
                     raise GradientmailError(
@@ -327,7 +334,8 @@ async def _sync(args: argparse.Namespace, closer: str) -> tuple[int, str]:
 
     mailbox = _open(args)
     syncer = Syncer(mailbox, closer_id=closer, poll_interval=args.poll_interval,
-                    keep_versions=args.keep, lease_timeout=args.lease_timeout)
+                    keep_versions=args.keep, lease_timeout=args.lease_timeout,
+                    run_key=_run_key())
     stop = asyncio.Event()
     caught: list[str] = []
     loop = asyncio.get_running_loop()

@@ -2,8 +2,9 @@
 
 The first creation claim elects the creator, which uploads Θ⁰ and writes the manifest;
 the others wait, and claim the next attempt when no manifest lands for max(30 polls,
-largest fragment at 1 MiB/s). Adopting requires the same schema and the same algorithm
-JSON. A restart is a join: every fragment's newest commit is loaded.
+largest fragment at 1 MiB/s). Adopting requires the same schema, the same algorithm
+JSON and the same run key (the manifest names its fingerprint; `Exchange.read_manifest`
+refuses another). A restart is a join: every fragment's newest commit is loaded.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from gradientmail.events import (
     TookOverCreation,
 )
 from gradientmail.mailbox.selftest import verify_conditional_writes
-from gradientmail.protocol import Exchange, current_attempt
+from gradientmail.protocol import Exchange, current_attempt, payload_bound
 from gradientmail.records import Manifest, PayloadRef
 from gradientmail.serialization import Schema, TensorBytes
 
@@ -152,7 +153,7 @@ async def join_run(
         for p, names in enumerate(plan):
             rec = latest.get(p)
             ref: PayloadRef = rec.theta if rec is not None else manifest.init[p]
-            tensors = await ex.fetch_tensors(ref)
+            tensors = await ex.fetch_tensors(ref, payload_bound(manifest.schema, names, "theta"))
             if tensors is None:
                 break  # swept while we read: a newer commit exists, look again
             values = {n: tensors[n] for n in names}
@@ -186,6 +187,7 @@ async def _create(
         creator=learner,
         init=tuple(refs),
         codec=ex.compression,
+        key_fingerprint=ex.seal.fingerprint,
     )
     if await ex.create_manifest(manifest):
         return manifest

@@ -29,6 +29,7 @@ from gradientmail.adapters.base import Adapter
 from gradientmail.algorithms.base import Algorithm
 from gradientmail.algorithms.diloco import rebuild_theta
 from gradientmail.algorithms.schedule import RoundSchedule
+from gradientmail.auth import HmacSeal
 from gradientmail.clock import Clock, MonotonicClock
 from gradientmail.errors import ConfigError, GradientmailError
 from gradientmail.events import (
@@ -48,7 +49,7 @@ from gradientmail.join import JoinResult, join_run
 from gradientmail.lease import LeaseTracker
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
-from gradientmail.protocol import Exchange
+from gradientmail.protocol import Exchange, payload_bound
 from gradientmail.quantization import quantize
 from gradientmail.records import RoundRecord, check_learner_id
 from gradientmail.serialization import TensorBytes
@@ -95,7 +96,8 @@ class Learner:
     then `close()`.
 
     `mailbox` is a Mailbox or a URL; `sync=True` also runs a syncer on the communication
-    thread, so a run needs nothing but the bucket.
+    thread, so a run needs nothing but the bucket. `run_key` (str or bytes) makes the run
+    authenticated: every record is sealed and checked (see `gradientmail.auth`).
     """
 
     def __init__(
@@ -115,6 +117,7 @@ class Learner:
         on_event: EventSink = log_events,
         prefix: str = "",
         keep_versions: int = 2,
+        run_key: str | bytes | None = None,
     ) -> None:
         for name, value in (
             ("poll_interval", poll_interval),
@@ -142,6 +145,7 @@ class Learner:
         self.prefix = prefix
         self.keep_versions = keep_versions
         self._mailbox_arg = mailbox
+        self._seal = None if run_key is None else HmacSeal(run_key)  # validates the key now
         # Set by start():
         self._exchange: Exchange | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -206,7 +210,8 @@ class Learner:
             raise ConfigError(f"learner {self.learner_id!r} was started already")
         mailbox = open_mailbox(self._mailbox_arg)
         self._exchange = Exchange(
-            mailbox, clock=self.clock, compression=self.compression, prefix=self.prefix
+            mailbox, clock=self.clock, compression=self.compression, prefix=self.prefix,
+            seal=self._seal,
         )
         joined: concurrent.futures.Future[JoinResult] = concurrent.futures.Future()
         self._thread = threading.Thread(
@@ -627,17 +632,19 @@ class Learner:
         ex = self._exchange
         assert ex is not None
         names = self._plan[rec.fragment]
+        schema = self.adapter.schema
         theta: dict[str, TensorBytes] | None = None
         nbytes = 0
         held = self._host.get(rec.fragment)
         if rec.update is not None and held is not None and held[0] == rec.version - 1:
-            update = await ex.fetch_tensors(rec.update.payload)
+            update = await ex.fetch_tensors(rec.update.payload,
+                                            payload_bound(schema, names, "updates"))
             if update is not None:
                 rebuilt = await asyncio.to_thread(rebuild_theta, held[1], update, rec.update.format)
                 if theta_digest(rebuilt, names) == rec.update.theta_sha256:
                     theta, nbytes = rebuilt, rec.update.payload.size
         if theta is None:
-            fetched = await ex.fetch_tensors(rec.theta)
+            fetched = await ex.fetch_tensors(rec.theta, payload_bound(schema, names, "theta"))
             if fetched is None:
                 return None
             theta, nbytes = {n: fetched[n] for n in names}, rec.theta.size

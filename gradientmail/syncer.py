@@ -12,16 +12,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from gradientmail.algorithms.base import Algorithm, Contribution, FragmentState, algorithm_from_json
+from gradientmail.algorithms.diloco import outliers
 from gradientmail.algorithms.schedule import Estimates, RoundSchedule
 from gradientmail.backends.base import Backend
+from gradientmail.backends.numpy_backend import NumpyBackend
 from gradientmail.clock import Clock, MonotonicClock
-from gradientmail.errors import GradientmailError, NonFiniteError, SchemaMismatch
+from gradientmail.errors import ConfigError, GradientmailError, NonFiniteError, SchemaMismatch
 from gradientmail.events import (
     ClaimSuperseded,
     CommitLost,
@@ -35,7 +38,7 @@ from gradientmail.events import (
 from gradientmail.lease import LeaseTracker
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
-from gradientmail.protocol import Exchange
+from gradientmail.protocol import Exchange, payload_bound
 from gradientmail.quantization import dequantize
 from gradientmail.records import Dropped, Manifest, RoundRecord, SnapshotRecord, UpdateRef
 from gradientmail.serialization import Schema, TensorBytes
@@ -75,7 +78,8 @@ class _Open:
 class Syncer:
     """Closes the rounds of the run in `mailbox`. `poll()` does one pass; `run()` loops.
 
-    Construction does no I/O; the manifest is read on the first poll.
+    Construction does no I/O; the manifest is read on the first poll. `run_key` makes
+    it read and write the sealed records of an authenticated run (see `gradientmail.auth`).
     """
 
     def __init__(
@@ -92,13 +96,18 @@ class Syncer:
         on_event: EventSink = log_events,
         prefix: str = "",
         exchange: Exchange | None = None,
+        run_key: str | bytes | None = None,
     ) -> None:
         from gradientmail.records import check_learner_id
 
         self.closer_id = check_learner_id(closer_id)
         self.clock: Clock = clock if clock is not None else MonotonicClock()
         if exchange is None:
-            exchange = Exchange(open_mailbox(mailbox), clock=self.clock, prefix=prefix)
+            exchange = Exchange(open_mailbox(mailbox), clock=self.clock, prefix=prefix,
+                                run_key=run_key)
+        elif run_key is not None:
+            raise ConfigError("give a Syncer an exchange or a run_key, not both: the "
+                              "exchange's seal decides how records are checked")
         self.exchange = exchange
         self.backend = backend
         self.poll_interval = float(poll_interval)
@@ -243,13 +252,16 @@ class Syncer:
         assert manifest is not None
         names = manifest.plan[fragment]
         if rec is None:
-            theta = await ex.fetch_tensors(manifest.init[fragment])
+            theta = await ex.fetch_tensors(manifest.init[fragment],
+                                           payload_bound(manifest.schema, names, "theta"))
             if theta is None:
                 raise GradientmailError(f"the init payload {manifest.init[fragment].key!r} is gone")
             state = self._alg().initial_state(fragment, {n: theta[n] for n in names})
         else:
-            theta = await ex.fetch_tensors(rec.theta)
-            outer = await ex.fetch_tensors(rec.outer)
+            theta = await ex.fetch_tensors(rec.theta,
+                                           payload_bound(manifest.schema, names, "theta"))
+            outer = await ex.fetch_tensors(rec.outer,
+                                           payload_bound(manifest.schema, names, "outer"))
             if theta is None or outer is None:
                 raise GradientmailError(
                     f"the payloads of round {rec.round}'s commit were swept; a newer commit "
@@ -283,6 +295,8 @@ class Syncer:
             contribution = await self._screen(r, fragment, state, schema, names, snap, dropped)
             if contribution is not None:
                 contributions.append(contribution)
+        keys = {s.learner: s.payload.key for s in found.records}
+        contributions = await self._drop_outliers(r, contributions, keys, dropped)
         result = None
         if contributions:
             aggregator = self._alg().aggregator(self.backend)
@@ -366,6 +380,21 @@ class Syncer:
             if doomed:
                 self.on_event(Swept(len(doomed), 0))
         return True
+
+    async def _drop_outliers(self, r: int, contributions: list[Contribution],
+                             keys: Mapping[str, str], dropped: list[Dropped]) -> list[Contribution]:
+        """`contributions` less the outliers (`outliers`) under the algorithm's
+        `outlier_factor`, each dropped with an event and a record entry naming the norms."""
+        factor = getattr(self._alg(), "outlier_factor", None)
+        if factor is None or len(contributions) < 3:
+            return contributions
+        norms = await asyncio.to_thread(_delta_norms, contributions, self.backend)
+        out = outliers(norms, factor)
+        for c in contributions:
+            if c.learner in out:
+                self._drop(r, c.learner, keys.get(c.learner, f"round {r}"), out[c.learner],
+                           dropped)
+        return [c for c in contributions if c.learner not in out]
 
     def _drop(self, r: int, learner: str, key: str, reason: str, out: list[Dropped]) -> None:
         self.on_event(ContributionDropped(r, learner, key, reason))
@@ -472,6 +501,14 @@ def _dequantized(
     ):
         return {n: entries[n] for n in names}
     return {n: dequantize(entries, n, fmt) for n in names}
+
+
+def _delta_norms(contributions: Sequence[Contribution],
+                 backend: Backend | None) -> dict[str, float]:
+    """Each contribution's delta norm over all its tensors, as one vector."""
+    be = NumpyBackend() if backend is None else backend
+    return {c.learner: math.sqrt(sum(be.load(t).norm() ** 2 for t in c.delta.values()))
+            for c in contributions}
 
 
 def _finite(t: TensorBytes) -> bool:

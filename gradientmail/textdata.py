@@ -168,9 +168,12 @@ def _digest(texts: Sequence[str], vocab_size: int, min_frequency: int) -> str:
 
 
 def _wrap(tokenizer_object: Any) -> PreTrainedTokenizerFast:
-    from transformers import PreTrainedTokenizerFast
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError as exc:
+        raise MissingExtra("lightning", "wrapping a tokenizer (transformers)") from exc
 
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tokenizer_object,
         bos_token=EOS_TOKEN,
         eos_token=EOS_TOKEN,
@@ -203,7 +206,6 @@ def train_tokenizer(
         raise ConfigError("train_tokenizer got no texts; pass at least one document")
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-        from transformers import PreTrainedTokenizerFast
     except ImportError as exc:
         raise MissingExtra("lightning", "training a tokenizer") from exc
     target: Path | None = None

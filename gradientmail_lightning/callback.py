@@ -65,13 +65,15 @@ def check_strategy(strategy: Any) -> None:
     fragments it would publish; DeepSpeed and XLA wrap them in ways not handled yet.
     """
     from lightning.pytorch import strategies as s
+    from lightning.pytorch.strategies.single_xla import SingleDeviceXLAStrategy
+    from lightning.pytorch.strategies.xla import XLAStrategy
 
     unsupported = (
         s.FSDPStrategy,
         s.ModelParallelStrategy,
         s.DeepSpeedStrategy,
-        s.XLAStrategy,
-        s.SingleDeviceXLAStrategy,
+        XLAStrategy,
+        SingleDeviceXLAStrategy,
     )
     if isinstance(strategy, unsupported) or not isinstance(
         strategy, s.SingleDeviceStrategy | s.DDPStrategy
@@ -371,7 +373,8 @@ class DiLoCoCallback(Callback):
             self._last_rounds_seen = learner.rounds_seen
         if self._rank_sync is not None:
             self._rank_sync.exchange(_STEP, touched)
-        every = self.log_every_n_steps or trainer.log_every_n_steps
+        # The Trainer sets log_every_n_steps at runtime (untyped): its default is 50.
+        every = self.log_every_n_steps or getattr(trainer, "log_every_n_steps", 50)
         if learner is not None and every and step % every == 0:
             pl_module.log_dict(
                 self.metrics.values(learner),

@@ -143,9 +143,7 @@ class TextDataModule(LightningDataModule):
     ) -> None:
         super().__init__()
         if files and dataset:
-            raise ConfigError(
-                f"pass either files={files!r} or dataset={dataset!r}, not both"
-            )
+            raise ConfigError(f"pass either files={files!r} or dataset={dataset!r}, not both")
         if num_shards < 1:
             raise ConfigError(f"num_shards={num_shards} must be >= 1")
         if shard is not None and not 0 <= shard < num_shards:
@@ -309,9 +307,7 @@ class TextDataModule(LightningDataModule):
             self.setup("fit")
         assert self._train is not None
         if isinstance(self._train, IterableDataset):
-            return DataLoader(
-                self._train, batch_size=self.batch_size, num_workers=self.num_workers
-            )
+            return DataLoader(self._train, batch_size=self.batch_size, num_workers=self.num_workers)
         return DataLoader(
             self._train,
             batch_size=self.batch_size,

@@ -93,12 +93,13 @@ class GPT2Module(LightningModule):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The mean next-token cross-entropy of `input_ids`."""
-        loss: torch.Tensor = self.model(input_ids=input_ids, labels=input_ids).loss
+        out = self.model(input_ids=input_ids, labels=input_ids)
+        loss: torch.Tensor = out.loss
         return loss
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         ids = self._ids(batch)
-        loss = self(ids)
+        loss: torch.Tensor = self(ids)
         n = ids.shape[0]
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=n)
         self.log("train/ppl", torch.exp(loss.detach()), on_step=True, on_epoch=False, batch_size=n)
@@ -110,7 +111,7 @@ class GPT2Module(LightningModule):
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         ids = self._ids(batch)
-        loss = self(ids)
+        loss: torch.Tensor = self(ids)
         n = ids.shape[0]
         self._val_sum = self._val_sum + loss.detach().float() * n
         self._val_count = self._val_count + n
@@ -125,20 +126,21 @@ class GPT2Module(LightningModule):
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
-        decay, no_decay = [], []
+        decay: list[torch.nn.Parameter] = []
+        no_decay: list[torch.nn.Parameter] = []
         for p in self.parameters():
             if p.requires_grad:
                 (decay if p.dim() >= 2 else no_decay).append(p)
         optimizer = torch.optim.AdamW(
             [
-                {"params": decay, "weight_decay": hp.weight_decay},
+                {"params": decay, "weight_decay": float(hp["weight_decay"])},
                 {"params": no_decay, "weight_decay": 0.0},
             ],
-            lr=hp.lr,
-            betas=tuple(hp.betas),
+            lr=float(hp["lr"]),
+            betas=(float(hp["betas"][0]), float(hp["betas"][1])),
         )
-        total = hp.total_steps or self.trainer.estimated_stepping_batches
-        warmup, ratio = int(hp.warmup_steps), float(hp.min_lr_ratio)
+        total = hp["total_steps"] or self.trainer.estimated_stepping_batches
+        warmup, ratio = int(hp["warmup_steps"]), float(hp["min_lr_ratio"])
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_factor(step, warmup, float(total), ratio)
         )

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import csv
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -18,10 +17,7 @@ pytest.importorskip("lightning")
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
-
-from lightning_toy import ToyModule, flat_params, toy_loader
+from workers.lightning_toy import ToyModule, flat_params, toy_loader
 
 from gradientmail import events as ev
 from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
@@ -123,8 +119,11 @@ def test_log_every_n_steps_spaces_the_metrics(tmp_path: Path) -> None:
     t.fit(ToyModule(), toy_loader())
     logger.finalize("success")
     with open(tmp_path / "logs" / "m" / "version_0" / "metrics.csv") as f:
-        seen = {int(r["step"]): float(r["diloco/rounds_seen"]) for r in csv.DictReader(f)
-                if r["diloco/rounds_seen"]}
+        seen = {
+            int(r["step"]): float(r["diloco/rounds_seen"])
+            for r in csv.DictReader(f)
+            if r["diloco/rounds_seen"]
+        }
     # Logged at global steps 4 and 8 (Lightning's row index is global step - 1), then by
     # on_train_end at step 9. Lightning repeats a logged value on the rows in between, so
     # the row of global step 6, where round 1 was already applied, still says round 0.
@@ -240,8 +239,10 @@ def test_sharded_strategies_are_refused_by_name() -> None:
 
     check_strategy(SingleDeviceStrategy("cpu"))
     check_strategy(DDPStrategy())
-    for strategy, name in ((FSDPStrategy(), "FSDPStrategy"),
-                           (ModelParallelStrategy(), "ModelParallelStrategy")):
+    for strategy, name in (
+        (FSDPStrategy(), "FSDPStrategy"),
+        (ModelParallelStrategy(), "ModelParallelStrategy"),
+    ):
         with pytest.raises(ConfigError) as info:
             check_strategy(strategy)
         assert str(info.value).startswith(
