@@ -9,6 +9,7 @@ the fix.
 from __future__ import annotations
 
 __all__ = [
+    "AuthenticationError",
     "ConditionalWriteUnsupported",
     "ConfigError",
     "CorruptPayload",
@@ -58,6 +59,11 @@ class LocalProtocolError(ProtocolError, ValueError):
 
 class RemoteProtocolError(ProtocolError):
     """A peer or the store handed us bad data: a record or payload we cannot accept."""
+
+
+class AuthenticationError(RemoteProtocolError):
+    """A record of an authenticated run failed its check (unsealed, altered, forged or
+    sealed with another run key), or this process's run key does not match the run's."""
 
 
 class CorruptPayload(RemoteProtocolError):

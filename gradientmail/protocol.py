@@ -18,8 +18,8 @@ closer that wakes up late can never overwrite what the winner's record reference
 
 Decisions (which keys to sweep, which contributions a round may use, which claim is
 current, what a lease listing says) are pure functions here; `Exchange` only does I/O.
-Every record passes through a `Seal` (identity for now), the hook an authenticated run
-will use to sign and check records.
+Every record passes through a `Seal`: `PlainSeal` stores canonical JSON as is; with a run
+key, `gradientmail.auth.HmacSeal` seals and checks every record.
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ from collections.abc import Iterable, Mapping
 from typing import Protocol, TypeVar
 
 from gradientmail import compression as codec
+from gradientmail.auth import HmacSeal, is_sealed, open_manifest
 from gradientmail.clock import Clock, MonotonicClock
 from gradientmail.errors import (
+    AuthenticationError,
     ConfigError,
     CorruptPayload,
     LocalProtocolError,
@@ -65,6 +67,7 @@ __all__ = [
     "artifact_key",
     "current_attempt",
     "delta_bound",
+    "payload_bound",
     "plan_sweep",
     "round_key",
     "screen_snapshots",
@@ -222,6 +225,12 @@ class PlainSeal:
         return data
 
     def open(self, key: str, data: bytes) -> bytes:
+        if is_sealed(data):
+            raise AuthenticationError(
+                f"record {key!r} is sealed with a run key (an authenticated run), but this "
+                "process has none; pass the run's key as run_key= (GRADIENTMAIL_RUN_KEY for "
+                "the gradientmail command and the integrations)"
+            )
         return data
 
 
@@ -229,6 +238,19 @@ def delta_bound(schema: Schema, names: Iterable[str]) -> int:
     """A generous bound on a delta payload's bytes: F32 for every element, plus scales and
     safetensors headers. A payload over it is hostile, refused before it is read."""
     return sum(8 * schema[n].numel + 256 for n in names) + (1 << 20)
+
+
+def payload_bound(schema: Schema, names: Iterable[str], kind: str) -> int:
+    """A bound on the bytes of a commit's payload of `names`, refused above it: "theta"
+    (Θ⁰ too) in the schema dtypes; "outer" (fp32 momentum and master) and "updates" as
+    two F32 entries per tensor, headers with escaped names included."""
+    names = list(names)
+    if kind == "theta":
+        return codec.size_bound(schema, names)
+    if kind not in ("outer", "updates"):
+        raise LocalProtocolError(f"payload kind {kind!r} must be 'theta', 'outer' or 'updates'")
+    return sum(8 * schema[n].numel + 2 * (6 * len(n.encode()) + 120 + 24 * len(schema[n].shape))
+               for n in names) + 4096
 
 
 class Exchange:
@@ -247,7 +269,10 @@ class Exchange:
         compression: str = "off",
         prefix: str = "",
         seal: Seal | None = None,
+        run_key: str | bytes | None = None,
     ) -> None:
+        if seal is not None and run_key is not None:
+            raise ConfigError("give an Exchange a seal or a run_key, not both")
         if compression not in CODECS:
             raise ConfigError(f"compression={compression!r} must be one of {CODECS}")
         if prefix and (prefix.startswith("/") or not prefix.endswith("/")):
@@ -256,7 +281,8 @@ class Exchange:
         self.clock: Clock = clock if clock is not None else MonotonicClock()
         self.compression = compression
         self.prefix = prefix
-        self.seal: Seal = seal if seal is not None else PlainSeal()
+        self.seal: Seal = seal if seal is not None else (
+            PlainSeal() if run_key is None else HmacSeal(run_key))
         self._lease_counter: dict[str, int] = {}
 
     def __repr__(self) -> str:
@@ -355,7 +381,11 @@ class Exchange:
         return await self._write_record(MANIFEST_KEY, manifest)
 
     async def read_manifest(self) -> Manifest | None:
-        return await self._read_record(MANIFEST_KEY, Manifest)
+        """The manifest, checked to name this Exchange's run key (`AuthenticationError`
+        naming both fingerprints otherwise); None while the run does not exist."""
+        data = await self.mailbox.get(self.prefix + MANIFEST_KEY)
+        where = self.mailbox.url + (f" (prefix {self.prefix!r})" if self.prefix else "")
+        return None if data is None else open_manifest(self.seal, data, MANIFEST_KEY, where)
 
     # -- leases ----------------------------------------------------------------------
 

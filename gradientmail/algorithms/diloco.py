@@ -5,7 +5,7 @@ JSON goes into the manifest); `DiLoCoAggregator` closes a round: it merges each 
 deltas with token weights (`WeightedMean` or `Rda`), takes a Nesterov outer step on the
 fp32 master, keeps fp32 momentum, and publishes theta in the schema dtype, optionally as a
 quantized update. The pure pieces (`plan`, `weight`, `weighted_mean`, `rda`, `nesterov`,
-`mean_cosine`, `grace_window`) are importable from here.
+`mean_cosine`, `grace_window`, `outliers`) are importable from here.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import Any
@@ -61,6 +62,7 @@ __all__ = [
     "grace_window",
     "mean_cosine",
     "nesterov",
+    "outliers",
     "plan",
     "rda",
     "rebuild_theta",
@@ -93,6 +95,27 @@ def grace_window(estimates: Estimates, schedule: RoundSchedule, round_: int) -> 
     return min(0.5 * max(ahead * step - (quorum + sync), 0.0), gap * step)
 
 
+def outliers(norms: Mapping[str, float], factor: float | None) -> dict[str, str]:
+    """The contributions to leave out of a round as outliers: learner -> reason.
+
+    A contribution whose delta norm exceeds `factor` × the median norm of the round's
+    contributions (its own included) is an outlier. Nothing is judged without a factor,
+    with fewer than 3 contributions (of two, neither is the odd one out), or when the
+    median is 0 (no scale to judge by).
+    """
+    if factor is None or len(norms) < 3:
+        return {}
+    median = statistics.median(norms.values())
+    if not median > 0:
+        return {}
+    return {
+        learner: (f"outlier: delta norm {norm:.6g} exceeds outlier_factor {factor:g} x the "
+                  f"round's median delta norm {median:.6g} ({len(norms)} contributions)")
+        for learner, norm in sorted(norms.items())
+        if norm > factor * median
+    }
+
+
 def _int(name: str, v: object, low: int, *, optional: bool = False) -> None:
     if optional and v is None:
         return
@@ -120,7 +143,10 @@ class DiLoCo:
     η = `outer_lr` and β = `outer_momentum` of the Nesterov outer step; `merge` and
     `partition`; `global_batch_size` split over live learners; `delta_dtype` and
     `commit_dtype` transfer formats (None: full precision); `flush_on_close` publishes
-    what a closing learner trained as final contributions.
+    what a closing learner trained as final contributions; `outlier_factor` k drops a
+    contribution whose delta norm exceeds k × the round's median (None: off; see
+    `outliers`). Its JSON omits `outlier_factor` when None, so runs created before the
+    field existed keep their records.
     """
 
     sync_every: int
@@ -137,6 +163,7 @@ class DiLoCo:
     delta_dtype: str | None = None
     commit_dtype: str | None = None
     flush_on_close: bool = False
+    outlier_factor: float | None = None
 
     def __post_init__(self) -> None:
         _int("sync_every", self.sync_every, 1)
@@ -177,6 +204,15 @@ class DiLoCo:
                 )
         if not isinstance(self.flush_on_close, bool):
             raise ConfigError(f"flush_on_close={self.flush_on_close!r} must be a bool")
+        if self.outlier_factor is not None:
+            k = _float("outlier_factor", self.outlier_factor)
+            if not k > 1.0:
+                raise ConfigError(
+                    f"outlier_factor={self.outlier_factor!r} must be None (off) or a number > 1: "
+                    "a contribution is dropped when its delta norm exceeds outlier_factor "
+                    "x the round's median, e.g. 5.0"
+                )
+            object.__setattr__(self, "outlier_factor", k)
         # Store floats as floats, so the JSON of mixing=0 and mixing=0.0 is the same record.
         object.__setattr__(self, "mixing", mixing)
         object.__setattr__(self, "outer_lr", lr)
@@ -237,6 +273,8 @@ class DiLoCo:
         out: dict[str, Any] = {"type": "diloco", "version": FORMAT_VERSION}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name in _OMITTED_WHEN_NONE and v is None:
+                continue
             out[f.name] = v.to_json() if f.name in ("merge", "partition") else v
         return out
 
@@ -247,7 +285,8 @@ class DiLoCo:
             raise RemoteProtocolError(f"algorithm record {obj!r:.100} must be a JSON object")
         fields = [f.name for f in dataclasses.fields(cls)]
         want = {"type", "version", *fields}
-        missing, extra = sorted(want - set(obj)), sorted(set(obj) - want)
+        missing = sorted(want - set(obj) - _OMITTED_WHEN_NONE)
+        extra = sorted(set(obj) - want)
         if missing or extra:
             raise RemoteProtocolError(
                 f"algorithm record: missing fields {missing}, unknown fields {extra}"
@@ -261,6 +300,8 @@ class DiLoCo:
             )
         kw: dict[str, Any] = {}
         for name in fields:
+            if name not in obj:
+                continue  # omitted when None
             v = obj[name]
             if name == "merge":
                 kw[name] = merge_from_json(v, "merge")
@@ -278,8 +319,11 @@ _JSON_KINDS = {
     "sync_every": "int", "fragments": "int", "in_flight": "int", "overlap_steps": "int?",
     "mixing": "number", "quorum_size": "int", "outer_lr": "number", "outer_momentum": "number",
     "global_batch_size": "int?", "delta_dtype": "str?", "commit_dtype": "str?",
-    "flush_on_close": "bool",
+    "flush_on_close": "bool", "outlier_factor": "number",
 }
+# Fields added after format version 1 was pinned: absent means None, and None is written
+# by leaving them out, so older records stay valid and unchanged.
+_OMITTED_WHEN_NONE = frozenset({"outlier_factor"})
 _JSON_WORDS = {"int": "an integer", "number": "a number", "str": "a string", "bool": "a bool"}
 
 
