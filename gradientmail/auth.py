@@ -103,15 +103,12 @@ def _mac(raw_key: bytes, key: str, body: bytes) -> bytes:
     return hmac.new(raw_key, message, hashlib.sha256).hexdigest().encode("ascii")
 
 
-def _split(key: str, data: bytes) -> tuple[bytes, bytes]:
-    """(mac, body) of sealed bytes; `AuthenticationError` when they are not this scheme's."""
+def _split(data: bytes) -> tuple[bytes, bytes] | None:
+    """(mac, body) of sealed bytes; None when they are not this scheme's."""
     start = len(_HEAD) + 64
     if not data.startswith(_HEAD) or data[start : start + len(_MID)] != _MID \
             or not data.endswith(b"}") or len(data) < start + len(_MID) + 1:
-        raise AuthenticationError(
-            f"record {key!r} carries a malformed seal or another scheme than {SCHEME!r} "
-            f"(stored bytes begin {data[:48]!r}); it is ignored"
-        )
+        return None
     return data[len(_HEAD) : start], data[start + len(_MID) : -1]
 
 
@@ -148,7 +145,14 @@ class HmacSeal:
                 "record carries no MAC. It was written by a process without the run key "
                 "(or the bucket was tampered with); it is ignored"
             )
-        mac, body = _split(key, data)
+        parts = _split(data)
+        if parts is None:
+            raise AuthenticationError(
+                f"record {key!r} carries a malformed seal or another scheme than {SCHEME!r} "
+                f"(stored bytes begin {data[:48]!r}); this run uses run key {fp} with "
+                f"{SCHEME!r}, so it is ignored"
+            )
+        mac, body = parts
         if not hmac.compare_digest(mac, _mac(self._key, key, body)):
             raise AuthenticationError(
                 f"record {key!r} fails authentication with run key {fp}: its MAC does not "
@@ -162,10 +166,10 @@ def _claimed_fingerprint(data: bytes) -> str | None:
     """The key fingerprint a manifest's bytes claim, read without checking any MAC."""
     body = data
     if is_sealed(data):
-        try:
-            body = _split("manifest", data)[1]
-        except AuthenticationError:
+        parts = _split(data)
+        if parts is None:
             return None
+        body = parts[1]
     try:
         fp = parse_json(body, "manifest", MAX_MANIFEST_BYTES).get("key_fingerprint")
     except RemoteProtocolError:
