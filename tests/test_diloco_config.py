@@ -56,6 +56,13 @@ from gradientmail.serialization import ParameterSpec, Schema
         (dict(merge="rda"), "merge='rda' must be WeightedMean() or Rda(...)"),
         (dict(partition=None), "partition=None must be ByBytes() or Strided(...)"),
         (dict(flush_on_close=1), "flush_on_close=1 must be a bool"),
+        (dict(outlier_factor=1.0), "outlier_factor=1.0 must be None (off) or a number > 1: a "
+         "contribution is dropped when its delta norm exceeds outlier_factor x the round's "
+         "median, e.g. 5.0"),
+        (dict(outlier_factor=0.5), "outlier_factor=0.5 must be None (off) or a number > 1"),
+        (dict(outlier_factor="5"), "outlier_factor='5' must be a finite number"),
+        (dict(outlier_factor=float("inf")), "outlier_factor=inf must be a finite number"),
+        (dict(outlier_factor=True), "outlier_factor=True must be a finite number"),
     ],
 )
 def test_rejects_bad_values_naming_value_and_rule(kwargs: dict[str, Any], message: str) -> None:
@@ -83,6 +90,8 @@ def test_defaults_and_presets() -> None:
     d = DiLoCo(sync_every=100, fragments=4)
     assert (d.in_flight, d.overlap_steps, d.outer_lr, d.outer_momentum) == (2, None, 0.7, 0.9)
     assert d.merge == Rda(direct_pattern="embed") and d.partition == ByBytes()
+    assert d.outlier_factor is None  # the outlier guard is off by default
+    assert DiLoCo(10, 2, outlier_factor=3).outlier_factor == 3.0
     assert d.schedule == RoundSchedule(100, 4, in_flight=2, overlap_steps=None)
     assert isinstance(d, Algorithm)
     std = DiLoCo.standard(500, learners=8)
@@ -125,6 +134,16 @@ def test_json_is_pinned() -> None:
     assert json.dumps(GOLDEN)  # JSON-able as is
 
 
+def test_outlier_factor_is_in_the_json_only_when_set() -> None:
+    # Runs created before the field existed keep adopting: None is written by omission.
+    assert "outlier_factor" not in DiLoCo(sync_every=100, fragments=4).to_json()
+    assert DiLoCo.from_json(GOLDEN).outlier_factor is None
+    guarded = DiLoCo(sync_every=100, fragments=4, outlier_factor=5)
+    assert guarded.to_json() == {**GOLDEN, "outlier_factor": 5.0}
+    assert DiLoCo.from_json({**GOLDEN, "outlier_factor": 5.0}) == guarded
+    assert DiLoCo.from_json({**GOLDEN, "outlier_factor": 5}) == guarded
+
+
 def test_mixing_zero_int_and_float_give_one_record() -> None:
     a, b = DiLoCo(10, 2, mixing=0), DiLoCo(10, 2, mixing=0.0)
     assert json.dumps(a.to_json()) == json.dumps(b.to_json())
@@ -156,6 +175,7 @@ def configs(draw: st.DrawFn) -> DiLoCo:
         global_batch_size=draw(st.one_of(st.none(), st.integers(1, 10**6))),
         delta_dtype=draw(fmt), commit_dtype=draw(fmt),
         flush_on_close=draw(st.booleans()),
+        outlier_factor=draw(st.one_of(st.none(), st.floats(1.0, 1e6, exclude_min=True))),
     )
 
 
@@ -194,6 +214,10 @@ def _with(**changes: Any) -> dict[str, Any]:
         (_with(outer_lr=True), "algorithm record: outer_lr=True is not a number"),
         (_with(commit_dtype=4), "algorithm record: commit_dtype=4 is not a string or null"),
         (_with(flush_on_close=0), "algorithm record: flush_on_close=0 is not a bool"),
+        (_with(outlier_factor=None), "algorithm record: outlier_factor=None is not a number"),
+        (_with(outlier_factor="5"), "algorithm record: outlier_factor='5' is not a number"),
+        (_with(outlier_factor=1), "algorithm record: outlier_factor=1 must be None (off) or "
+         "a number > 1"),
         (_with(in_flight=5), "algorithm record: in_flight=5 exceeds fragments=4; need 1 <= "
          "in_flight <= fragments <= sync_every"),
         (_with(commit_dtype="F16"), "algorithm record: commit_dtype='F16' is not a transfer"),
