@@ -22,8 +22,10 @@ Errors: non-finite input, or finite input whose rounding would exceed float32's 
 raises `NonFiniteError` naming the tensor; missing, mis-typed or mis-shaped entries and
 NaN, infinite, zero or non-power-of-two scales raise `CorruptPayload` naming the tensor.
 
-Large inputs are quantized with torch when it is importable (its float8 cast is several
-times faster than ml_dtypes'); both paths give identical bytes, which the tests check.
+F8 and F4 quantization of large inputs runs on torch when it is importable (its float8
+cast is several times faster than ml_dtypes', and F4 is computed from the float bits),
+single-threaded in the calling thread; both paths give identical bytes, which the tests
+check. BF16 always uses ml_dtypes' cast, which is fast already.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
-from gradientmail.errors import ConfigError, CorruptPayload, NonFiniteError
+from gradientmail.errors import ConfigError, CorruptPayload, MissingExtra, NonFiniteError
 from gradientmail.serialization import STORAGE_DTYPES, TensorBytes
 
 __all__ = [
@@ -117,10 +119,12 @@ def quantize(
         raise ConfigError(
             f"tensor {name!r}: can only quantize {', '.join(STORAGE_DTYPES)} TensorBytes, not {got}"
         )
-    torch_path = _use_torch(backend, tensor.numel)
+    if backend not in ("auto", "numpy", "torch"):
+        raise ConfigError(f"backend {backend!r} must be 'auto', 'numpy' or 'torch'")
     x = tensor.to_numpy().reshape(-1)
     if fmt == "BF16":
         return {name: _quantize_bf16(name, tensor, x)}
+    torch_path = _use_torch(backend, tensor.numel)
     if tensor.dtype != "F32":
         x = x.astype(_F32)
     if fmt == "F8_E4M3":
@@ -134,16 +138,12 @@ def roundtrip(tensor: TensorBytes, fmt: str, *, backend: str = "auto") -> Tensor
 
 
 def _use_torch(backend: str, numel: int) -> bool:
-    if backend not in ("auto", "numpy", "torch"):
-        raise ConfigError(f"backend {backend!r} must be 'auto', 'numpy' or 'torch'")
     if backend == "numpy" or (backend == "auto" and numel < TORCH_MIN_NUMEL):
         return False
     try:
         import torch  # noqa: F401
     except ImportError:
         if backend == "torch":
-            from gradientmail.errors import MissingExtra
-
             raise MissingExtra("torch", "the torch quantization path") from None
         return False
     return True
