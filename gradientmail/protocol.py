@@ -243,14 +243,17 @@ def delta_bound(schema: Schema, names: Iterable[str]) -> int:
 def payload_bound(schema: Schema, names: Iterable[str], kind: str) -> int:
     """A bound on the bytes of a commit's payload of `names`, refused above it: "theta"
     (Θ⁰ too) in the schema dtypes; "outer" (fp32 momentum and master) and "updates" as
-    two F32 entries per tensor, headers with escaped names included."""
+    two F32 entries per tensor; headers with escaped names and zstd's worst case on
+    incompressible data included."""
     names = list(names)
     if kind == "theta":
-        return codec.size_bound(schema, names)
-    if kind not in ("outer", "updates"):
+        raw = codec.size_bound(schema, names)
+    elif kind in ("outer", "updates"):
+        raw = sum(8 * schema[n].numel + 2 * (6 * len(n.encode()) + 120 + 24 * len(schema[n].shape))
+                  for n in names) + 4096
+    else:
         raise LocalProtocolError(f"payload kind {kind!r} must be 'theta', 'outer' or 'updates'")
-    return sum(8 * schema[n].numel + 2 * (6 * len(n.encode()) + 120 + 24 * len(schema[n].shape))
-               for n in names) + 4096
+    return raw + raw // 128 + 1024
 
 
 class Exchange:
