@@ -46,6 +46,7 @@ __all__ = [
     "is_sealed",
     "key_fingerprint",
     "open_manifest",
+    "refuse_sealed",
     "short_fingerprint",
 ]
 
@@ -96,6 +97,17 @@ def short_fingerprint(fingerprint: str | None) -> str:
 def is_sealed(data: bytes) -> bool:
     """Whether stored record bytes carry a seal (of any scheme)."""
     return data.startswith(_SEALED)
+
+
+def refuse_sealed(key: str, data: bytes) -> bytes:
+    """`data` unchanged if it carries no seal: how a process without a run key opens a
+    record; a sealed one raises `AuthenticationError` saying the run is authenticated."""
+    if is_sealed(data):
+        raise AuthenticationError(
+            f"record {key!r} is sealed with a run key (an authenticated run), but this "
+            f"process has none; {_FIX}"
+        )
+    return data
 
 
 def _mac(raw_key: bytes, key: str, body: bytes) -> bytes:

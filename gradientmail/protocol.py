@@ -31,10 +31,9 @@ from collections.abc import Iterable, Mapping
 from typing import Protocol, TypeVar
 
 from gradientmail import compression as codec
-from gradientmail.auth import HmacSeal, is_sealed, open_manifest
+from gradientmail.auth import HmacSeal, open_manifest, refuse_sealed
 from gradientmail.clock import Clock, MonotonicClock
 from gradientmail.errors import (
-    AuthenticationError,
     ConfigError,
     CorruptPayload,
     LocalProtocolError,
@@ -225,13 +224,7 @@ class PlainSeal:
         return data
 
     def open(self, key: str, data: bytes) -> bytes:
-        if is_sealed(data):
-            raise AuthenticationError(
-                f"record {key!r} is sealed with a run key (an authenticated run), but this "
-                "process has none; pass the run's key as run_key= (GRADIENTMAIL_RUN_KEY for "
-                "the gradientmail command and the integrations)"
-            )
-        return data
+        return refuse_sealed(key, data)
 
 
 def delta_bound(schema: Schema, names: Iterable[str]) -> int:
