@@ -1,0 +1,318 @@
+"""Bad bytes from a peer or the store: every one is left out by name, none is applied.
+
+tests/test_syncer.py already drops stale, other-schema-digest, other-fragment, mis-shaped,
+non-finite and bit-flipped contributions and an unparseable record. Here, on a local
+directory: truncated, grown and oversized payloads, a zstd bomb, garbage behind a digest
+that matches it, a record whose digest lies, missing / extra / mistyped tensors, and
+records that are oversized, mistyped, of another version, not an object or lying about
+their learner. Then the learner side (a corrupted commit payload or record is never
+applied) and a learner whose parameters go NaN/Inf mid-run (processes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from test_syncer import SCHEMA, Run, algorithm, delta
+
+from chaos.harness import (
+    LearnerResult,
+    ToyAdapter,
+    check_ends_on_commits,
+    report,
+    spawn_learner,
+    theta_digests,
+    train_step,
+    verify_run,
+)
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.events import ContributionDropped, Event, FragmentAligned, PollFailed
+from gradientmail.learner import Learner
+from gradientmail.mailbox import FaultPlan, FaultyMailbox, LocalMailbox, Mailbox, MemoryMailbox
+from gradientmail.protocol import Exchange
+from gradientmail.records import PayloadRef
+from gradientmail.serialization import TensorBytes
+
+SNAP = "snapshots/0000000000/{}.json"
+PAYLOAD = "payloads/0000000000/{}.safetensors"
+
+
+def f32(shape: tuple[int, ...], value: float = 0.0) -> TensorBytes:
+    return TensorBytes.from_numpy(np.full(shape, value, np.float32))
+
+
+async def rewrite(mailbox: Mailbox, key: str, edit: Callable[[bytes], bytes]) -> bytes:
+    blob = await mailbox.get(key)
+    assert blob is not None
+    await mailbox.put(key, edit(blob))
+    return blob
+
+
+async def publish_bad_payloads(r: Run) -> dict[str, tuple[str, str]]:
+    """Contributions to round 0 whose payload is bad: learner -> (key, reason part)."""
+    names = r.plan[0]
+    good = delta(0, "x", names)
+    out: dict[str, tuple[str, str]] = {}
+
+    snap = await r.contribute(0, "truncated")
+    n = snap.payload.size
+    await rewrite(r.mailbox, snap.payload.key, lambda b: b[: n // 2])
+    out["truncated"] = (snap.payload.key, f"is {n // 2} bytes but its record says {n}")
+
+    snap = await r.contribute(0, "grown")
+    await rewrite(r.mailbox, snap.payload.key, lambda b: b + b"\0" * 64)
+    out["grown"] = (snap.payload.key, f"is {n + 64} bytes but its record says {n}")
+
+    # An honest record of a payload far larger than the fragment: refused unread.
+    big = {**good, "junk": f32((300_000,))}
+    snap = await r.contribute(0, "oversized", tensors=big)
+    out["oversized"] = (snap.payload.key, f"is declared {snap.payload.size} bytes, over the bound")
+
+    # A few KB of zstd that would inflate to 8 MB.
+    zstd = Exchange(r.mailbox, clock=r.clock, compression="zstd")
+    snap = await zstd.publish(
+        0, "bomb", {**good, "junk": f32((2_000_000,))}, fragment=0, base_version=0,
+        local_step=4, steps=4, tokens=64, final=False, schema_digest=SCHEMA.digest(),
+        delta_format="F32")
+    assert snap.payload.size < 100_000
+    out["bomb"] = (snap.payload.key, "the zstd frame would decompress to 8000")
+
+    # Garbage written before the digest was taken: the digest matches, the decoder refuses.
+    snap = await r.contribute(0, "garbage")
+    key = SNAP.format("garbage")
+    junk = bytes(range(256)) * (snap.payload.size // 256 + 1)
+    await r.mailbox.put(snap.payload.key, junk)
+    lied = dataclasses.replace(snap, payload=PayloadRef.of(snap.payload.key, junk))
+    await r.mailbox.put(key, lied.encode())
+    out["garbage"] = (snap.payload.key, "the payload is truncated or corrupt")
+
+    # The record's digest is wrong, the payload intact.
+    snap = await r.contribute(0, "wrong-digest")
+    lied = dataclasses.replace(snap, payload=dataclasses.replace(snap.payload, sha256="0" * 64))
+    await r.mailbox.put(SNAP.format("wrong-digest"), lied.encode())
+    out["wrong-digest"] = (snap.payload.key, "its record says 0000000000000000")
+
+    # Another schema behind the run's digest: a tensor missing, one extra, one mistyped.
+    snap = await r.contribute(0, "missing", tensors={})
+    out["missing"] = (snap.payload.key, "mis-shaped: ")
+    snap = await r.contribute(0, "extra", tensors={**good, "w.extra": f32((2,))})
+    out["extra"] = (snap.payload.key, "mis-shaped: ")
+    half = {n: TensorBytes.from_numpy(t.to_numpy().astype(np.float16)) for n, t in good.items()}
+    snap = await r.contribute(0, "mistyped", tensors=half)
+    out["mistyped"] = (snap.payload.key, "mis-shaped: ")
+    return out
+
+
+async def publish_bad_records(r: Run) -> dict[str, tuple[str, str]]:
+    """Contribution records of round 0 that do not parse: learner -> (key, reason part)."""
+    template = json.loads((await r.contribute(0, "template")).encode())
+    await r.mailbox.delete(SNAP.format("template"))
+    await r.mailbox.delete(PAYLOAD.format("template"))
+
+    def variant(learner: str, **fields: Any) -> bytes:
+        obj = {**template, "learner": learner, **fields}
+        obj["payload"] = {**obj["payload"], "key": PAYLOAD.format(learner)}
+        return json.dumps(obj).encode()
+
+    records = {
+        "huge": (b'{"v": 1, "pad": "' + b"x" * (1 << 20) + b'"}',
+                 "records are at most 1048576 bytes"),
+        "wrong-type": (variant("wrong-type", steps="4"), "field 'steps' must be an integer"),
+        "extra-field": (variant("extra-field", extra=1), "unexpected ['extra']"),
+        "version-2": (variant("version-2", v=2), "field 'v' is 2, but this gradientmail"),
+        "array": (b"[1, 2, 3]", "is a JSON list, not an object"),
+        "not-utf8": (b'{"v": 1, "learner": "\xff"}', "is not valid JSON"),
+        "nan": (variant("nan").replace(b'"steps": 4', b'"steps": NaN'), "non-finite number"),
+        "liar": (variant("good"), "says learner 'good'"),
+    }
+    out = {}
+    for learner, (data, reason) in records.items():
+        await r.mailbox.put(SNAP.format(learner), data)
+        out[learner] = (SNAP.format(learner), reason)
+    return out
+
+
+def test_bad_payloads_and_records_are_dropped_by_key(tmp_path: Path) -> None:
+    async def main() -> tuple[Run, dict[str, tuple[str, str]], str]:
+        r = Run(LocalMailbox(tmp_path / "run"), algorithm(fragments=2, quorum_size=1))
+        await r.create()
+        expected = await publish_bad_payloads(r)
+        expected.update(await publish_bad_records(r))
+        await r.contribute(0, "good")
+        assert await r.syncer().poll(live=frozenset({*expected, "good"}))
+        # What the good contribution alone commits.
+        clean = Run(MemoryMailbox(), algorithm(fragments=2, quorum_size=1))
+        await clean.create()
+        await clean.contribute(0, "good")
+        assert await clean.syncer().poll(live=frozenset({"good"}))
+        alone = await clean.ex.read_round(0)
+        assert alone is not None
+        return r, expected, alone.theta.sha256
+
+    r, expected, alone = asyncio.run(main())
+    figures = verify_run(r.mailbox)
+    [rec] = figures.records
+    assert [p.learner for p in rec.participants] == ["good"]
+    assert rec.theta.sha256 == alone  # the run unharmed
+    events = {e.learner: e for e in r.of(ContributionDropped)}
+    assert sorted(events) == sorted(expected)
+    reasons = {d.learner: d.reason for d in rec.dropped}
+    for learner, (key, part) in expected.items():
+        event = events[learner]
+        assert (event.round, event.key) == (0, key), learner
+        assert part in event.reason, (learner, event.reason)
+        assert reasons[learner] == event.reason[:500]
+    report(f"bad payloads and records ({len(expected)} kinds)", figures, None,
+           dropped_by_key=len(events), merged=["good"])
+
+
+# -- the learner side --------------------------------------------------------------------
+
+
+FAST: dict[str, Any] = {"poll_interval": 0.01, "lease_every": 0.5, "lease_timeout": 5.0,
+        "keep_versions": 10**6}
+
+
+def committed(mailbox: Mailbox) -> list[dict[str, str]]:
+    """The SHA-256 of each tensor of Θ⁰ and of every committed theta, per fragment."""
+
+    async def go() -> list[dict[str, str]]:
+        ex = Exchange(mailbox)
+        manifest = await ex.read_manifest()
+        assert manifest is not None
+        refs = [*manifest.init, *(rec.theta for rec in await ex.rounds_after(-1))]
+        out = []
+        for ref in refs:
+            tensors = await ex.fetch_tensors(ref)
+            assert tensors is not None
+            out.append({n: hashlib.sha256(t.data).hexdigest() for n, t in tensors.items()})
+        return out
+
+    return asyncio.run(go())
+
+
+def train(learner: Learner, adapter: ToyAdapter, worker: int, steps: int) -> Callable[[], None]:
+    def go() -> None:
+        for step in range(steps):
+            train_step(adapter, worker, step)
+            learner.step(16)
+            time.sleep(0.01)
+        learner.close()
+
+    return go
+
+
+def in_threads(*targets: Callable[[], None], timeout: float = 120) -> None:
+    errors: list[BaseException] = []
+
+    def wrap(f: Callable[[], None]) -> Callable[[], None]:
+        def inner() -> None:
+            try:
+                f()
+            except BaseException as exc:  # re-raised in the test's thread
+                errors.append(exc)
+
+        return inner
+
+    threads = [threading.Thread(target=wrap(t)) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+        assert not t.is_alive(), "a learner hung"
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("commit_dtype", [None, "BF16"], ids=["theta", "update"])
+def test_a_corrupted_commit_seen_by_a_learner_is_never_applied(
+    tmp_path: Path, commit_dtype: str | None
+) -> None:
+    """The reader's mailbox flips bits in (or cuts short) the commit payloads and a round
+    record it reads, a few times each. It reports each, applies none, and ends on the
+    same commits as the writer."""
+    box = tmp_path / "run"
+    plan = (FaultPlan()
+            .corrupt("theta/*", nth=2, times=3)
+            .truncate("theta/*", 100, nth=8, times=1)
+            .corrupt("updates/*", nth=2, times=3)
+            .corrupt("rounds/*", nth=20, times=1))
+    alg = DiLoCo(sync_every=4, fragments=2, commit_dtype=commit_dtype)
+    seen: dict[str, list[Event]] = {"writer": [], "reader": []}
+    adapters = {"writer": ToyAdapter(0), "reader": ToyAdapter(1)}
+    writer = Learner(adapters["writer"], alg, LocalMailbox(box), "writer",
+                     on_event=seen["writer"].append, **FAST)
+    reader = Learner(adapters["reader"], alg, FaultyMailbox(LocalMailbox(box), plan),
+                     "reader", sync=False, on_event=seen["reader"].append, **FAST)
+    writer.start()
+    reader.start()  # no commit yet: the join reads Θ⁰ only
+    in_threads(train(writer, adapters["writer"], 0, 60),
+               train(reader, adapters["reader"], 1, 60))
+    mailbox = LocalMailbox(box)
+    figures = verify_run(mailbox)
+    failures = [e.error for e in seen["reader"] if isinstance(e, PollFailed)]
+    fired = {r.kind + " " + r.pattern: r.fired for r in plan.rules}
+    wanted = {
+        "corrupt theta/*": ("theta/", "SHA-256"),
+        "truncate theta/*": ("theta/", "but its record says"),
+        "corrupt updates/*": ("updates/", "SHA-256"),
+        "corrupt rounds/*": ("rounds/", "is not valid JSON"),
+    }
+    for rule, count in fired.items():
+        key, words = wanted[rule]
+        reported = [f for f in failures if key in f and words in f]
+        assert len(reported) == count, (rule, count, failures)
+    main = "corrupt updates/*" if commit_dtype else "corrupt theta/*"
+    assert fired[main] == 3 and fired["corrupt rounds/*"] == 1
+    good = committed(mailbox)
+    applied = adapters["reader"].applied
+    assert applied and all(any(d.items() <= c.items() for c in good) for d in applied)
+    for name in ("writer", "reader"):
+        learner, adapter = (writer, reader)[name == "reader"], adapters[name]
+        assert adapter.digests() == theta_digests(mailbox, learner.rounds_seen), name
+    aligned = [e for e in seen["reader"] if isinstance(e, FragmentAligned)]
+    report(f"corrupted commit {'update' if commit_dtype else 'theta'} payloads and a "
+           "corrupted record, seen by a learner", figures, None,
+           faults_injected=sum(fired.values()), poll_failures=len(failures),
+           applied=len(applied), bad_applied=0, aligned=len(aligned))
+
+
+def test_a_learner_whose_parameters_go_nan_is_left_out_and_recovers(tmp_path: Path) -> None:
+    box = tmp_path / "run"
+    run = ["--sync-every", "8", "--fragments", "2", "--quorum", "2", "--overlap", "8",
+           "--sleep", "0.02", "--poll", "0.01"]
+    steady = spawn_learner(box, "steady", tmp_path / "steady.json", "--worker", "0",
+                           "--steps", "100", "--wait-for", "2", *run)
+    bad = spawn_learner(box, "bad", tmp_path / "bad.json", "--worker", "1",
+                        "--steps", "100", "--nan-at", "30", *run)
+    try:
+        results = [LearnerResult.of(w.finish(timeout=120)) for w in (steady, bad)]
+    finally:
+        for w in (steady, bad):
+            w.stop()
+    mailbox = LocalMailbox(box)
+    figures = verify_run(mailbox)  # every committed theta is finite
+    for res in results:
+        check_ends_on_commits(mailbox, res)
+    dropped = figures.dropped("bad")
+    assert dropped and all(reason.startswith("non-finite values in [") for _, reason in dropped)
+    events = [e for res in results for e in res.of_type("ContributionDropped")]
+    assert sorted((e["round"], e["key"]) for e in events) == sorted(
+        (r, PAYLOAD.replace("0000000000", f"{r:010d}").format("bad")) for r, _ in dropped)
+    # Its commits overwrote the NaNs: it contributes again after its dropped rounds.
+    assert max(figures.participants("bad")) > max(r for r, _ in dropped)
+    assert all(r in figures.participants("steady") for r, _ in dropped)
+    report("NaN/Inf parameters in one learner", figures, results[0].step_max,
+           dropped_rounds=[r for r, _ in dropped],
+           rejoined_at=min(r for r in figures.participants("bad")
+                           if r > max(r for r, _ in dropped)))
