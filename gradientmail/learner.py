@@ -56,7 +56,11 @@ from gradientmail.serialization import TensorBytes
 from gradientmail.syncer import theta_digest
 from gradientmail.syncer_state import effective_quorum
 
-__all__ = ["Learner", "default_learner_id"]
+__all__ = ["BACKUP_EVERY", "Learner", "default_learner_id"]
+
+#: Polls between a learner's own looks at who published the next round, when its
+#: embedded syncer is not watching that round already.
+BACKUP_EVERY = 15
 
 
 def default_learner_id() -> str:
@@ -166,6 +170,8 @@ class Learner:
         self._live: frozenset[str] = frozenset()
         self._newest_seen = -1
         self._cursor = -1  # the newest record fetched (communication thread)
+        self._next_watch = -math.inf
+        self._want_live = 0  # wait_for_learners: list leases every poll until this many
         # Host bytes of each fragment's newest commit, to rebuild the next from its update.
         self._host: dict[int, tuple[int, dict[str, TensorBytes]]] = {}
         # Publishes handed over and finished: each counter has a single writer thread.
@@ -199,6 +205,27 @@ class Learner:
     @property
     def plan(self) -> tuple[tuple[str, ...], ...]:
         return self._plan
+
+    def wait_for_learners(self, n: int, timeout: float = 600.0) -> frozenset[str]:
+        """Block until at least `n` learners hold a lease (this one included), listing
+        the leases every poll meanwhile; returns them. Standard DiLoCo, whose rounds wait
+        for every learner, starts all of them this way so that none runs ahead alone.
+        `GradientmailError` after `timeout` seconds."""
+        self._require_started()
+        self._want_live = n
+        deadline = time.monotonic() + timeout
+        try:
+            while len(self._live) < n:
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise GradientmailError(
+                        f"only {len(self._live)} of {n} learners are live after {timeout}s: "
+                        f"{sorted(self._live)}; start the others, or wait longer"
+                    )
+                time.sleep(min(self.poll_interval, 0.05))
+        finally:
+            self._want_live = 0
+        return self._live
 
     def start(self) -> None:
         """Join the run (creating it if nobody has) and align with its newest commits.
@@ -357,8 +384,9 @@ class Learner:
         candidate = ls.candidate_round(state)
         seen_round, others = self._others
         others = others if seen_round == candidate else 0
-        quorum = effective_quorum(self.algorithm.quorum_size, len(self._live))
-        r = ls.due_round(state, sch, others, quorum)
+        live = max(len(self._live), 1)
+        quorum = effective_quorum(self.algorithm.quorum_size, live)
+        r = ls.due_round(state, sch, others, quorum, live)
         if r is None:
             return
         self._hand_over(r, final=final)
@@ -542,6 +570,7 @@ class Learner:
                 prefix=self.prefix,
                 exchange=ex,
                 keep_versions=self.keep_versions,
+                embedded=True,
             )
 
         async def refresh() -> frozenset[str]:
@@ -557,30 +586,34 @@ class Learner:
                 if now >= next_beat:
                     await ex.beat(self.learner_id)
                     next_beat = now + self.lease_every
-                if now >= next_leases:
+                if now >= next_leases or len(self._live) < self._want_live:
                     self._live = await ex.observe_leases(tracker)
                     # Leases change once per lease period; listing them every poll would
                     # cost a LIST per poll per learner for nothing.
-                    next_leases = now + min(self.lease_every / 2, self.lease_timeout / 4)
-                await self._catch_up()
-                await self._watch_next_round()
+                    next_leases = now + self.lease_every
+                fresh = await self._catch_up()
                 if syncer is not None:
-                    await syncer.poll(live=self._live, refresh_live=refresh)
+                    await syncer.poll(live=self._live, refresh_live=refresh, records=fresh)
+                await self._watch_next_round(syncer, now)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 self.on_event(PollFailed(self.learner_id, repr(exc)))
             await self.clock.sleep(self.poll_interval)
 
-    async def _catch_up(self) -> None:
+    async def _catch_up(self) -> list[RoundRecord]:
         # Runs on the loop only; the final catch-up of close() may interleave with the
         # receive loop's, and the training thread ignores a commit it applied already.
-        self._cursor = max(self._cursor, await self._receive_commits(self._cursor))
+        records: list[RoundRecord] = []
+        self._cursor = max(self._cursor, await self._receive_commits(self._cursor, records))
+        return records
 
-    async def _receive_commits(self, cursor: int) -> int:
+    async def _receive_commits(self, cursor: int, out: list[RoundRecord] | None = None) -> int:
         ex = self._exchange
         assert ex is not None
         records = await ex.rounds_after(cursor)
+        if out is not None:
+            out.extend(records)
         if not records:
             return cursor
         batch = []
@@ -652,7 +685,11 @@ class Learner:
         loaded = await asyncio.to_thread(self.adapter.load, theta)
         return _Commit(rec, loaded, nbytes)
 
-    async def _watch_next_round(self) -> None:
+    async def _watch_next_round(self, syncer: Any, now: float) -> None:
+        """Count the others who published the round this learner may publish next (for
+        "due by opportunity"). The embedded syncer's listing is reused when it watches
+        that round; otherwise one LIST every `backup_every` polls: a LIST per poll per
+        learner would be the dearest request of the run."""
         ex = self._exchange
         state = self._state
         if ex is None or state is None:
@@ -660,7 +697,12 @@ class Learner:
         candidate = ls.candidate_round(state)
         if ls.publishable(state, self._schedule_now()) is None:
             return
-        who = await ex.publishers(candidate)
+        who = syncer.publishers_seen(candidate) if syncer is not None else None
+        if who is None:
+            if now < self._next_watch and self._others[0] == candidate:
+                return
+            who = await ex.publishers(candidate)
+            self._next_watch = now + (BACKUP_EVERY - 1) * self.poll_interval * 0.999
         self._others = (candidate, len(who - {self.learner_id}))
 
     def _schedule_now(self) -> RoundSchedule:

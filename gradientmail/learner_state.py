@@ -116,22 +116,32 @@ def publishable(state: LearnerState, schedule: RoundSchedule) -> int | None:
 
 
 def due_round(
-    state: LearnerState, schedule: RoundSchedule, others: int, effective_quorum: int
+    state: LearnerState,
+    schedule: RoundSchedule,
+    others: int,
+    effective_quorum: int,
+    live: int | None = None,
 ) -> int | None:
     """The round to publish now, or None.
 
     Due on schedule (gap steps since the last publish) or by opportunity: `others` learners
     have published the candidate and they are at most one short of the effective quorum,
     so the round is about to close and this learner's steps would otherwise miss it.
+
+    With `live` (the live learners, this one included) the opportunity is real only when
+    the round can close without this learner: the quorum is in already, or some other
+    live learner could still complete it. When the round waits for this learner alone
+    (standard DiLoCo: quorum = every learner), publishing early would only cut its
+    contribution short, so it keeps its schedule.
     """
     r = publishable(state, schedule)
     if r is None:
         return None
     if state.local_step - state.last_publish_step >= schedule.gap(r):
         return r
-    if others >= max(effective_quorum - 1, 1):
-        return r
-    return None
+    about_to_close = others >= max(effective_quorum - 1, 1)
+    closes_without_us = live is None or others >= effective_quorum or others < live - 1
+    return r if about_to_close and closes_without_us else None
 
 
 def published(state: LearnerState, round_: int, schedule: RoundSchedule) -> LearnerState:

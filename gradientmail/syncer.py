@@ -47,6 +47,7 @@ from gradientmail.syncer_state import (
     close_time,
     effective_quorum,
     next_claim_attempt,
+    preferred_closer,
     updated_estimates,
 )
 
@@ -97,6 +98,9 @@ class Syncer:
         prefix: str = "",
         exchange: Exchange | None = None,
         run_key: str | bytes | None = None,
+        watch_every: int | None = None,
+        backup_every: int = 15,
+        embedded: bool = False,
     ) -> None:
         from gradientmail.records import check_learner_id
 
@@ -114,6 +118,17 @@ class Syncer:
         self.keep_versions = keep_versions
         self.sweep_after_commit = sweep
         self.on_event = on_event
+        # Listing a round's contributions is a LIST request, the dearest kind on S3.
+        # A standalone syncer (the operator's closer) lists every `watch_every` polls; a
+        # syncer embedded in a learner does so only for the rounds whose preferred closer
+        # it is, and every `backup_every` polls otherwise, so a learner's requests do not
+        # grow with the number of learners.
+        if watch_every is None:
+            watch_every = 2 if embedded else 1
+        self.watch_every = max(1, int(watch_every))
+        self.backup_every = max(1, int(backup_every))
+        self.embedded = embedded
+        self._next_watch = -math.inf
         self._tracker = LeaseTracker(lease_timeout)
         self._manifest: Manifest | None = None
         self._algorithm: Algorithm | None = None
@@ -146,6 +161,7 @@ class Syncer:
         self,
         live: frozenset[str] | None = None,
         refresh_live: Callable[[], Awaitable[frozenset[str]]] | None = None,
+        records: Sequence[RoundRecord] | None = None,
     ) -> bool:
         """One pass: catch up with the records, watch the open round, close it if due.
 
@@ -157,15 +173,25 @@ class Syncer:
         ex = self.exchange
         if self._manifest is None and not await self._load_manifest():
             return False
-        await self._catch_up()
+        if records is None or (records and records[0].round > self._cursor + 1):
+            await self._catch_up()
+        else:
+            # The embedding learner read these already: no second GET per poll.
+            for rec in records:
+                if rec.round == self._cursor + 1:
+                    self._accept(rec)
         if refresh_live is None:
             refresh_live = self._observe_leases if live is None else _constant(live)
         if live is None:
             live = await refresh_live()
         r = self._cursor + 1
         now = self.clock.now()
-        for learner in await ex.publishers(r):
-            self._open.first_seen.setdefault(learner, now)
+        if now >= self._next_watch:
+            for learner in await ex.publishers(r):
+                self._open.first_seen.setdefault(learner, now)
+            close = not self.embedded or preferred_closer(r, live) == self.closer_id
+            polls = self.watch_every if close else self.backup_every
+            self._next_watch = now + (polls - 1) * self.poll_interval * 0.999
         alg, sch = self._alg(), self._sch()
         grace = alg.grace_window(self._estimates(), sch, r)
         watch = RoundWatch(r, dict(self._open.first_seen))
@@ -234,7 +260,14 @@ class Syncer:
         for rec in await self.exchange.rounds_after(self._cursor):
             self._accept(rec)
 
+    def publishers_seen(self, round_: int) -> frozenset[str] | None:
+        """The contributors of `round_` this syncer has listed (None: not watching it)."""
+        if self._manifest is None or self._open.round != round_:
+            return None
+        return frozenset(self._open.first_seen)
+
     def _accept(self, rec: RoundRecord) -> None:
+        self._next_watch = -math.inf  # a new round is open: look at it at once
         self._cursor = rec.round
         self._last = rec
         self._latest[rec.fragment] = rec

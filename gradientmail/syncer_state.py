@@ -18,6 +18,7 @@ __all__ = [
     "close_time",
     "effective_quorum",
     "next_claim_attempt",
+    "preferred_closer",
     "updated_estimates",
 ]
 
@@ -79,6 +80,16 @@ def next_claim_attempt(
     if now - claims[newest] >= takeover_timeout:
         return newest + 1
     return None
+
+
+def preferred_closer(round_: int, live: Collection[str]) -> str | None:
+    """The live learner expected to watch round `round_` closely: live learners take turns
+    in id order. Only it lists the round's contributions every few polls; the others look
+    rarely and close the round only if it is late. Every closer may still close any round
+    (claims elect one), so a view of `live` that differs between learners costs a little
+    watching, never a round."""
+    ordered = sorted(live)
+    return ordered[round_ % len(ordered)] if ordered else None
 
 
 def updated_estimates(

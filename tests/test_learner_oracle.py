@@ -58,9 +58,13 @@ def run_learners(mailbox_for: Callable[[], Mailbox | str]) -> list[list[torch.Te
     errors: list[BaseException] = []
     ready = threading.Barrier(LEARNERS)
 
+    # Built here, one after the other: make_model seeds torch's global generator, which
+    # two threads building models at once would share.
+    models = [make_model() for _ in range(LEARNERS)]
+
     def work(w: int) -> None:
         try:
-            model = make_model()
+            model = models[w]
             learner = Learner(
                 TorchAdapter(model),
                 algorithm,
@@ -72,6 +76,7 @@ def run_learners(mailbox_for: Callable[[], Mailbox | str]) -> list[list[torch.Te
             )
             learner.start()
             ready.wait(timeout=60)
+            assert learner.wait_for_learners(LEARNERS, timeout=60) >= {"learner-0", "learner-1"}
             opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
             for step in range(ROUNDS * H):
                 inner_step(model, opt, w, step)

@@ -352,7 +352,7 @@ def test_a_silent_peer_drops_out_of_the_live_set() -> None:
     clock.t = 39.0
     time.sleep(0.2)
     assert learner.live_learners == frozenset({"obs", "silent"})
-    clock.t = 45.0
+    clock.t = 60.0  # past the next lease listing (every lease_every)
     assert wait_for(lambda: learner.live_learners == frozenset({"obs"}))
     learner.close()
 

@@ -181,3 +181,19 @@ def test_a_failed_publish_is_retracted_and_its_steps_go_out_next() -> None:
     t = retracted(s, 0)
     assert t.last_published == 1 and [p.round for p in t.publishes] == [1]
     assert retracted(t, 7) is t
+
+
+def test_no_opportunity_when_the_round_waits_for_this_learner_alone() -> None:
+    sch = RoundSchedule(sync_every=100, fragments=1, in_flight=1)
+    s = advanced(initial_state(1), 16)
+    # standard DiLoCo, 2 learners: the other is in, the round cannot close without us
+    assert due_round(s, sch, others=1, effective_quorum=2, live=2) is None
+    # 3 live, quorum 2: the third learner could close it: publish now
+    assert due_round(s, sch, others=1, effective_quorum=2, live=3) == 0
+    # quorum already in: the round closes after its grace window, with us or without
+    assert due_round(s, sch, others=2, effective_quorum=2, live=3) == 0
+    assert due_round(s, sch, others=1, effective_quorum=1, live=2) == 0
+    # still due on schedule
+    for _ in range(100):
+        s = advanced(s, 1)
+    assert due_round(s, sch, others=0, effective_quorum=2, live=2) == 0

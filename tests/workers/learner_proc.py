@@ -84,9 +84,8 @@ def main() -> None:
         on_event=on_event,
     )
     learner.start()
-    deadline = time.monotonic() + 120
-    while len(learner.live_learners) < args.wait_for and time.monotonic() < deadline:
-        time.sleep(0.02)
+    if args.wait_for:
+        learner.wait_for_learners(args.wait_for, timeout=120)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     for step in range(args.start_step, args.start_step + args.steps):
         if step == args.pause_at:
