@@ -330,6 +330,12 @@ class Syncer:
                 contributions.append(contribution)
         keys = {s.learner: s.payload.key for s in found.records}
         contributions = await self._drop_outliers(r, contributions, keys, dropped)
+        # ξ_step: the step-time EMAs the merged learners reported with their snapshots.
+        merged = {c.learner for c in contributions}
+        step_seconds = [
+            s.step_seconds for s in found.records
+            if s.learner in merged and s.step_seconds is not None
+        ]
         result = None
         if contributions:
             aggregator = self._alg().aggregator(self.backend)
@@ -371,7 +377,7 @@ class Syncer:
         now = self.clock.now()
         estimates = updated_estimates(
             self._estimates(),
-            [],
+            step_seconds,
             None if t_first is None or t_quorum is None else t_quorum - t_first,
             now - (t_claim if t_quorum is None else t_quorum),
         )

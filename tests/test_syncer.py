@@ -711,3 +711,24 @@ def test_an_outer_step_that_overflows_drops_the_round_instead_of_retrying_foreve
         assert theta == await r.ex.fetch_tensors(manifest.init[0])
 
     run(main())
+
+
+def test_records_carry_the_median_step_seconds_of_the_merged_snapshots(
+    mailbox: Mailbox,
+) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=3))
+        await r.create()
+        for learner, seconds in (("a", 0.5), ("b", 2.0), ("c", 0.75)):
+            await r.ex.publish(0, learner, delta(0, learner, r.plan[0]), fragment=0,
+                               base_version=0, local_step=4, steps=4, tokens=64, final=False,
+                               schema_digest=SCHEMA.digest(), delta_format="F32",
+                               step_seconds=seconds)
+        assert await r.syncer().poll(live=frozenset({"a", "b", "c"}))
+        rec = await r.ex.read_round(0)
+        assert rec is not None and rec.estimates.step == 0.75
+        # with ξ_step known, the next round's grace window opens
+        sch = r.schedule
+        assert r.alg.grace_window(rec.estimates, sch, 1) > 0
+
+    run(main())
