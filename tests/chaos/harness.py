@@ -12,8 +12,9 @@ process, worker processes, and the integrity check every chaos test ends with.
 - `verify_run` checks what the matrix promises: records gap-free and in order, each
   fragment's versions consecutive, every referenced payload present with its SHA-256;
   `check_ends_on_commits` checks a learner's final parameters against the commits.
-- `report` prints one line of figures per fault (`pytest -s` shows them); README.md's
-  table is written from these lines.
+- `conclude` checks that no commit a party wrote or applied is missing from the records,
+  and prints one line of figures per fault (`pytest -s` shows them); README.md's table is
+  written from these lines.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +56,9 @@ __all__ = [
     "ToyAdapter",
     "Worker",
     "check_ends_on_commits",
+    "conclude",
     "event_dict",
     "parse_kill",
-    "report",
     "spawn_closer",
     "spawn_learner",
     "temp_files",
@@ -349,11 +350,9 @@ def temp_files(root: Path) -> list[Path]:
 
 @dataclasses.dataclass(frozen=True)
 class RunFigures:
-    """What `verify_run` found: the records, and the commits lost (always 0 once it
-    returns: a gap or a bad payload fails the check)."""
+    """The records `verify_run` checked."""
 
     records: tuple[RoundRecord, ...]
-    lost: int
 
     @property
     def rounds(self) -> int:
@@ -367,6 +366,23 @@ class RunFigures:
     def dropped(self, learner: str) -> list[tuple[int, str]]:
         return [(r.round, d.reason) for r in self.records for d in r.dropped
                 if d.learner == learner]
+
+    def lost(self, events: Iterable[Mapping[str, Any]]) -> tuple[int, list[str]]:
+        """Commits some party wrote (RoundClosed) or applied (FragmentAligned), and those
+        of them the records do not hold: (how many were seen, the lost ones)."""
+        seen, lost = 0, []
+        for e in events:
+            if e["type"] not in ("RoundClosed", "FragmentAligned"):
+                continue
+            seen += 1
+            r = int(e["round"])
+            rec = self.records[r] if r < len(self.records) else None
+            closer = e.get("closer", rec.closer if rec is not None else None)
+            if rec is None or (rec.fragment, rec.version, rec.closer) != (
+                    e["fragment"], e["version"], closer):
+                lost.append(f"{e['type']} of round {r} (fragment {e['fragment']} version "
+                            f"{e['version']})")
+        return seen, lost
 
 
 def verify_run(mailbox: Mailbox, prefix: str = "") -> RunFigures:
@@ -402,7 +418,7 @@ def verify_run(mailbox: Mailbox, prefix: str = "") -> RunFigures:
             for name in manifest.plan[rec.fragment]:
                 arr = theta[name].to_numpy()
                 assert np.isfinite(arr).all(), f"round {i}: {name} is not finite"
-        return RunFigures(tuple(records), 0)
+        return RunFigures(tuple(records))
 
     return asyncio.run(go())
 
@@ -453,9 +469,13 @@ def check_ends_on_commits(mailbox: Mailbox, result: LearnerResult) -> None:
     assert result.params == want, f"{result.learner} did not end on the commits"
 
 
-def report(fault: str, figures: RunFigures, stall: float | None, **extra: Any) -> None:
-    """Print the figures of one fault (collected by hand into README.md)."""
+def conclude(fault: str, figures: RunFigures, events: Iterable[Mapping[str, Any]],
+             stall: float | None, **extra: Any) -> None:
+    """Check that no commit a party wrote or applied is missing from the records, then
+    print the figures of this fault (README.md's table is written from these lines)."""
+    seen, lost = figures.lost(events)
+    assert lost == [], f"commits lost: {lost}"
     stall_text = "-" if stall is None or not math.isfinite(stall) else f"{stall:.3f} s"
     rest = "".join(f" | {k}={v}" for k, v in extra.items())
-    print(f"\nCHAOS | {fault} | rounds={figures.rounds} | lost={figures.lost} "
-          f"| longest step stall={stall_text}{rest}")
+    print(f"\nCHAOS | {fault} | rounds={figures.rounds} | commits seen by parties={seen} "
+          f"| lost={len(lost)} | longest step stall={stall_text}{rest}")

@@ -29,13 +29,15 @@ from chaos.harness import (
     LearnerResult,
     ToyAdapter,
     check_ends_on_commits,
-    report,
+    conclude,
+    event_dict,
     spawn_learner,
     theta_digests,
     train_step,
     verify_run,
 )
 from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.errors import CorruptPayload
 from gradientmail.events import ContributionDropped, Event, FragmentAligned, PollFailed
 from gradientmail.learner import Learner
 from gradientmail.mailbox import FaultPlan, FaultyMailbox, LocalMailbox, Mailbox, MemoryMailbox
@@ -172,7 +174,8 @@ def test_bad_payloads_and_records_are_dropped_by_key(tmp_path: Path) -> None:
         assert (event.round, event.key) == (0, key), learner
         assert part in event.reason, (learner, event.reason)
         assert reasons[learner] == event.reason[:500]
-    report(f"bad payloads and records ({len(expected)} kinds)", figures, None,
+    conclude(f"bad payloads and records ({len(expected)} kinds)", figures,
+             [event_dict(e) for e in r.events], None,
            dropped_by_key=len(events), merged=["good"])
 
 
@@ -181,6 +184,26 @@ def test_bad_payloads_and_records_are_dropped_by_key(tmp_path: Path) -> None:
 
 FAST: dict[str, Any] = {"poll_interval": 0.01, "lease_every": 0.5, "lease_timeout": 5.0,
         "keep_versions": 10**6}
+
+
+class ObjectFaults(FaultyMailbox):
+    """A FaultyMailbox whose get rules count only reads of objects that exist: a learner
+    polls for the next record long before it is written, and a fault on a read that finds
+    nothing damages nothing."""
+
+    async def get(self, key: str) -> bytes | None:
+        data = await self.inner.get(key)
+        if data is None:
+            return None
+        for rule in self.plan.firing("get", key):
+            if rule.kind == "corrupt":
+                flipped = bytearray(data)
+                for i in {0, len(data) // 2, len(data) - 1}:
+                    flipped[i] ^= 0x5A
+                data = bytes(flipped)
+            elif rule.kind == "truncate":
+                data = data[: rule.length]
+        return data
 
 
 def committed(mailbox: Mailbox) -> list[dict[str, str]]:
@@ -246,18 +269,18 @@ def test_a_corrupted_commit_seen_by_a_learner_is_never_applied(
             .corrupt("theta/*", nth=2, times=3)
             .truncate("theta/*", 100, nth=8, times=1)
             .corrupt("updates/*", nth=2, times=3)
-            .corrupt("rounds/*", nth=20, times=1))
+            .corrupt("rounds/*", nth=5, times=1))
     alg = DiLoCo(sync_every=4, fragments=2, commit_dtype=commit_dtype)
     seen: dict[str, list[Event]] = {"writer": [], "reader": []}
     adapters = {"writer": ToyAdapter(0), "reader": ToyAdapter(1)}
     writer = Learner(adapters["writer"], alg, LocalMailbox(box), "writer",
                      on_event=seen["writer"].append, **FAST)
-    reader = Learner(adapters["reader"], alg, FaultyMailbox(LocalMailbox(box), plan),
+    reader = Learner(adapters["reader"], alg, ObjectFaults(LocalMailbox(box), plan),
                      "reader", sync=False, on_event=seen["reader"].append, **FAST)
     writer.start()
     reader.start()  # no commit yet: the join reads Θ⁰ only
-    in_threads(train(writer, adapters["writer"], 0, 60),
-               train(reader, adapters["reader"], 1, 60))
+    in_threads(train(writer, adapters["writer"], 0, 80),
+               train(reader, adapters["reader"], 1, 80))
     mailbox = LocalMailbox(box)
     figures = verify_run(mailbox)
     failures = [e.error for e in seen["reader"] if isinstance(e, PollFailed)]
@@ -281,10 +304,11 @@ def test_a_corrupted_commit_seen_by_a_learner_is_never_applied(
         learner, adapter = (writer, reader)[name == "reader"], adapters[name]
         assert adapter.digests() == theta_digests(mailbox, learner.rounds_seen), name
     aligned = [e for e in seen["reader"] if isinstance(e, FragmentAligned)]
-    report(f"corrupted commit {'update' if commit_dtype else 'theta'} payloads and a "
-           "corrupted record, seen by a learner", figures, None,
-           faults_injected=sum(fired.values()), poll_failures=len(failures),
-           applied=len(applied), bad_applied=0, aligned=len(aligned))
+    conclude(f"corrupted commit {'update' if commit_dtype else 'theta'} payloads and a "
+             "corrupted record, seen by a learner", figures,
+             [event_dict(e) for e in seen["writer"] + seen["reader"]], None,
+             faults_injected=sum(fired.values()), poll_failures=len(failures),
+             applied=len(applied), aligned=len(aligned))
 
 
 def test_a_learner_whose_parameters_go_nan_is_left_out_and_recovers(tmp_path: Path) -> None:
@@ -312,7 +336,38 @@ def test_a_learner_whose_parameters_go_nan_is_left_out_and_recovers(tmp_path: Pa
     # Its commits overwrote the NaNs: it contributes again after its dropped rounds.
     assert max(figures.participants("bad")) > max(r for r, _ in dropped)
     assert all(r in figures.participants("steady") for r, _ in dropped)
-    report("NaN/Inf parameters in one learner", figures, results[0].step_max,
+    conclude("NaN/Inf parameters in one learner", figures,
+             [e for res in results for e in res.events], results[0].step_max,
            dropped_rounds=[r for r, _ in dropped],
            rejoined_at=min(r for r in figures.participants("bad")
                            if r > max(r for r, _ in dropped)))
+
+
+def test_a_corrupted_commit_read_at_join_is_refused_not_applied(tmp_path: Path) -> None:
+    """Joining reads each fragment's newest theta once: a corrupted read fails `start()`
+    with the key named, and nothing reaches the model (a later start joins normally)."""
+    box = tmp_path / "run"
+    alg = DiLoCo(sync_every=4, fragments=2)
+    first = ToyAdapter(0)
+    writer = Learner(first, alg, LocalMailbox(box), "writer", on_event=lambda e: None, **FAST)
+    writer.start()
+    for step in range(12):
+        train_step(first, 0, step)
+        writer.step(16)
+        time.sleep(0.01)
+    writer.close()
+    newest = asyncio.run(Exchange(LocalMailbox(box)).newest_round())
+    assert newest >= 1
+    late = ToyAdapter(1)
+    before = late.digests()
+    faulty = FaultyMailbox(LocalMailbox(box), FaultPlan().corrupt("theta/*", times=1))
+    joiner = Learner(late, alg, faulty, "late", on_event=lambda e: None, **FAST)
+    with pytest.raises(CorruptPayload, match=r"payload 'theta/\d/\d{10}-000000.safetensors' "
+                                             r"has SHA-256 [0-9a-f]{16}\.\.\., its record says"):
+        joiner.start()
+    joiner.close()
+    assert late.applied == [] and late.digests() == before
+    again = Learner(late, alg, faulty, "late", on_event=lambda e: None, **FAST)
+    again.start()
+    assert late.digests() == theta_digests(LocalMailbox(box), newest)
+    again.close()

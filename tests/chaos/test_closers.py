@@ -15,7 +15,7 @@ import pytest
 from test_syncer import Run, algorithm, fingerprint
 from test_syncer_race import publish_all, reference
 
-from chaos.harness import report, spawn_closer, verify_run, wait_until
+from chaos.harness import conclude, spawn_closer, verify_run, wait_until
 from gradientmail.mailbox import LocalMailbox
 from gradientmail.protocol import Exchange
 
@@ -61,7 +61,7 @@ def test_a_closer_killed_after_its_claim_is_taken_over(tmp_path: Path, point: st
     # The superseded attempt's uploads are referenced by nothing and were swept.
     keys = asyncio.run(LocalMailbox(box).list("outer/1/"))
     assert "outer/1/0000000002-000000.safetensors" not in keys
-    report(f"closer SIGKILLed {point}", figures, None,
+    conclude(f"closer SIGKILLed {point}", figures, result["events"], None,
            takeover_after=f"{superseded[0]['waited']:.2f} s (predicted {10 * POLL:.2f} s)",
            closer_b_total=f"{waited:.1f} s")
 
@@ -94,5 +94,6 @@ def test_two_closer_processes_race_for_100_rounds(tmp_path: Path) -> None:
     def count(kind: str) -> int:
         return sum(1 for res in results for e in res["events"] if e["type"] == kind)
 
-    report("two closers racing (100 rounds)", figures, None, closed_by=split,
-           superseded=count("ClaimSuperseded"), commits_lost_to_the_other=count("CommitLost"))
+    conclude("two closers racing (100 rounds)", figures,
+             [e for res in results for e in res["events"]], None, closed_by=split,
+           superseded=count("ClaimSuperseded"), discarded_closes=count("CommitLost"))

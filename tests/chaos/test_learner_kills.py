@@ -18,7 +18,7 @@ import pytest
 from chaos.harness import (
     LearnerResult,
     check_ends_on_commits,
-    report,
+    conclude,
     spawn_learner,
     verify_run,
 )
@@ -86,6 +86,7 @@ def test_a_learner_killed_mid_run_loses_no_commit(tmp_path: Path, point: str) ->
         orphan = int(key.split("/")[1])
         rejoined = [e["round"] for e in results[1].of_type("SnapshotPublished")]
         extra["orphan_round_republished"] = orphan in rejoined
-    report(f"learner SIGKILLed {point}", figures, stall, killed_at=f"{op} {key}",
+    conclude(f"learner SIGKILLed {point}", figures,
+             [e for res in results for e in res.events], stall, killed_at=f"{op} {key}",
            newest_round_then=killed_at,
            predicted_stall=f"{PREDICTED_STALL:.2f} s", **extra)

@@ -15,7 +15,7 @@ from pathlib import Path
 from chaos.harness import (
     LearnerResult,
     check_ends_on_commits,
-    report,
+    conclude,
     spawn_learner,
     verify_run,
     wait_until,
@@ -75,7 +75,8 @@ def test_a_learner_frozen_past_its_lease_realigns_and_goes_on(tmp_path: Path) ->
     late = [e["round"] for e in sleeper_res.of_type("PublishCancelled")]
     stall = steady_res.step_max
     assert stall < 10 * PREDICTED_STALL, f"steady's step() stalled {stall:.1f} s"
-    report("learner SIGSTOPped past its lease, then SIGCONT", figures, stall,
+    conclude("learner SIGSTOPped past its lease, then SIGCONT", figures,
+             [e for res in results for e in res.events], stall,
            frozen=f"{t_cont - t_stop:.1f} s", rounds_while_frozen=thawed_at - frozen_at,
            realigned_fragments=len({e['fragment'] for e in aligned}),
            staleness=max(e["staleness"] for e in aligned), publishes_cancelled=late,
