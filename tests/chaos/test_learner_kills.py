@@ -79,6 +79,9 @@ def test_a_learner_killed_mid_run_loses_no_commit(tmp_path: Path, point: str) ->
         assert any(r > joined["rounds_seen"] for r in figures.participants("victim"))
     stall = results[0].step_max
     assert stall < HANG, f"steady's step() stalled {stall:.1f} s (predicted {PREDICTED_STALL} s)"
+    if point == "after its record":
+        # Its record was complete: its round merged the dead learner's contribution.
+        assert int(key.split("/")[1]) in figures.participants("victim")
     extra = {}
     if point == "between payload and record":
         # The orphan payload of the dead publish: replaced by the restarted learner when
