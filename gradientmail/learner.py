@@ -60,7 +60,7 @@ __all__ = ["BACKUP_EVERY", "Learner", "default_learner_id"]
 
 #: Polls between a learner's own looks at who published the next round, when its
 #: embedded syncer is not watching that round already.
-BACKUP_EVERY = 15
+BACKUP_EVERY = 30
 
 
 def default_learner_id() -> str:

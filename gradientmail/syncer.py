@@ -99,7 +99,7 @@ class Syncer:
         exchange: Exchange | None = None,
         run_key: str | bytes | None = None,
         watch_every: int | None = None,
-        backup_every: int = 15,
+        backup_every: int = 30,
         embedded: bool = False,
     ) -> None:
         from gradientmail.records import check_learner_id
@@ -124,7 +124,7 @@ class Syncer:
         # it is, and every `backup_every` polls otherwise, so a learner's requests do not
         # grow with the number of learners.
         if watch_every is None:
-            watch_every = 2 if embedded else 1
+            watch_every = 5 if embedded else 1
         self.watch_every = max(1, int(watch_every))
         self.backup_every = max(1, int(backup_every))
         self.embedded = embedded
@@ -186,10 +186,10 @@ class Syncer:
             live = await refresh_live()
         r = self._cursor + 1
         now = self.clock.now()
+        close = not self.embedded or preferred_closer(r, live) == self.closer_id
         if now >= self._next_watch:
             for learner in await ex.publishers(r):
                 self._open.first_seen.setdefault(learner, now)
-            close = not self.embedded or preferred_closer(r, live) == self.closer_id
             polls = self.watch_every if close else self.backup_every
             self._next_watch = now + (polls - 1) * self.poll_interval * 0.999
         alg, sch = self._alg(), self._sch()
@@ -202,6 +202,10 @@ class Syncer:
             # out of a standard DiLoCo round, so look at the leases again first.
             live = await refresh_live()
             due = close_time(watch, live, alg.quorum_size, grace)
+        if due is not None and not close:
+            # A backup closer gives the preferred one a head start before it claims (and
+            # before it lists claims every poll): rounds close once, at no extra cost.
+            due += self.backup_every * self.poll_interval
         if due is None or now < due:
             return False
         for seen in await ex.round_claims(r):

@@ -126,14 +126,14 @@ def test_decoupled_defaults_three_learners(tmp_path: Any) -> None:
             for step in range(120):
                 train_step(model, opt, 7919 * w + step)
                 learner.step(16)
-                time.sleep(0.001)
+                time.sleep(0.003)
             learner.close()
 
         return go
 
     in_threads(*(work(w) for w in range(3)))
     records = all_records(mailbox)
-    assert len(records) >= 20
+    assert len(records) >= 10
     assert [r.round for r in records] == list(range(len(records)))
     assert [r.fragment for r in records] == [r.round % 3 for r in records]
     versions: dict[int, int] = {}

@@ -1,0 +1,180 @@
+"""Request cost of a run at scale: requests per learner-hour by kind, and S3 dollars.
+
+    python benchmarks/cost.py [--quick] [--learners 8,64,1000] [--no-append]
+
+Simulates, on a fake clock, one observed learner among N of a decoupled run (the defaults:
+DiLoCo(sync_every=500, fragments=4), quorum 1, 1 s per step, poll 1 s, leases every 60 s)
+and counts only that learner's requests, through a CountingMailbox:
+
+- its receive loop as `Learner._receive_loop` runs it: one GET of the next round's known
+  key per poll (rounds are gap-free, so no LIST), a lease beat (PUT + free DELETE) and one
+  LIST of the leases per lease period, one LIST of the next round's contributions every
+  `BACKUP_EVERY` polls unless its closer already watches that round, the theta of each
+  commit (GET);
+- its embedded closer: the real `Syncer(embedded=True)`, which watches a round closely
+  only when it is the round's preferred closer (1 in N rounds) and closes those rounds
+  (claim, contributions, theta/outer, record, sweep);
+- its publishes: one per round of its schedule (payload + record).
+
+The other N−1 learners write their leases and contributions through an uncounted view of
+the same store, and a closer of theirs closes the rounds the observed learner does not.
+S3 Standard prices: PUT/LIST $5 per million, GET $0.40 per million, DELETE free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.clock import FakeClock
+from gradientmail.learner import BACKUP_EVERY
+from gradientmail.lease import LeaseTracker
+from gradientmail.mailbox.memory import MemoryMailbox
+from gradientmail.mailbox.wrappers import CountingMailbox, RequestCounts
+from gradientmail.protocol import Exchange
+from gradientmail.records import Manifest
+from gradientmail.serialization import Schema, TensorBytes
+from gradientmail.syncer import Syncer
+from gradientmail.syncer_state import preferred_closer
+
+HOUR = 3600.0
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+ME = "observed"
+
+
+def _tensors(names: tuple[str, ...], value: float) -> dict[str, TensorBytes]:
+    return {n: TensorBytes.from_numpy(np.full(4, value, np.float32)) for n in names}
+
+
+async def simulate(learners: int, seconds: float, step: float = 1.0, poll: float = 1.0,
+                   lease_every: float = 60.0) -> tuple[RequestCounts, int]:
+    """The observed learner's requests over `seconds` of simulated time; rounds closed."""
+    store = MemoryMailbox()
+    counted = CountingMailbox(store)
+    clock = FakeClock()
+    me = Exchange(counted, clock=clock)
+    them = Exchange(store, clock=clock)
+    alg = DiLoCo(sync_every=500, fragments=4)
+    schema = Schema.from_tensors(_tensors(("a", "b", "c", "d"), 0.0))
+    plan = alg.plan(schema)
+    sched = alg.schedule_for(len(plan))
+    refs = [await them.put_init(p, _tensors(names, 0.0), attempt=0)
+            for p, names in enumerate(plan)]
+    await them.create_manifest(Manifest(schema, plan, alg.to_json(), "peer-0", tuple(refs),
+                                         "off"))
+    ids = [ME] + [f"peer-{i}" for i in range(1, learners)]
+    for peer in ids[1:]:
+        await them.beat(peer)
+    await me.beat(ME)
+    mine = Syncer(counted, closer_id=ME, clock=clock, poll_interval=poll, embedded=True,
+                  exchange=me)
+    theirs = Syncer(store, closer_id="peer-1", clock=clock, poll_interval=poll,
+                    exchange=them)
+    tracker = LeaseTracker(2 * lease_every)
+    live = await me.observe_leases(tracker)
+    cursor, next_watch, next_beat = -1, -math.inf, lease_every
+    # Each learner publishes round r after gap(r) steps; learners are spread evenly over
+    # the gap, so contributions arrive through the whole round.
+    published: set[tuple[str, int]] = set()
+    digest = schema.digest()
+    t = 0.0
+    while t < seconds:
+        r_open = cursor + 1
+        gap_s = sched.gap(r_open) * step
+        # The others' contributions to the open round, spread over its gap.
+        due_by = int(learners * min(1.0, (t % gap_s + poll) / gap_s))
+        for peer in ids[1 : max(2, due_by)]:
+            if (peer, r_open) not in published:
+                published.add((peer, r_open))
+                frag = sched.fragment_of(r_open)
+                await them.publish(r_open, peer, _tensors(plan[frag], 0.01), fragment=frag,
+                                   base_version=r_open // len(plan), local_step=r_open,
+                                   steps=1, tokens=1, final=False, schema_digest=digest,
+                                   delta_format="F32", step_seconds=step)
+        # The observed learner: one receive-loop iteration, as Learner._receive_loop.
+        if t >= next_beat:
+            await me.beat(ME)
+            live = await me.observe_leases(tracker)
+            next_beat = t + lease_every
+            for peer in ids[1:]:  # the others beat too (uncounted)
+                await them.beat(peer)
+        fresh = await me.rounds_after(cursor)
+        for rec in fresh:
+            await me.fetch_tensors(rec.theta)
+            cursor = rec.round
+        await mine.poll(live=live, records=fresh)
+        r_open = cursor + 1
+        if mine.publishers_seen(r_open) is None and t >= next_watch:
+            await me.publishers(r_open)
+            next_watch = t + (BACKUP_EVERY - 1) * poll * 0.999
+        if (ME, r_open) not in published and t % gap_s >= gap_s / 2:
+            published.add((ME, r_open))
+            frag = sched.fragment_of(r_open)
+            await me.publish(r_open, ME, _tensors(plan[frag], 0.02), fragment=frag,
+                             base_version=r_open // len(plan), local_step=r_open, steps=1,
+                             tokens=1, final=False, schema_digest=digest,
+                             delta_format="F32", step_seconds=step)
+        # The others' closer takes the rounds the observed learner is not preferred for.
+        if preferred_closer(cursor + 1, live) != ME:
+            await theirs.poll(live=live)
+        t += poll
+        clock.advance(poll)
+    return counted.snapshot(), cursor + 1
+
+
+def run(learners_list: list[int], quick: bool) -> str:
+    seconds = 600.0 if quick else 1800.0
+    scale = HOUR / seconds
+    rows = [
+        "| learners | LIST | GET | PUT | DELETE | requests | rounds/h | $/learner-hour "
+        "| $/run-hour |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n in learners_list:
+        t0 = time.perf_counter()
+        c, rounds = asyncio.run(simulate(n, seconds))
+        per = RequestCounts(*(round(getattr(c, f) * scale) for f in
+                              ("list", "get", "put", "delete", "bytes_up", "bytes_down")))
+        usd = per.cost_usd()
+        rows.append(
+            f"| {n} | {per.list} | {per.get} | {per.put} | {per.delete} | {per.requests} "
+            f"| {rounds * scale:.0f} | {usd:.5f} | {usd * n:.3f} |"
+        )
+        print(f"  simulated {n} learners in {time.perf_counter() - t0:.1f}s", flush=True)
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="10 simulated minutes, scaled ×6")
+    ap.add_argument("--learners", default="8,64,1000")
+    ap.add_argument("--no-append", action="store_true")
+    args = ap.parse_args()
+    table = run([int(x) for x in args.learners.split(",")], args.quick)
+    header = (
+        f"\n## request cost at scale — {datetime.date.today()}\n\n"
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores (a fake clock: the numbers "
+        "are counts, not timings). One observed learner among N, decoupled defaults "
+        "(H=500, P=4, quorum 1), 1 s steps, poll 1 s, leases 60 s; its own receive loop, "
+        "embedded closer and publishes; S3 Standard prices. Goal: <= $0.005 per "
+        "learner-hour, flat in N.\n"
+        f"Command: `python benchmarks/cost.py{' --quick' if args.quick else ''} "
+        f"--learners {args.learners}`\n\n"
+    )
+    print(header + table)
+    if not args.no_append:
+        with RESULTS.open("a") as f:
+            f.write(header + table + "\n")
+
+
+if __name__ == "__main__":
+    main()
