@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,8 @@ from typing import Any
 import pytest
 import torch
 
+# Before any Hugging Face import: they read it once. Tests never download.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("lightning")
 
 from lightning.pytorch import Callback, LightningModule, Trainer

@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import torch
 
+# Before any Hugging Face import: they read it once. Tests never download.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("lightning")
 pytest.importorskip("transformers")
 

@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+# Before any Hugging Face import: they read it once. Tests never download.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("lightning")
 pytest.importorskip("transformers")
 
@@ -27,7 +29,6 @@ from gradientmail_lightning.cli import GradientmailCLI, diloco_callback, main
 from gradientmail_lightning.data import TextDataModule, learner_shard
 from gradientmail_lightning.gpt2 import GPT2Module, lr_factor
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "mu"]
 

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
+# Before any Hugging Face import: they read it once. Tests never download.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 from gradientmail import textdata as td
 from gradientmail.errors import ConfigError
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 DOCS = [
     "def add(a, b):\n    return a + b\n",
