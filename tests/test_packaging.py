@@ -94,3 +94,45 @@ def test_missing_extra_names_the_install_line() -> None:
         "install it with: pip install 'gradientmail[zstd]'"
     )
     assert err.extra == "zstd"
+
+
+PUBLIC = {
+    "gradientmail.errors": ["GradientmailError", "ProtocolError", "SchemaMismatch",
+                            "RunConfigMismatch", "MissingExtra"],
+    "gradientmail.serialization": ["Schema", "ParameterSpec", "TensorBytes", "pack", "unpack",
+                                   "validate"],
+    "gradientmail.quantization": ["quantize", "dequantize"],
+    "gradientmail.compression": ["encode", "decode"],
+    "gradientmail.backends": ["NumpyBackend", "TorchBackend"],
+    "gradientmail.algorithms.diloco": ["plan", "weight", "weighted_mean", "rda", "nesterov",
+                                       "mean_cosine", "grace_window", "DiLoCoAggregator",
+                                       "DiLoCo", "WeightedMean", "Rda", "ByBytes", "Strided"],
+    "gradientmail.adapters": ["TorchAdapter"],
+    "gradientmail.mailbox": ["Mailbox", "LocalMailbox", "S3Mailbox", "MemoryMailbox",
+                             "open_mailbox"],
+    "gradientmail.learner": ["Learner"],
+    "gradientmail.syncer": ["Syncer"],
+    "gradientmail_lightning": ["DiLoCoCallback"],
+    "gradientmail_accelerate": ["DiLoCoPlugin", "DiLoCo"],
+}
+
+
+def test_every_public_name_of_the_design_is_exported() -> None:
+    import importlib
+
+    for module, names in PUBLIC.items():
+        mod = importlib.import_module(module)
+        for name in names:
+            assert name in mod.__all__, f"{module}.__all__ lacks {name}"
+            assert hasattr(mod, name), f"{module} lacks {name}"
+
+
+def test_every_module_declares_all() -> None:
+    import importlib
+    import pkgutil
+
+    for package in ("gradientmail", "gradientmail_lightning", "gradientmail_accelerate"):
+        pkg = importlib.import_module(package)
+        for info in pkgutil.walk_packages(pkg.__path__, package + "."):
+            mod = importlib.import_module(info.name)
+            assert isinstance(getattr(mod, "__all__", None), list | tuple), info.name
