@@ -386,7 +386,7 @@ def test_two_learners_with_the_same_key_train_together() -> None:
             for step in range(40):
                 train_step(models[w], opt, 1000 * w + step)
                 learners[w].step(8)
-                time.sleep(0.001)
+                time.sleep(0.004)
             learners[w].close()
 
         return go

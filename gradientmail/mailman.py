@@ -1,0 +1,407 @@
+"""The learner's communication thread: one asyncio loop that mails and fetches.
+
+`Mailman` is the half of `Learner` that runs on the communication thread: the receive loop
+(lease, new commits, who published the next round, the embedded syncer) and the publish
+loop (anchor − θ, quantize, encode, upload). It shares nothing with the training thread but
+two queues and a few attributes it overwrites whole; `Learner` holds the other half.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import math
+import queue
+from typing import Any
+
+from gradientmail import learner_state as ls
+from gradientmail.adapters.base import Adapter
+from gradientmail.algorithms.base import Algorithm
+from gradientmail.algorithms.diloco import rebuild_theta
+from gradientmail.algorithms.schedule import RoundSchedule
+from gradientmail.auth import HmacSeal
+from gradientmail.clock import Clock
+from gradientmail.events import (
+    EventSink,
+    PollFailed,
+    PublishCancelled,
+    PublishFailed,
+    RoundRecorded,
+    SnapshotPublished,
+)
+from gradientmail.join import JoinResult, join_run
+from gradientmail.lease import LeaseTracker
+from gradientmail.protocol import Exchange, payload_bound
+from gradientmail.quantization import quantize
+from gradientmail.records import RoundRecord
+from gradientmail.serialization import TensorBytes
+from gradientmail.syncer import theta_digest
+
+__all__ = ["BACKUP_EVERY", "Mailman"]
+
+#: Polls between a learner's own looks at who published the next round, when its
+#: embedded syncer is not watching that round already.
+BACKUP_EVERY = 30
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """A due round handed from the training thread to the mailman."""
+
+    round: int
+    fragment: int
+    base_version: int
+    local_step: int
+    steps: int
+    tokens: int
+    final: bool
+    snapshot: Any
+    anchor: Any
+    step_seconds: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Commit:
+    """A commit ready to apply: its record and its parameters on the model's device."""
+
+    record: RoundRecord
+    loaded: Any
+    nbytes: int
+
+
+class Mailman:
+    """The communication-thread half of a `Learner` (see there for the attributes)."""
+
+    adapter: Adapter
+    algorithm: Algorithm
+    learner_id: str
+    sync: bool
+    backend: Any
+    clock: Clock
+    poll_interval: float
+    lease_every: float
+    lease_timeout: float
+    on_event: EventSink
+    prefix: str
+    keep_versions: int
+    _seal: HmacSeal | None
+    _exchange: Exchange | None
+    _loop: asyncio.AbstractEventLoop | None
+    _schedule: RoundSchedule | None
+    _plan: tuple[tuple[str, ...], ...]
+    _state: ls.LearnerState | None
+    _inbox: queue.Queue[_Commit]
+    _jobs: asyncio.Queue[_Job | None] | None
+    _dead: BaseException | None
+    _stop: asyncio.Event | None
+    _others: tuple[int, int]
+    _live: frozenset[str]
+    _newest_seen: int
+    _cursor: int
+    _next_watch: float
+    _want_live: int
+    _host: dict[int, tuple[int, dict[str, TensorBytes]]]
+    _finished: int
+    _failed: queue.SimpleQueue[int]
+    _tasks: list[asyncio.Task[None]]
+
+    # -- communication thread -----------------------------------------------------------
+
+    def _thread_main(self, joined: concurrent.futures.Future[JoinResult]) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        self._jobs = asyncio.Queue()
+        self._stop = asyncio.Event()
+        try:
+            loop.run_until_complete(self._main(joined))
+        except BaseException as exc:
+            self._dead = exc
+            if not joined.done():
+                joined.set_exception(exc)
+        finally:
+            try:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            finally:
+                loop.close()
+
+    async def _main(self, joined: concurrent.futures.Future[JoinResult]) -> None:
+        ex = self._exchange
+        assert ex is not None
+        try:
+            result = await join_run(
+                ex,
+                self.adapter,
+                self.algorithm,
+                self.learner_id,
+                poll_interval=self.poll_interval,
+                on_event=self.on_event,
+            )
+        except BaseException as exc:
+            joined.set_exception(exc)
+            self._dead = exc
+            return
+        joined.set_result(result)
+        assert self._stop is not None
+        await self._stop.wait()
+        await self._shutdown()
+
+    def _begin_loops(self, result: JoinResult) -> None:
+        loop = self._loop
+        assert loop is not None
+        self._tasks = [
+            loop.create_task(self._receive_loop(result)),
+            loop.create_task(self._publish_loop()),
+        ]
+        for task in self._tasks:
+            task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and self._dead is None:
+            self._dead = exc
+
+    async def _shutdown(self) -> None:
+        for task in getattr(self, "_tasks", []):
+            task.cancel()
+        for task in getattr(self, "_tasks", []):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self._release()
+        ex = self._exchange
+        if ex is not None:
+            await ex.mailbox.close()
+
+    async def _release(self) -> None:
+        from gradientmail.events import LeaseReleased, ReleaseFailed
+
+        ex = self._exchange
+        assert ex is not None
+        try:
+            await ex.release(self.learner_id)
+        except Exception as exc:
+            self.on_event(ReleaseFailed(self.learner_id, repr(exc)))
+            return
+        self.on_event(LeaseReleased(self.learner_id))
+
+    async def _receive_loop(self, joined: JoinResult) -> None:
+        ex = self._exchange
+        assert ex is not None
+        tracker = LeaseTracker(self.lease_timeout)
+        syncer = None
+        if self.sync:
+            from gradientmail.syncer import Syncer
+
+            syncer = Syncer(
+                ex.mailbox,
+                closer_id=self.learner_id,
+                backend=self.backend,
+                clock=self.clock,
+                poll_interval=self.poll_interval,
+                lease_timeout=self.lease_timeout,
+                on_event=self.on_event,
+                prefix=self.prefix,
+                exchange=ex,
+                keep_versions=self.keep_versions,
+                embedded=True,
+            )
+
+        async def refresh() -> frozenset[str]:
+            self._live = await ex.observe_leases(tracker)
+            return self._live
+
+        next_beat = self.clock.now() + self.lease_every  # join_run beat already
+        next_leases = -math.inf
+        self._cursor = joined.rounds_seen
+        while True:
+            now = self.clock.now()
+            try:
+                if now >= next_beat:
+                    await ex.beat(self.learner_id)
+                    next_beat = now + self.lease_every
+                if now >= next_leases or len(self._live) < self._want_live:
+                    self._live = await ex.observe_leases(tracker)
+                    # Leases change once per lease period; listing them every poll would
+                    # cost a LIST per poll per learner for nothing.
+                    next_leases = now + self.lease_every
+                fresh = await self._catch_up()
+                if syncer is not None:
+                    await syncer.poll(live=self._live, refresh_live=refresh, records=fresh)
+                await self._watch_next_round(syncer, now)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.on_event(PollFailed(self.learner_id, repr(exc)))
+            await self.clock.sleep(self.poll_interval)
+
+    async def _catch_up(self) -> list[RoundRecord]:
+        # Runs on the loop only; the final catch-up of close() may interleave with the
+        # receive loop's, and the training thread ignores a commit it applied already.
+        records: list[RoundRecord] = []
+        self._cursor = max(self._cursor, await self._receive_commits(self._cursor, records))
+        return records
+
+    async def _receive_commits(self, cursor: int, out: list[RoundRecord] | None = None) -> int:
+        ex = self._exchange
+        assert ex is not None
+        records = await ex.rounds_after(cursor)
+        if out is not None:
+            out.extend(records)
+        if not records:
+            return cursor
+        batch = []
+        for rec in records:
+            self.on_event(
+                RoundRecorded(
+                    rec.round,
+                    rec.fragment,
+                    rec.version,
+                    tuple(p.learner for p in rec.participants),
+                    rec.mean_cosine,
+                    rec.closer,
+                )
+            )
+            commit = await self._fetch_commit(rec)
+            if commit is None:
+                # Swept under us: a newer commit of this fragment exists; start over from
+                # the newest record.
+                newest = await ex.newest_round(cursor)
+                return await self._skip_to(newest, cursor)
+            batch.append(commit)
+        # A batch is queued only once every payload in it is in hand.
+        for commit in batch:
+            self._inbox.put(commit)
+        self._newest_seen = records[-1].round
+        return records[-1].round
+
+    async def _skip_to(self, newest: int, cursor: int) -> int:
+        ex = self._exchange
+        assert ex is not None
+        latest = await ex.latest_commit_per_fragment(len(self._plan), newest)
+        batch = []
+        for rec in sorted(latest.values(), key=lambda r: r.round):
+            if rec.round <= cursor:
+                continue
+            commit = await self._fetch_commit(rec)
+            if commit is None:
+                return cursor
+            batch.append(commit)
+        for commit in batch:
+            self._inbox.put(commit)
+        self._newest_seen = max(self._newest_seen, newest)
+        return newest
+
+    async def _fetch_commit(self, rec: RoundRecord) -> _Commit | None:
+        """The commit's parameters, rebuilt from its quantized update when this learner
+        holds the previous version (checked against the record's digest), else
+        downloaded. None when the payloads were swept."""
+        ex = self._exchange
+        assert ex is not None
+        names = self._plan[rec.fragment]
+        schema = self.adapter.schema
+        theta: dict[str, TensorBytes] | None = None
+        nbytes = 0
+        held = self._host.get(rec.fragment)
+        if rec.update is not None and held is not None and held[0] == rec.version - 1:
+            update = await ex.fetch_tensors(rec.update.payload,
+                                            payload_bound(schema, names, "updates"))
+            if update is not None:
+                rebuilt = await asyncio.to_thread(rebuild_theta, held[1], update, rec.update.format)
+                if theta_digest(rebuilt, names) == rec.update.theta_sha256:
+                    theta, nbytes = rebuilt, rec.update.payload.size
+        if theta is None:
+            fetched = await ex.fetch_tensors(rec.theta, payload_bound(schema, names, "theta"))
+            if fetched is None:
+                return None
+            theta, nbytes = {n: fetched[n] for n in names}, rec.theta.size
+        self._host[rec.fragment] = (rec.version, theta)
+        loaded = await asyncio.to_thread(self.adapter.load, theta)
+        return _Commit(rec, loaded, nbytes)
+
+    async def _watch_next_round(self, syncer: Any, now: float) -> None:
+        """Count the others who published the round this learner may publish next (for
+        "due by opportunity"). The embedded syncer's listing is reused when it watches
+        that round; otherwise one LIST every `backup_every` polls: a LIST per poll per
+        learner would be the dearest request of the run."""
+        ex = self._exchange
+        state = self._state
+        if ex is None or state is None:
+            return
+        candidate = ls.candidate_round(state)
+        if ls.publishable(state, self._schedule_now()) is None:
+            return
+        who = syncer.publishers_seen(candidate) if syncer is not None else None
+        if who is None:
+            if now < self._next_watch and self._others[0] == candidate:
+                return
+            who = await ex.publishers(candidate)
+            self._next_watch = now + (BACKUP_EVERY - 1) * self.poll_interval * 0.999
+        self._others = (candidate, len(who - {self.learner_id}))
+
+    def _schedule_now(self) -> RoundSchedule:
+        assert self._schedule is not None
+        return self._schedule
+
+    async def _publish_loop(self) -> None:
+        assert self._jobs is not None
+        while True:
+            job = await self._jobs.get()
+            if job is None:
+                return
+            try:
+                await self._publish(job)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.on_event(PublishFailed(self.learner_id, job.round, repr(exc)))
+                self._failed.put(job.round)
+            finally:
+                self._finished += 1
+
+    async def _publish(self, job: _Job) -> None:
+        ex = self._exchange
+        assert ex is not None
+        if job.round <= self._newest_seen and not job.final:
+            self.on_event(PublishCancelled(self.learner_id, job.round, "round already closed"))
+            return
+        t0 = self.clock.now()
+        fmt = self.algorithm.delta_dtype
+        tensors = await asyncio.to_thread(self._encode_delta, job, fmt)
+        record = await ex.publish(
+            job.round,
+            self.learner_id,
+            tensors,
+            fragment=job.fragment,
+            base_version=job.base_version,
+            local_step=job.local_step,
+            steps=job.steps,
+            tokens=job.tokens,
+            final=job.final,
+            schema_digest=self.adapter.schema.digest(),
+            delta_format=fmt or "F32",
+            step_seconds=job.step_seconds,
+        )
+        self.on_event(
+            SnapshotPublished(
+                self.learner_id,
+                job.round,
+                job.fragment,
+                job.steps,
+                job.tokens,
+                record.payload.size,
+                self.clock.now() - t0,
+            )
+        )
+
+    def _encode_delta(self, job: _Job, fmt: str | None) -> dict[str, TensorBytes]:
+        delta = self.adapter.delta(job.anchor, job.snapshot)
+        if fmt is None or fmt == "F32":
+            return delta
+        out: dict[str, TensorBytes] = {}
+        for name, tensor in delta.items():
+            out.update(quantize(name, tensor, fmt))
+        return out
