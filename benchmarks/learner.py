@@ -20,6 +20,7 @@ import os
 import platform
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -140,35 +141,60 @@ def main() -> None:
     learner.close()
     if not due:
         raise SystemExit("no step published without applying; rerun")
-    # Training throughput, interleaved blocks: without, with, without, with, ...
+    # Training throughput, interleaved blocks: without, with, without, with, ... twice:
+    # with the closer embedded in the learner (the default), and with the learner's
+    # closing left to `gradientmail sync` in another process (sync=False), as a run on
+    # big models would do it on a CPU box.
     run_alg = DiLoCo(sync_every=sync_every, fragments=4, in_flight=2)
-    with_l = Learner(TorchAdapter(model), run_alg, os.path.join(tmp, "run"), "bench-run",
-                     on_event=lambda e: None, poll_interval=0.5)
-    with_l.start()
-    rss1 = rss_mib()
     train_loop(model, 3, batch, block, dev, None)  # warm-up
-    plain, gm = [], []
-    peak_plain = peak_gm = 0
-    for _ in range(blocks):
-        if dev == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        plain.append(train_loop(model, steps, batch, block, dev, None))
-        if dev == "cuda":
-            peak_plain = max(peak_plain, torch.cuda.max_memory_allocated())
-            torch.cuda.reset_peak_memory_stats()
-        gm.append(train_loop(model, steps, batch, block, dev, with_l))
-        if dev == "cuda":
-            peak_gm = max(peak_gm, torch.cuda.max_memory_allocated())
-    rounds = with_l.rounds_seen + 1
-    with_l.close()
-    # CUDA: the peak of a training block with the learner over one without it (anchors,
-    # snapshots and loaded commits live on the device). CPU: the process's RSS growth.
-    added_mib = (peak_gm - peak_plain) / 2**20 if dev == "cuda" else rss1 - rss0
+    arms: dict[str, tuple[list[float], list[float], int, int]] = {}
+    added_mib = 0.0
+    for closer in ("embedded", "process"):
+        box = os.path.join(tmp, f"run-{closer}")
+        with_l = Learner(TorchAdapter(model), run_alg, box, f"bench-{closer}",
+                         on_event=lambda e: None, poll_interval=0.5,
+                         sync=closer == "embedded")
+        with_l.start()
+        proc = None
+        if closer == "process":
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "gradientmail.cli", "sync", box, "--poll-interval",
+                 "0.2", "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        rss1 = rss_mib()
+        plain, gm = [], []
+        peak_plain = peak_gm = 0
+        for _ in range(blocks):
+            if dev == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            plain.append(train_loop(model, steps, batch, block, dev, None))
+            if dev == "cuda":
+                peak_plain = max(peak_plain, torch.cuda.max_memory_allocated())
+                torch.cuda.reset_peak_memory_stats()
+            gm.append(train_loop(model, steps, batch, block, dev, with_l))
+            if dev == "cuda":
+                peak_gm = max(peak_gm, torch.cuda.max_memory_allocated())
+        arms[closer] = (plain, gm, with_l.rounds_seen + 1, with_l._handed)
+        with_l.close()
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=60)
+        # CUDA: the peak of a training block with the learner over one without it
+        # (anchors, snapshots and loaded commits live on the device). CPU: RSS growth.
+        if closer == "embedded":
+            added_mib = (peak_gm - peak_plain) / 2**20 if dev == "cuda" else rss1 - rss0
 
     med_idle = statistics.median(idle) * 1e6
     med_due = statistics.median(due) * 1e6
     med_clone = statistics.median(clone) * 1e6
-    sp_plain, sp_gm = statistics.median(plain), statistics.median(gm)
+    throughput_rows = []
+    for closer, (plain, gm, rounds, published) in arms.items():
+        sp_plain, sp_gm = statistics.median(plain), statistics.median(gm)
+        where = "in the learner" if closer == "embedded" else "in another process"
+        throughput_rows += [
+            f"| steps/s without learner / with it, closer {where} ({published} published, "
+            f"{rounds} committed) | {sp_plain:.2f} / {sp_gm:.2f} | |",
+            f"| with / without, closer {where} | {sp_gm / sp_plain:.3f}x | >= 0.99x |",
+        ]
     frag_mb = sum(
         params[n].numel() * params[n].element_size() for names in learner.plan for n in names
     ) / 1e6 / len(learner.plan)
@@ -179,9 +205,7 @@ def main() -> None:
         f"| step(), round due (median) | {med_due:.0f} µs | |",
         f"| plain clone of the same fragment (mean {frag_mb:.1f} MB) | {med_clone:.0f} µs | |",
         f"| due step / clone | {med_due / med_clone:.2f}x | <= 1.5x |",
-        f"| training steps/s without learner | {sp_plain:.2f} | |",
-        f"| training steps/s with learner ({rounds} rounds committed) | {sp_gm:.2f} | |",
-        f"| with / without | {sp_gm / sp_plain:.3f}x | >= 0.99x |",
+        *throughput_rows,
         f"| peak memory added | {added_mib:.0f} MiB | |",
     ])
     header = (
