@@ -1,0 +1,1 @@
+"""The fault matrix of issue 8: see README.md here."""

@@ -93,16 +93,19 @@ class ToyAdapter:
     """The Adapter contract over float32 numpy arrays, one per `SCHEMA` parameter.
 
     `applied` logs (names, SHA-256 of each value) for every `apply`, so a test can show
-    that only committed bytes ever reached the model.
+    that only committed bytes ever reached the model. With `bad_delta=n`, the n-th delta
+    computed holds NaN in its first tensor and Inf in its last (a device gone wrong).
     """
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, bad_delta: int = -1) -> None:
         rng = np.random.default_rng(seed)
         self.schema = SCHEMA
         self.params: dict[str, Array] = {
             p.name: rng.standard_normal(p.shape).astype(np.float32) for p in SCHEMA.params
         }
         self.applied: list[dict[str, str]] = []
+        self.bad_delta = bad_delta
+        self.deltas = 0
 
     def read(self, names: Sequence[str] | None = None) -> dict[str, TensorBytes]:
         chosen = SCHEMA.names if names is None else names
@@ -117,7 +120,13 @@ class ToyAdapter:
     def delta(
         self, anchor: Mapping[str, Array], snapshot: Mapping[str, Array]
     ) -> dict[str, TensorBytes]:
-        return {n: TensorBytes.from_numpy(anchor[n] - snapshot[n]) for n in snapshot}
+        self.deltas += 1
+        out = {n: anchor[n] - snapshot[n] for n in snapshot}
+        if self.deltas == self.bad_delta:
+            names = list(out)
+            out[names[0]] = np.full_like(out[names[0]], np.nan)
+            out[names[-1]] = np.full_like(out[names[-1]], np.inf)
+        return {n: TensorBytes.from_numpy(a) for n, a in out.items()}
 
     def apply(self, values: Mapping[str, Any], mixing: float = 0.0) -> None:
         arrays = {

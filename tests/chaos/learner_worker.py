@@ -9,7 +9,7 @@ every event (with a monotonic timestamp) and the longest `step()` calls.
 Faults:
   --kill OP:PATTERN:NTH[:after]   SIGKILL this process on the Nth matching mailbox call
   --kill-closing                  count --kill calls only once close() has begun
-  --nan-at K                      at step K, NaN in every parameter (Inf in the first)
+  --bad-delta N                   the Nth delta this learner computes holds NaN and Inf
   --fsize BYTES@K                 at step K, limit files this process writes to BYTES
                                   (RLIMIT_FSIZE: writes fail with EFBIG, as on a full disk)
   --fsize-restore K               at step K, lift the limit again
@@ -30,7 +30,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np
 
 from chaos.harness import KillSwitch, ToyAdapter, event_dict, train_step
 from gradientmail.algorithms.diloco import DiLoCo
@@ -62,7 +61,7 @@ def main() -> None:
     ap.add_argument("--wait-for", type=int, default=0, help="wait for this many live learners")
     ap.add_argument("--kill", action="append", default=[])
     ap.add_argument("--kill-closing", action="store_true")
-    ap.add_argument("--nan-at", type=int, default=-1)
+    ap.add_argument("--bad-delta", type=int, default=-1)
     ap.add_argument("--fsize", default="")
     ap.add_argument("--fsize-restore", type=int, default=-1)
     ap.add_argument("--ready-at", type=int, default=-1)
@@ -93,7 +92,7 @@ def main() -> None:
         fsize_limit, fsize_at = int(limit), int(at)
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death
 
-    adapter = ToyAdapter(seed=args.worker)
+    adapter = ToyAdapter(seed=args.worker, bad_delta=args.bad_delta)
     learner = Learner(
         adapter, alg, mailbox, args.learner_id,
         poll_interval=args.poll, lease_every=args.lease_every,
@@ -108,9 +107,6 @@ def main() -> None:
     for step in range(args.start_step, args.start_step + args.steps):
         if step == args.ready_at:
             Path(args.out + ".ready").write_text(str(os.getpid()))
-        if step == args.nan_at:
-            for i, p in enumerate(adapter.params.values()):
-                p[...] = np.inf if i == 0 else np.nan
         if step == fsize_at:
             resource.setrlimit(resource.RLIMIT_FSIZE,
                                (fsize_limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
