@@ -203,33 +203,27 @@ def _evaluate(model: Any, val: Any) -> float:
 
 
 def _committed_model(mailbox: str, vocab: int, block: int) -> tuple[Any, int]:
+    """The run's newest committed model (what `gradientmail export` writes), and how many
+    rounds were committed."""
     import asyncio
 
     import torch
 
     from gradientmail.adapters.torch import to_torch
+    from gradientmail.cli import newest_model
     from gradientmail.mailbox import open_mailbox
     from gradientmail.protocol import Exchange
 
     async def newest() -> tuple[dict[str, Any], int]:
         ex = Exchange(open_mailbox(mailbox))
-        manifest = await ex.read_manifest()
-        assert manifest is not None
-        newest_round = await ex.newest_round()
-        latest = await ex.latest_commit_per_fragment(len(manifest.plan), newest_round)
-        out: dict[str, Any] = {}
-        for p, names in enumerate(manifest.plan):
-            ref = latest[p].theta if p in latest else manifest.init[p]
-            tensors = await ex.fetch_tensors(ref)
-            assert tensors is not None
-            out.update({n: to_torch(tensors[n]) for n in names})
-        return out, newest_round + 1
+        tensors, metadata = await newest_model(ex, mailbox)
+        return tensors, int(metadata["gradientmail.round"]) + 1
 
-    state, rounds = asyncio.run(newest())
+    tensors, rounds = asyncio.run(newest())
     model = _model(vocab, block)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(state[name])
+            p.copy_(to_torch(tensors[name]))
     return model, rounds
 
 
