@@ -2,9 +2,9 @@
 process, worker processes, and the integrity check every chaos test ends with.
 
 - `ToyAdapter` implements the Adapter contract over numpy arrays (no torch: a worker
-  process starts in well under a second, so the matrix fits in CI). Its tensors train
-  independently (`train_step` pulls each toward a per-learner target), so a NaN in one
-  fragment stays in that fragment until a commit overwrites it.
+  process starts in well under a second, so the matrix fits in CI). `train_step` pulls
+  each tensor toward a per-learner target; `bad_delta=n` spoils the n-th delta with NaN
+  and Inf.
 - `KillSwitch` wraps a mailbox and SIGKILLs the process on the Nth call matching a
   `FaultPlan` rule, before the call or after it (`--kill create:payloads/*:3:after`).
 - `spawn_learner` / `spawn_closer` start `learner_worker.py` / `closer_worker.py`; each
@@ -62,6 +62,7 @@ __all__ = [
     "spawn_closer",
     "spawn_learner",
     "temp_files",
+    "theta_digests",
     "train_step",
     "verify_run",
     "wait_until",
