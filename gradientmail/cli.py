@@ -378,8 +378,14 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    print(f"{_PROG} demo: not built yet", file=sys.stderr)
-    return 2
+    from gradientmail.demo import DemoConfig, run_demo
+
+    options = {
+        k: v for k, v in (("learners", args.learners), ("steps", args.steps)) if v is not None
+    }
+    config = DemoConfig(mailbox=args.mailbox, data=args.data, **options)
+    run_demo(config, as_json=args.json)
+    return 0
 
 
 # -- parser ------------------------------------------------------------------------------
@@ -446,12 +452,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="versions kept per fragment (default 2)")
     p.set_defaults(func=cmd_sweep)
 
-    p = sub.add_parser("demo", help="several learners train a small GPT-2 (not built yet)")
-    p.add_argument("--learners", type=_positive_int, default=None, metavar="N")
-    p.add_argument("--steps", type=_positive_int, default=None, metavar="S")
-    p.add_argument("--mailbox", default=None, metavar="DIR")
-    p.add_argument("--data", default=None, metavar="PATH")
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("demo", help="several learners train a small GPT-2 (the main job)",
+                       description="N learner processes train a small GPT-2 on a local "
+                       "directory mailbox, next to one learner alone; prints held-out loss "
+                       "of the committed model against the lone learner's.")
+    p.add_argument("--learners", type=_positive_int, default=None, metavar="N",
+                   help="learner processes (default 4)")
+    p.add_argument("--steps", type=_positive_int, default=None, metavar="S",
+                   help="optimizer steps per learner (default 300)")
+    p.add_argument("--mailbox", default=None, metavar="DIR",
+                   help="an empty directory for the run (default: a new temporary one)")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="your own text: .txt/.jsonl/.parquet files or a directory of them "
+                   "(default: the standard library's .py files)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_demo)
     return parser
 
