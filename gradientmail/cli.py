@@ -459,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--learners", type=_positive_int, default=None, metavar="N",
                    help="learner processes (default 4)")
     p.add_argument("--steps", type=_positive_int, default=None, metavar="S",
-                   help="optimizer steps per learner (default 300)")
+                   help="optimizer steps per learner (default 240)")
     p.add_argument("--mailbox", default=None, metavar="DIR",
                    help="an empty directory for the run (default: a new temporary one)")
     p.add_argument("--data", default=None, metavar="PATH",

@@ -35,7 +35,7 @@ TEXT_BUDGET = 6_000_000
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
     learners: int = 4
-    steps: int = 300
+    steps: int = 240
     mailbox: str | None = None
     data: str | None = None
     batch: int = 8
