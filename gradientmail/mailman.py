@@ -194,12 +194,16 @@ class Mailman:
         tracker = LeaseTracker(self.lease_timeout)
         syncer = None
         if self.sync:
+            from gradientmail.backends.numpy_backend import NumpyBackend
             from gradientmail.syncer import Syncer
 
+            # The closer inside a learner merges on one thread: the machine's other cores
+            # belong to training. A standalone `gradientmail sync` uses several.
+            backend = self.backend if self.backend is not None else NumpyBackend(threads=1)
             syncer = Syncer(
                 ex.mailbox,
                 closer_id=self.learner_id,
-                backend=self.backend,
+                backend=backend,
                 clock=self.clock,
                 poll_interval=self.poll_interval,
                 lease_timeout=self.lease_timeout,
