@@ -1,0 +1,94 @@
+"""The evidence benchmarks run end to end in their `--smoke` mode and write their tables.
+
+benchmarks/convergence.py trains every arm (two learners, a one-layer GPT-2, a dozen
+steps) and benchmarks/chaos.py kills learners of a two-learner run; each appends its table
+to a results file of the test's own. The numbers of so small a run say nothing about
+convergence; the tests check what must hold at any size: every arm trained the same
+tokens, the DDP-equivalent's bytes follow its formula, F4 sends fewer bytes than F32, the
+chaos run killed learners and lost no commit.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(script: str, tmp_path: Path, *args: str) -> str:
+    results = tmp_path / "RESULTS.md"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--results",
+         str(results), *args],
+        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return results.read_text()
+
+
+def rows(text: str) -> dict[str, list[str]]:
+    """The table's rows by their first cell (the header and rule excluded)."""
+    out = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and not set(cells[1]) <= set("-:") and cells[0] not in (
+                "arm", "run"):
+            out[cells[0]] = cells
+    return out
+
+
+def megabytes(cell: str) -> float:
+    value, unit = cell.split()
+    return float(value) * (1.0 if unit == "MB" else 1e-3)
+
+
+def test_convergence_smoke_writes_every_arm(tmp_path: Path) -> None:
+    png = tmp_path / "conv.png"
+    text = run("convergence.py", tmp_path, "--plot", str(png))
+    assert "## convergence at equal tokens" in text
+    assert "Command: `python benchmarks/convergence.py --smoke" in text
+    table = rows(text)
+    assert len(table) == 7, table
+    labels = list(table)
+    for want in ("single learner", "DDP-equivalent", "standard DiLoCo (", "Streaming DiLoCo",
+                 "Decoupled defaults", "F4 deltas", "Accelerate LocalSGD"):
+        assert sum(label.startswith(want) or want in label for label in labels) >= 1, want
+    # Equal tokens for every arm: M·S·B·block = 2·12·4·32.
+    assert {cells[7] for cells in table.values()} == {"3,072"}
+    for cells in table.values():
+        loss = float(cells[1])
+        assert 0 < loss < 10 and abs(float(cells[2]) - 2.718281828**loss) < 0.01 * float(cells[2])
+    ddp = next(c for label, c in table.items() if label.startswith("DDP"))
+    assert ddp[3] == "1.000"
+    found = re.search(r"([\d,]+) parameters", text)
+    assert found is not None
+    params = int(found.group(1).replace(",", ""))
+    assert abs(megabytes(ddp[4]) - 2 * params * 4 * 12 / 1e6) < 0.01  # 2·params·4 per step
+    f32 = next(c for label, c in table.items() if label.startswith("standard DiLoCo ("))
+    f4 = next(c for label, c in table.items() if "F4" in label)
+    assert megabytes(f4[4]) < megabytes(f32[4]) / 4
+    assert int(f32[6]) == 2  # S / H = 12 / 6 rounds, every learner in each
+    assert "- DiLoCo <= 1.00x DDP-equivalent loss" in text
+    assert "- F4 within +0.5% of F32 loss" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"]({png.name})" in text
+
+
+def test_chaos_smoke_kills_learners_and_loses_no_commit(tmp_path: Path) -> None:
+    text = run("chaos.py", tmp_path)
+    assert "## goodput under failures (chaos)" in text
+    table = rows(text)
+    faulty, clean = table["with faults"], table["without faults"]
+    assert int(faulty[1].split()[0]) >= 1  # kills
+    assert clean[1] == "0 (0)"
+    assert faulty[7] == clean[7] == "0"  # commits lost
+    assert faulty[3] == clean[3] == "10,240"  # 2 slots × 40 steps × 4×32 tokens
+    for cells in (faulty, clean):
+        assert int(cells[2]) >= 1  # rounds committed
+        assert 0.0 < float(cells[4].rstrip("%")) <= 100.0
+    assert "- commits lost: 0 (met)" in text
