@@ -58,7 +58,7 @@ RESULTS = conv.RESULTS
 class ChaosSettings:
     model: conv.Settings
     learners: int = 4
-    steps: int = 600  # per learner slot, over all its incarnations
+    steps: int = 1200  # per learner slot, over all its incarnations
     sync_every: int = 30
     fragments: int = 2
     kill_every: float = 20.0
@@ -362,7 +362,7 @@ def report(cs: ChaosSettings, runs: list[dict[str, Any]], preset: str, command: 
         f"leases {cs.lease_every:g} s / {cs.lease_timeout:g} s. A SIGKILL every "
         f"{cs.kill_every:g} s (half aimed at the newest record's closer), restart after "
         f"{cs.down:g} s; then the same run without faults. Preset `{preset}`, seed "
-        f"{cs.seed}.\nCommand: `python benchmarks/chaos.py {' '.join(command)}`\n\n"
+        f"{cs.seed}.\nCommand: `{' '.join(['python', 'benchmarks/chaos.py', *command])}`\n\n"
     )
     return header + "\n".join(lines) + "\n\n" + "\n".join(f"- {g}" for g in goals)
 

@@ -438,7 +438,7 @@ def table(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
         ratio, fewer = d[2] / ddp["curve"][-1][2], ddp["curve"][-1][1] / max(d[1], 1.0)
         ok = ratio <= 1.0 and fewer >= 100
         goals.append(f"DiLoCo <= 1.00x DDP-equivalent loss at >= 100x fewer bytes: "
-                     f"{ratio:.3f}x at {fewer:.0f}x fewer ({'met' if ok else 'NOT met'})")
+                     f"{ratio:.3f}x at {fewer:.1f}x fewer ({'met' if ok else 'NOT met'})")
     if "diloco" in by and "f4" in by:
         d, f = by["diloco"]["curve"][-1], by["f4"]["curve"][-1]
         rel, fewer = f[2] / d[2] - 1.0, d[1] / max(f[1], 1.0)
@@ -462,14 +462,16 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     except ImportError:
         return False
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    color = {arm.name: f"C{i}" for i, arm in enumerate(ARMS)}  # the same in both panels
     for r in rows:
         toks = [c[0] for c in r["curve"]]
         losses = [c[2] for c in r["curve"]]
-        a.plot(toks, losses, marker="o", label=r["arm"])
+        a.plot(toks, losses, marker="o", label=r["arm"], color=color[r["arm"]])
         pts = [(c[1], c[2]) for c in r["curve"] if c[1] > 0]
         if pts:
-            b.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=r["arm"])
-    a.set_xlabel("tokens trained (all learners)")
+            b.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=r["arm"],
+                   color=color[r["arm"]])
+    a.set_xlabel("tokens trained (all learners; learner arms: tokens in commits)")
     a.set_ylabel("held-out eval loss")
     a.legend()
     b.set_xscale("log")
@@ -491,14 +493,18 @@ def main(argv: list[str] | None = None) -> None:
     size.add_argument("--smoke", action="store_true", help="tiny sizes for CI (seconds)")
     ap.add_argument("--arms", default=",".join(a.name for a in ARMS))
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per learner")
+    ap.add_argument("--n-layer", type=int, default=None, help="GPT-2 layers (default 2)")
+    ap.add_argument("--n-embd", type=int, default=None, help="GPT-2 width (default 128)")
     ap.add_argument("--results", default=str(RESULTS), help="markdown file to append to")
     ap.add_argument("--plot", default=None, help="PNG path (default benchmarks/convergence"
                     "[-quick].png)")
     args = ap.parse_args(argv)
     preset = "smoke" if args.smoke else "quick" if args.quick else "full"
     s = PRESETS[preset]
-    if args.steps:
-        s = dataclasses.replace(s, steps=args.steps)
+    for field in ("steps", "n_layer", "n_embd"):
+        if getattr(args, field):
+            s = dataclasses.replace(s, **{field: getattr(args, field)})
+    sized = (s.n_layer, s.n_embd) != (PRESETS[preset].n_layer, PRESETS[preset].n_embd)
     names = args.arms.split(",")
     arms = [a for a in ARMS if a.name in names]
     unknown = set(names) - {a.name for a in ARMS}
@@ -508,8 +514,9 @@ def main(argv: list[str] | None = None) -> None:
     if s.steps % s.sync_every or s.steps % s.evals:
         raise SystemExit(f"--steps {s.steps} must be a multiple of H={s.sync_every} and of "
                          f"evals={s.evals}, so every arm ends on a sync")
-    png = Path(args.plot) if args.plot else HERE / (
-        "convergence.png" if preset == "full" else f"convergence-{preset}.png")
+    stem = "convergence" + ("" if preset == "full" else f"-{preset}") + (
+        f"-{s.n_layer}x{s.n_embd}" if sized else "")
+    png = Path(args.plot) if args.plot else HERE / f"{stem}.png"
 
     import torch
 
@@ -555,7 +562,7 @@ def main(argv: list[str] | None = None) -> None:
         f"exit for the M-process arms (process start, joining and closing included), the "
         f"training loop for the one-process arms (run side by side). Preset `{preset}`, "
         f"{time.perf_counter() - t0:.0f}s in all.\n"
-        f"Command: `python benchmarks/convergence.py {' '.join(command)}`\n\n"
+        f"Command: `{' '.join(['python', 'benchmarks/convergence.py', *command])}`\n\n"
     )
     text = header + body + "\n\n" + "\n".join(f"- {g}" for g in goals)
     if have_plot:
