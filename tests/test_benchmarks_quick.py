@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -47,6 +49,7 @@ def megabytes(cell: str) -> float:
     return float(value) * (1.0 if unit == "MB" else 1e-3)
 
 
+@pytest.mark.timeout(900)  # many processes: minutes on a loaded 2-core machine
 def test_convergence_smoke_writes_every_arm(tmp_path: Path) -> None:
     png = tmp_path / "conv.png"
     text = run("convergence.py", tmp_path, "--plot", str(png))
@@ -79,6 +82,7 @@ def test_convergence_smoke_writes_every_arm(tmp_path: Path) -> None:
     assert f"]({png.name})" in text
 
 
+@pytest.mark.timeout(900)
 def test_chaos_smoke_kills_learners_and_loses_no_commit(tmp_path: Path) -> None:
     text = run("chaos.py", tmp_path)
     assert "## goodput under failures (chaos)" in text
