@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import convergence as conv  # benchmarks/ is not a package
 
-__all__ = ["ChaosSettings", "audit", "main", "run_job"]
+__all__ = ["PRESETS", "ChaosSettings", "SlotJob", "audit", "main", "report", "run_job"]
 
 RESULTS = conv.RESULTS
 
@@ -278,8 +278,8 @@ def _eval_final(box: Path, workdir: Path, s: conv.Settings, val: Any) -> float:
     import torch
 
     vocab = int(torch.load(workdir / "vocab.pt"))
-    newest = len(conv._records(box)) - 1
-    model = conv._load(conv.build_model(s, vocab), conv.committed_state(box, newest))
+    newest = len(conv.records_of(box)) - 1
+    model = conv.load_into(conv.build_model(s, vocab), conv.committed_state(box, newest))
     return conv.evaluate(model, val)
 
 

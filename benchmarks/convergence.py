@@ -47,7 +47,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ARMS", "PRESETS", "Arm", "Settings", "main", "prepare_data", "run_arm"]
+__all__ = [
+    "ARMS", "PRESETS", "Arm", "Job", "Settings", "algorithm", "build_model", "committed_state",
+    "evaluate", "jobs_of", "launch", "load_into", "main", "plot", "prepare_data", "records_of",
+    "run_arm", "table", "worker_context",
+]
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
@@ -340,14 +344,14 @@ def committed_state(box: Path, upto: int) -> dict[str, Any]:
     return asyncio.run(go())
 
 
-def _records(box: Path) -> list[Any]:
+def records_of(box: Path) -> list[Any]:
     from gradientmail.mailbox import LocalMailbox
     from gradientmail.protocol import Exchange
 
     return asyncio.run(Exchange(LocalMailbox(box)).rounds_after(-1))
 
 
-def _load(model: Any, state: dict[str, Any]) -> Any:
+def load_into(model: Any, state: dict[str, Any]) -> Any:
     import torch
 
     with torch.no_grad():
@@ -374,7 +378,7 @@ def run_arm(arm: Arm, s: Settings, workdir: Path, vocab: int, val: Any,
     syncs = 0
     if arm.kind == "learner":
         box = workdir / arm.name
-        records = _records(box)
+        records = records_of(box)
         syncs = len(records)
         # A step's tokens count toward every fragment, so each token trained appears in
         # one record per fragment: tokens committed = the records' tokens / P.
@@ -393,7 +397,7 @@ def run_arm(arm: Arm, s: Settings, workdir: Path, vocab: int, val: Any,
             picks.append(len(records) - 1)
         sent = [(rnd, b) for r in results for rnd, b in r["published"]]
         for i in picks:
-            model = _load(build_model(s, vocab), committed_state(box, i))
+            model = load_into(build_model(s, vocab), committed_state(box, i))
             nbytes = sum(b for rnd, b in sent if rnd <= i) / s.learners
             curve.append((cum[i], nbytes, evaluate(model, val)))
     else:
