@@ -38,7 +38,10 @@ _T = TypeVar("_T")
 # Several processes on several hosts may share one directory (NFS): the pid of a temp
 # file's writer only means something on the host that wrote it.
 _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
-_DIR_RETRIES = 8
+# A writer whose directory a concurrent delete pruned tries again; under heavy churn (three
+# threads putting and deleting in one directory on 2 busy cores) 8 tries were seen to run
+# out, so allow many, yielding the CPU between them.
+_DIR_RETRIES = 200
 _KEY_OPS = frozenset({"get", "put", "create", "delete"})
 
 
@@ -215,6 +218,7 @@ class LocalMailbox(Mailbox):
             except FileNotFoundError:
                 if attempt == _DIR_RETRIES - 1:
                     raise
+                time.sleep(0)
                 continue
             try:
                 view = memoryview(data)
