@@ -92,6 +92,13 @@ def main() -> None:
         Path(args.out).write_text(
             json.dumps({"points": check.points, "start": check.start, "aligned": aligned})
         )
+    # Lightning leaves the gloo process group up; torn down by interpreter exit instead,
+    # its threads now and then abort the process ("terminate called without an active
+    # exception", exit -6) after the run has finished.
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
