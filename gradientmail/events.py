@@ -35,6 +35,7 @@ __all__ = [
     "SnapshotPublished",
     "Swept",
     "TookOverCreation",
+    "WarningEvent",
     "log_events",
 ]
 
@@ -64,8 +65,14 @@ def log_events(event: Event) -> None:
     _log.log(event.level, "%s", event.describe())
 
 
-def _warning() -> int:
-    return logging.WARNING
+@dataclasses.dataclass(frozen=True)
+class WarningEvent(Event):
+    """Something went wrong and the runtime went on (a failed poll or publish, a dropped
+    contribution, a superseded claim): `log_events` logs it as a warning."""
+
+    @property
+    def level(self) -> int:
+        return logging.WARNING
 
 
 # --- learner --------------------------------------------------------------------------
@@ -88,15 +95,11 @@ class AwaitingCreator(Event):
 
 
 @dataclasses.dataclass(frozen=True)
-class TookOverCreation(Event):
+class TookOverCreation(WarningEvent):
     """The creator's payloads never landed: this learner claimed the next attempt."""
 
     learner: str
     attempt: int
-
-    @property
-    def level(self) -> int:
-        return _warning()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,16 +124,12 @@ class SnapshotPublished(Event):
 
 
 @dataclasses.dataclass(frozen=True)
-class PublishFailed(Event):
+class PublishFailed(WarningEvent):
     """A publish failed; its steps stay counted and go out with the fragment's next round."""
 
     learner: str
     round: int
     error: str
-
-    @property
-    def level(self) -> int:
-        return _warning()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,13 +142,9 @@ class PublishCancelled(Event):
 
 
 @dataclasses.dataclass(frozen=True)
-class PollFailed(Event):
+class PollFailed(WarningEvent):
     learner: str
     error: str
-
-    @property
-    def level(self) -> int:
-        return _warning()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,16 +180,12 @@ class Closing(Event):
 
 
 @dataclasses.dataclass(frozen=True)
-class GaveUp(Event):
+class GaveUp(WarningEvent):
     """close() stopped waiting for the commits of its rounds in flight."""
 
     learner: str
     rounds: tuple[int, ...]
     seconds: float
-
-    @property
-    def level(self) -> int:
-        return _warning()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,13 +194,9 @@ class LeaseReleased(Event):
 
 
 @dataclasses.dataclass(frozen=True)
-class ReleaseFailed(Event):
+class ReleaseFailed(WarningEvent):
     learner: str
     error: str
-
-    @property
-    def level(self) -> int:
-        return _warning()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,7 +220,7 @@ class RoundClaimed(Event):
 
 
 @dataclasses.dataclass(frozen=True)
-class ClaimSuperseded(Event):
+class ClaimSuperseded(WarningEvent):
     """A claim's record did not appear in time; the next attempt takes the round over."""
 
     closer: str
@@ -241,23 +228,15 @@ class ClaimSuperseded(Event):
     attempt: int
     waited: float
 
-    @property
-    def level(self) -> int:
-        return _warning()
-
 
 @dataclasses.dataclass(frozen=True)
-class ContributionDropped(Event):
+class ContributionDropped(WarningEvent):
     """A contribution was left out of a round: stale, mis-shaped, unreadable, non-finite."""
 
     round: int
     learner: str
     key: str
     reason: str
-
-    @property
-    def level(self) -> int:
-        return _warning()
 
 
 @dataclasses.dataclass(frozen=True)
