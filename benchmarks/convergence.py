@@ -144,29 +144,16 @@ def build_model(s: Settings, vocab: int) -> Any:
                      n_positions=s.block, seed=s.seed)
 
 
-def _read_budget(paths: list[Path], budget: int) -> list[str]:
-    texts, total = [], 0
-    for p in paths:
-        try:
-            t = p.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        texts.append(t)
-        total += len(t)
-        if total >= budget:
-            break
-    return texts
-
 
 def prepare_data(s: Settings, workdir: Path) -> tuple[int, int]:
     """Train the tokenizer and save train/val token blocks and the vocabulary size for the
     workers; returns (vocabulary, training tokens)."""
     import torch
 
-    from gradientmail.textdata import stdlib_corpus, token_blocks, train_tokenizer
+    from gradientmail.textdata import read_budget, stdlib_corpus, token_blocks, train_tokenizer
 
-    train = _read_budget(stdlib_corpus("train"), s.text_budget)
-    val = _read_budget(stdlib_corpus("val"), max(s.text_budget // 10, 50_000))
+    train = read_budget(stdlib_corpus("train"), s.text_budget)
+    val = read_budget(stdlib_corpus("val"), max(s.text_budget // 10, 50_000))
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gradientmail"
     tok = train_tokenizer(train, vocab_size=s.vocab, cache_dir=cache / "tokenizers")
     train_ids = token_blocks(tok, train, s.block)

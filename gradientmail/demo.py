@@ -147,7 +147,13 @@ def _prepare(cfg: DemoConfig, workdir: Path, out: TextIO) -> tuple[int, int, int
     """Tokenizer and token blocks for training and evaluation, saved for the workers."""
     import torch
 
-    from gradientmail.textdata import read_texts, stdlib_corpus, token_blocks, train_tokenizer
+    from gradientmail.textdata import (
+        read_budget,
+        read_texts,
+        stdlib_corpus,
+        token_blocks,
+        train_tokenizer,
+    )
 
     if cfg.data:
         from gradientmail.textdata import held_out
@@ -157,8 +163,8 @@ def _prepare(cfg: DemoConfig, workdir: Path, out: TextIO) -> tuple[int, int, int
         val = [d for i, d in enumerate(docs) if held_out(f"doc-{i}", 0.05)] or docs[-1:]
         source = cfg.data
     else:
-        train = _read_budget(stdlib_corpus("train"), TEXT_BUDGET)
-        val = _read_budget(stdlib_corpus("val"), TEXT_BUDGET // 10)
+        train = read_budget(stdlib_corpus("train"), TEXT_BUDGET)
+        val = read_budget(stdlib_corpus("val"), TEXT_BUDGET // 10)
         source = "the standard library's .py files"
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gradientmail"
     t0 = time.perf_counter()
@@ -176,19 +182,6 @@ def _prepare(cfg: DemoConfig, workdir: Path, out: TextIO) -> tuple[int, int, int
     )
     return vocab, int(train_ids.numel()), int(val_ids.numel())
 
-
-def _read_budget(paths: list[Path], budget: int) -> list[str]:
-    texts, total = [], 0
-    for p in paths:
-        try:
-            t = p.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        texts.append(t)
-        total += len(t)
-        if total >= budget:
-            break
-    return texts
 
 
 def _evaluate(model: Any, val: Any) -> float:

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EOS_TOKEN",
     "held_out",
+    "read_budget",
     "read_texts",
     "stdlib_corpus",
     "tiny_gpt2",
@@ -97,6 +98,22 @@ def stdlib_corpus(
         if max_files is not None and len(out) >= max_files:
             break
     return out
+
+
+def read_budget(paths: Iterable[str | os.PathLike[str]], budget: int) -> list[str]:
+    """The UTF-8 texts of `paths`, in order, until about `budget` characters are read;
+    unreadable or non-UTF-8 files are skipped."""
+    texts, total = [], 0
+    for p in paths:
+        try:
+            t = Path(p).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        texts.append(t)
+        total += len(t)
+        if total >= budget:
+            break
+    return texts
 
 
 def _expand(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
