@@ -22,7 +22,9 @@ Missing `diloco` fields take `DEFAULT_ALGORITHM`'s values, except that `fragment
 defaults to min(4, sync_every) and `in_flight` to min(2, fragments). Each key has a
 variable: `GRADIENTMAIL_MAILBOX`, `GRADIENTMAIL_SYNC_EVERY`, `GRADIENTMAIL_MERGE` (`rda`,
 `weighted_mean` or a YAML flow mapping such as `{type: rda, direct_pattern: null}`), ...;
-`none` (or an empty value) sets an optional field to None.
+`none` (or an empty value) sets an optional field to None. The run key of an authenticated
+run comes from `GRADIENTMAIL_RUN_KEY` only (a secret does not belong in a config file), as
+for the `gradientmail` command.
 """
 
 from __future__ import annotations
@@ -41,13 +43,20 @@ from gradientmail.algorithms.partition import Partition
 from gradientmail.errors import ConfigError, MissingExtra
 from gradientmail.mailbox.base import Mailbox
 
-__all__ = ["DEFAULT_ALGORITHM", "ENV_PREFIX", "DiLoCoPlugin", "algorithm_from_mapping"]
+__all__ = [
+    "DEFAULT_ALGORITHM",
+    "ENV_PREFIX",
+    "RUN_KEY_VARIABLE",
+    "DiLoCoPlugin",
+    "algorithm_from_mapping",
+]
 
 #: The algorithm of a plugin built without one: Streaming + Decoupled DiLoCo, H = 100.
 DEFAULT_ALGORITHM = DiLoCo(sync_every=100, fragments=4)
 ENV_PREFIX = "GRADIENTMAIL_"
 #: Variables of the GRADIENTMAIL_ namespace that belong to other parts of the package.
 _OTHER_VARIABLES = frozenset({"CONFIG", "RUN_KEY", "REGOLD"})
+RUN_KEY_VARIABLE = ENV_PREFIX + "RUN_KEY"
 
 # Each setting's kind, shared by the YAML reader (typed values) and the environment
 # reader (strings): "int", "int?", "float", "bool", "str", "str?", "merge", "partition".
@@ -106,6 +115,7 @@ class DiLoCoPlugin:
     lease_every: float = 60.0
     lease_timeout: float = 120.0
     prefix: str = ""
+    run_key: str | bytes | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.mailbox, Mailbox | str) or not self.mailbox:
@@ -152,6 +162,10 @@ class DiLoCoPlugin:
             )
         if not isinstance(self.prefix, str):
             raise ConfigError(f"prefix={self.prefix!r} must be a string")
+        if self.run_key is not None and not isinstance(self.run_key, str | bytes):
+            raise ConfigError(
+                f"run_key must be a str, bytes or None, not {type(self.run_key).__name__}"
+            )
 
     @property
     def resolved_algorithm(self) -> DiLoCo:
@@ -230,7 +244,11 @@ class DiLoCoPlugin:
         data.pop("diloco", None)
         if diloco:
             data["diloco"] = diloco
-        return cls.from_mapping(data, source=" + ".join(sources))
+        plugin = cls.from_mapping(data, source=" + ".join(sources))
+        run_key = env.get(RUN_KEY_VARIABLE)
+        if run_key:
+            plugin = dataclasses.replace(plugin, run_key=run_key)
+        return plugin
 
 
 def algorithm_from_mapping(data: Any, source: str = "config") -> DiLoCo:

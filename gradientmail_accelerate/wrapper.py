@@ -361,6 +361,7 @@ class DiLoCo:
             compression=p.compression,
             on_event=self._event,
             prefix=p.prefix,
+            run_key=p.run_key,
         )
 
     def _event(self, event: Event) -> None:

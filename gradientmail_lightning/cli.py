@@ -8,15 +8,19 @@ The YAML has LightningCLI's `trainer:`, `model:` (GPT2Module) and `data:`
 `diloco_callback`: the mailbox URL, the learner id and the DiLoCo fields, flat.
 `data.vocab_size` and `data.block_size` are linked into the model, and
 `diloco.learner_id` into the data module (which derives the learner's shard from it).
+The run key of an authenticated run comes from `GRADIENTMAIL_RUN_KEY`, as for the
+`gradientmail` command: a secret does not belong in a recipe.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import os
+from typing import Any, Literal
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from gradientmail.algorithms.diloco import ByBytes, DiLoCo, Rda, Strided, WeightedMean
+from gradientmail.cli import RUN_KEY_VARIABLE
 from gradientmail_lightning.callback import DiLoCoCallback
 from gradientmail_lightning.data import TextDataModule
 from gradientmail_lightning.gpt2 import GPT2Module
@@ -53,7 +57,8 @@ def diloco_callback(
 ) -> DiLoCoCallback:
     """A DiLoCoCallback from flat settings: `merge` "rda" (with `direct_pattern`) or
     "mean"; `partition` "bytes" or "strided" (with `block_pattern`); the rest are
-    `DiLoCo`'s and `Learner`'s arguments of the same names."""
+    `DiLoCo`'s and `Learner`'s arguments of the same names; `GRADIENTMAIL_RUN_KEY`, when
+    set, is the run key."""
     algorithm = DiLoCo(
         sync_every=sync_every,
         fragments=fragments,
@@ -70,6 +75,10 @@ def diloco_callback(
         commit_dtype=commit_dtype,
         flush_on_close=flush_on_close,
     )
+    keyed: dict[str, Any] = {}
+    run_key = os.environ.get(RUN_KEY_VARIABLE)
+    if run_key:
+        keyed["run_key"] = run_key
     return DiLoCoCallback(
         mailbox,
         algorithm,
@@ -81,6 +90,7 @@ def diloco_callback(
         lease_every=lease_every,
         lease_timeout=lease_timeout,
         prefix=prefix,
+        **keyed,
     )
 
 

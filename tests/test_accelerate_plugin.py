@@ -69,7 +69,7 @@ def test_environment_overrides_the_yaml_file() -> None:
         "GRADIENTMAIL_LEASE_EVERY": "5",
         "GRADIENTMAIL_LEASE_TIMEOUT": "12.5",
         "GRADIENTMAIL_PREFIX": "runs/a/",
-        "GRADIENTMAIL_RUN_KEY": "not ours: ignored",
+        "GRADIENTMAIL_RUN_KEY": "the key of run seven, 32 bytes long",
         "HOME": "/root",
     }
     plugin = DiLoCoPlugin.from_env(env)
@@ -96,7 +96,9 @@ def test_environment_overrides_the_yaml_file() -> None:
         lease_every=5.0,
         lease_timeout=12.5,
         prefix="runs/a/",
+        run_key="the key of run seven, 32 bytes long",
     )
+    assert "run seven" not in repr(plugin)
 
 
 def test_environment_alone_and_defaults() -> None:

@@ -15,7 +15,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 
 from gradientmail.algorithms.diloco import DiLoCo as Config
-from gradientmail.errors import ConfigError, SchemaMismatch
+from gradientmail.errors import AuthenticationError, ConfigError, SchemaMismatch
 from gradientmail.events import Event, LeaseReleased
 from gradientmail.mailbox import LocalMailbox
 from gradientmail.protocol import Exchange
@@ -226,3 +226,26 @@ def test_plugin_defaults_to_the_environment(
     diloco = DiLoCo(accelerator, model, opt)
     assert diloco.plugin.mailbox == str(tmp_path / "env-run")
     assert diloco.plugin.resolved_algorithm.sync_every == 3
+
+
+def test_the_run_key_variable_seals_the_run_and_stays_out_of_the_repr(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    box = tmp_path / "sealed"
+    key = "a run key of thirty-two characters!"
+    monkeypatch.setenv("GRADIENTMAIL_MAILBOX", str(box))
+    monkeypatch.setenv("GRADIENTMAIL_SYNC_EVERY", "4")
+    monkeypatch.setenv("GRADIENTMAIL_FRAGMENTS", "1")
+    monkeypatch.setenv("GRADIENTMAIL_IN_FLIGHT", "1")
+    monkeypatch.setenv("GRADIENTMAIL_OVERLAP_STEPS", "0")
+    monkeypatch.setenv("GRADIENTMAIL_POLL_INTERVAL", "0.02")
+    monkeypatch.setenv("GRADIENTMAIL_RUN_KEY", key)
+    accelerator, model, opt = setup()
+    with DiLoCo(accelerator, model, opt) as diloco:
+        assert diloco.plugin.run_key == key
+        assert key not in repr(diloco.plugin)
+        train(accelerator, model, opt, diloco, micro_batches=8, count=False)
+    sealed = asyncio.run(Exchange(LocalMailbox(box), run_key=key).rounds_after(-1))
+    assert [r.round for r in sealed] == [0, 1]
+    with pytest.raises(AuthenticationError):
+        asyncio.run(Exchange(LocalMailbox(box)).rounds_after(-1))

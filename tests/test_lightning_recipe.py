@@ -236,6 +236,14 @@ def test_recipes_parse_and_their_diloco_sections_are_valid(
         assert (model["n_layer"], model["n_embd"], model["n_head"]) == sizes
 
 
+def test_the_run_key_comes_from_the_environment_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GRADIENTMAIL_RUN_KEY", raising=False)
+    assert "run_key" not in diloco_callback("runs/x").learner_options
+    monkeypatch.setenv("GRADIENTMAIL_RUN_KEY", "the key of this run, 32 bytes long")
+    cb = diloco_callback("runs/x")
+    assert cb.learner_options["run_key"] == "the key of this run, 32 bytes long"
+
+
 def test_cli_links_data_sizes_and_learner_id(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
