@@ -70,6 +70,9 @@ class Settings:
     n_embd: int = 128
     n_head: int = 4
     lr: float = 1e-3
+    schedule: str = "constant"  # or "cosine": linear warmup, then cosine decay to lr/10
+    warmup: float = 0.0  # fraction of an arm's steps spent warming up
+    warm_start: int = 0  # steps of one shared single-learner pretraining before every arm
     sync_every: int = 50
     fragments: int = 3
     evals: int = 5
@@ -167,6 +170,25 @@ def prepare_data(s: Settings, workdir: Path) -> tuple[int, int]:
 # -- workers (spawned processes) ----------------------------------------------------------
 
 
+def lr_schedule(opt: Any, s: Settings, steps: int) -> Any:
+    """The inner learning-rate schedule over an arm's own `steps`: constant, or a linear
+    warmup over `warmup`·steps followed by a cosine decay to lr/10 (the DiLoCo paper's
+    inner schedule)."""
+    import torch
+
+    warm = int(s.warmup * steps)
+
+    def factor(i: int) -> float:
+        if i < warm:
+            return (i + 1) / warm
+        if s.schedule == "constant":
+            return 1.0
+        done = (i - warm) / max(steps - warm, 1)
+        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * min(done, 1.0)))
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
 def _worker(job: Job) -> None:
     import torch
 
@@ -174,6 +196,8 @@ def _worker(job: Job) -> None:
     s, arm, wd = job.settings, job.arm, Path(job.workdir)
     data = torch.load(wd / "train.pt")
     model = build_model(s, int(torch.load(wd / "vocab.pt")))
+    if (wd / "warm.pt").exists():
+        model.load_state_dict(torch.load(wd / "warm.pt"))
     if arm.kind == "localsgd":
         _localsgd_worker(job, model, data)
         return
@@ -181,6 +205,7 @@ def _worker(job: Job) -> None:
     batch = s.batch * (s.learners if arm.name == "ddp" else 1)
     steps = s.steps * (s.learners if arm.name == "single" else 1)
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.1)
+    sched = lr_schedule(opt, s, steps)
     published: list[tuple[int, int]] = []
     learner = None
     if arm.kind == "learner":
@@ -206,6 +231,7 @@ def _worker(job: Job) -> None:
         model(input_ids=ids, labels=ids).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        sched.step()
         opt.zero_grad(set_to_none=True)
         if learner is not None:
             learner.step(int(ids.numel()))
@@ -216,6 +242,28 @@ def _worker(job: Job) -> None:
     result = {"published": published, "seconds": time.perf_counter() - t0,
               "tokens": steps * batch * s.block}
     (wd / f"{arm.name}-{job.rank}.json").write_text(json.dumps(result))
+
+
+def pretrain(s: Settings, workdir: Path, vocab: int) -> None:
+    """The shared starting point of every arm with `warm_start` > 0 (the DiLoCo paper
+    starts its runs from a pretrained checkpoint): one learner, batch B, constant lr,
+    saved as warm.pt for the workers."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # like the workers; two spinning threads lose on a busy box
+    data = torch.load(workdir / "train.pt")
+    model = build_model(s, vocab)
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.1)
+    g = torch.Generator().manual_seed(s.seed + 1000)
+    for _ in range(s.warm_start):
+        ids = data[torch.randint(0, data.shape[0], (s.batch,), generator=g)]
+        model(input_ids=ids, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.save(model.state_dict(), workdir / "warm.pt")
+    torch.set_num_threads(threads)
 
 
 def _localsgd_worker(job: Job, model: Any, data: Any) -> None:
@@ -232,6 +280,7 @@ def _localsgd_worker(job: Job, model: Any, data: Any) -> None:
     rows = data[job.rank :: s.learners]
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.1)
     wrapped, opt = acc.prepare(model, opt)
+    sched = lr_schedule(opt, s, s.steps)
     g = torch.Generator().manual_seed(s.seed + 1 + job.rank)
     every = max(s.steps // s.evals, 1)
     t0 = time.perf_counter()
@@ -242,6 +291,7 @@ def _localsgd_worker(job: Job, model: Any, data: Any) -> None:
             acc.backward(wrapped(input_ids=ids, labels=ids).loss)
             torch.nn.utils.clip_grad_norm_(wrapped.parameters(), 1.0)
             opt.step()
+            sched.step()
             opt.zero_grad(set_to_none=True)
             local_sgd.step()
             if job.rank == 0 and ((step + 1) % every == 0 or step + 1 == s.steps):
@@ -486,14 +536,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per learner")
     ap.add_argument("--n-layer", type=int, default=None, help="GPT-2 layers (default 2)")
     ap.add_argument("--n-embd", type=int, default=None, help="GPT-2 width (default 128)")
+    ap.add_argument("--lr", type=float, default=None, help="inner AdamW lr (default 1e-3)")
+    ap.add_argument("--schedule", choices=("constant", "cosine"), default=None,
+                    help="inner lr schedule (default constant)")
+    ap.add_argument("--warmup", type=float, default=None,
+                    help="fraction of each arm's steps warming up (default 0)")
+    ap.add_argument("--warm-start", type=int, default=None,
+                    help="steps of a shared single-learner pretraining before the arms")
     ap.add_argument("--results", default=str(RESULTS), help="markdown file to append to")
     ap.add_argument("--plot", default=None, help="PNG path (default benchmarks/convergence"
                     "[-quick].png)")
     args = ap.parse_args(argv)
     preset = "smoke" if args.smoke else "quick" if args.quick else "full"
     s = PRESETS[preset]
-    for field in ("steps", "n_layer", "n_embd"):
-        if getattr(args, field):
+    for field in ("steps", "n_layer", "n_embd", "lr", "schedule", "warmup", "warm_start"):
+        if getattr(args, field) is not None:
             s = dataclasses.replace(s, **{field: getattr(args, field)})
     sized = (s.n_layer, s.n_embd) != (PRESETS[preset].n_layer, PRESETS[preset].n_embd)
     names = args.arms.split(",")
@@ -516,6 +573,11 @@ def main(argv: list[str] | None = None) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="gm-convergence-"))
     vocab, n_train = prepare_data(s, workdir)
     val = torch.load(workdir / "val.pt")
+    if s.warm_start:
+        pretrain(s, workdir, vocab)
+        warm = load_into(build_model(s, vocab), torch.load(workdir / "warm.pt"))
+        print(f"warm start: {s.warm_start} steps, eval loss {evaluate(warm, val):.4f}",
+              flush=True)
     n_params = sum(p.numel() for p in build_model(s, vocab).parameters())
     print(f"data: {n_train:,} training tokens, {val.numel():,} held out, vocabulary {vocab}; "
           f"model {n_params:,} parameters; workdir {workdir}", flush=True)
@@ -539,6 +601,8 @@ def main(argv: list[str] | None = None) -> None:
         link = png.resolve().relative_to(Path(args.results).resolve().parent).as_posix()
     except ValueError:
         link = str(png)
+    warm_note = (f"every arm starts from one shared pretraining of {s.warm_start} steps "
+                 f"(batch B, not counted below); " if s.warm_start else "")
     header = (
         f"\n## convergence at equal tokens — {datetime.date.today()}\n\n"
         f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared with other jobs), "
@@ -547,7 +611,10 @@ def main(argv: list[str] | None = None) -> None:
         f"standard library's .py files ({n_train:,} training tokens; held out: "
         f"{val.shape[0]} blocks of {s.block} from the held-out files). M = {s.learners}, "
         f"S = {s.steps} steps per learner, batch B = {s.batch}×{s.block}, AdamW lr {s.lr} "
-        f"wd 0.1, clip 1.0; H = {s.sync_every}, P = {s.fragments}; {tokens:,} tokens per "
+        f"({s.schedule}{f', warmup {s.warmup:g}' if s.warmup else ''}) wd 0.1, clip 1.0; "
+        f"H = {s.sync_every}, P = {s.fragments}; "
+        f"{warm_note}"
+        f"{tokens:,} tokens per "
         f"arm. DDP-equivalent bytes: 2 × params × 4 bytes per step (ring all-reduce of fp32 "
         f"gradients); LocalSGD: params × 4 bytes per averaging. Wall s: from launch to "
         f"exit for the M-process arms (process start, joining and closing included), the "
