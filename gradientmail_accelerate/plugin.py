@@ -50,7 +50,8 @@ ENV_PREFIX = "GRADIENTMAIL_"
 _OTHER_VARIABLES = frozenset({"CONFIG", "RUN_KEY", "REGOLD"})
 
 # Each setting's kind, shared by the YAML reader (typed values) and the environment
-# reader (strings): "int", "int?", "float", "bool", "str", "str?", "merge", "partition".
+# reader (strings): "int", "int?", "float", "bool", "bool?", "str", "str?", "merge",
+# "partition".
 _PLUGIN_KINDS = {
     "mailbox": "str",
     "learner_id": "str?",
@@ -77,6 +78,7 @@ _DILOCO_KINDS = {
     "delta_dtype": "str?",
     "commit_dtype": "str?",
     "flush_on_close": "bool",
+    "rebase": "bool?",
 }
 _YAML_KEYS = (*_PLUGIN_KINDS, "diloco")
 _COMPRESSIONS = ("off", "zstd")
