@@ -245,8 +245,8 @@ class Learner(Mailman):
         now = time.perf_counter()
         seconds = None if self._last_step_time is None else now - self._last_step_time
         self._last_step_time = now
-        # Count the step on the version it was taken on; a commit applied now overwrites
-        # it and keeps α of it (the steps counters follow the parameters).
+        # Count the step on the version it was taken on; a commit applied now rebases it,
+        # or overwrites it keeping α of it (the steps counters follow the parameters).
         self._state = ls.advanced(self._state_now(), int(samples), seconds)
         self._apply_arrived()
         self._retract_failed()
