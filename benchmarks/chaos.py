@@ -175,7 +175,9 @@ def losses(workdir: Path, run: str, box: Path, fragments: int) -> dict[str, Any]
     """Where the tokens trained but not committed went, as token counts (per-fragment
     counts over P, like goodput): `killed_tail` / `closed_tail` were trained after the
     incarnation's last committed contribution of a fragment; `killed_before` /
-    `closed_before` before it, yet counted in no commit; plus the events seen."""
+    `closed_before` before it, yet counted in no commit; plus the events seen. A kill
+    between `step()` and its log line puts one step in a commit that the log lacks, so a
+    killed incarnation's figures may be off by one step's tokens."""
     from collections import Counter
 
     records = conv.records_of(box)
