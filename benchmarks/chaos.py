@@ -12,13 +12,18 @@ restarted process rejoins the run and trains the slot's remaining steps. Then th
 again without faults.
 
 Workers append one line per step (tokens, seconds of `Learner.step()`) to their own log
-with a raw `os.write`, so a killed worker's steps are counted up to its death.
+with a raw `os.write`, so a killed worker's steps are counted up to its death; and one line
+per publish, failed or cancelled publish and dropped contribution to an events log.
 
 - goodput: tokens inside commits / tokens trained. A step's tokens count toward every
   fragment, so the records hold each committed token once per fragment: goodput =
   Σ participants' tokens / (P × tokens trained). Trained-but-lost tokens are those of a
   killed learner since its last contribution that made it into a round, and contributions
   that came too late for their round.
+- where the lost tokens went (`losses`), per learner incarnation and fragment: the tail
+  trained after its last committed contribution (of a killed incarnation: died with it; of
+  one that closed: its final flush did not make it), and the rest, trained before a
+  committed contribution yet counted in none (overwritten by a commit, or dropped).
 - stall: the longest `step()` of any learner (goal: at most the largest grace window the
   records predict plus one poll).
 - commits lost: records not gap-free or out of order, a fragment's versions not
@@ -49,7 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import convergence as conv  # benchmarks/ is not a package
 
-__all__ = ["PRESETS", "ChaosSettings", "SlotJob", "audit", "main", "report", "run_job"]
+__all__ = ["PRESETS", "ChaosSettings", "SlotJob", "audit", "losses", "main", "report",
+           "run_job"]
 
 RESULTS = conv.RESULTS
 
@@ -109,6 +115,13 @@ def _slot_worker(job: SlotJob) -> None:
 
     torch.set_num_threads(1)
     cs, s, wd = job.cs, job.cs.model, Path(job.workdir)
+    efd = os.open(_log(job, "events"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def on_event(event: Any) -> None:
+        line = _event_line(event)
+        if line:
+            os.write(efd, line.encode())
+
     data = torch.load(wd / "train.pt")
     rows = data[job.slot :: cs.learners]
     model = conv.build_model(s, int(torch.load(wd / "vocab.pt")))
@@ -116,7 +129,7 @@ def _slot_worker(job: SlotJob) -> None:
     learner = Learner(TorchAdapter(model), _algorithm(cs), job.mailbox, f"learner-{job.slot}",
                       poll_interval=cs.poll, lease_every=cs.lease_every,
                       lease_timeout=cs.lease_timeout, keep_versions=10**6,
-                      on_event=lambda e: None)
+                      on_event=on_event)
     learner.start()
     if job.wait_for:
         learner.wait_for_learners(job.wait_for, timeout=300)
@@ -136,6 +149,69 @@ def _slot_worker(job: SlotJob) -> None:
     os.close(fd)
     _log(job, "closing").touch()
     learner.close()
+
+
+def _event_line(event: Any) -> str:
+    from gradientmail import events as ev
+
+    if isinstance(event, ev.SnapshotPublished):
+        return f"pub {event.round} {event.steps} {event.tokens}\n"
+    if isinstance(event, ev.PublishFailed):
+        return f"fail {event.round}\n"
+    if isinstance(event, ev.PublishCancelled):
+        return f"cancel {event.round}\n"
+    if isinstance(event, ev.ContributionDropped):
+        kind = (event.reason.split() or ["?"])[0].strip(":,")
+        return f"drop {event.round} {event.learner} {kind}\n"
+    return ""
+
+
+def _incarnation_logs(workdir: Path, run: str, slot: int) -> list[tuple[int, Path]]:
+    paths = workdir.glob(f"{run}-{slot}-*.log")
+    return sorted((int(p.stem.rsplit("-", 1)[1]), p) for p in paths)
+
+
+def losses(workdir: Path, run: str, box: Path, fragments: int) -> dict[str, Any]:
+    """Where the tokens trained but not committed went, as token counts (per-fragment
+    counts over P, like goodput): `killed_tail` / `closed_tail` were trained after the
+    incarnation's last committed contribution of a fragment; `killed_before` /
+    `closed_before` before it, yet counted in no commit; plus the events seen. A kill
+    between `step()` and its log line puts one step in a commit that the log lacks, so a
+    killed incarnation's figures may be off by one step's tokens."""
+    from collections import Counter
+
+    records = conv.records_of(box)
+    out: dict[str, Any] = {"killed_tail": 0.0, "killed_before": 0.0, "closed_tail": 0.0,
+                           "closed_before": 0.0}
+    seen: Counter[str] = Counter()
+    slots = sorted({int(p.name.split("-")[1]) for p in workdir.glob(f"{run}-*-*.log")})
+    for slot in slots:
+        incs = _incarnation_logs(workdir, run, slot)
+        last = max(i for i, _ in incs)
+        for inc, path in incs:
+            tokens = [int(line.split()[0]) for line in path.read_text().splitlines()
+                      if len(line.split()) == 2]
+            mine: set[int] = set()
+            events = path.with_suffix(".events")
+            for line in (events.read_text().splitlines() if events.exists() else []):
+                word, *rest = line.split()
+                if word == "pub":
+                    mine.add(int(rest[0]))
+                elif word == "drop":
+                    seen[f"dropped ({rest[2]})"] += 1
+                else:
+                    seen[f"{word}ed" if word == "cancel" else "failed"] += 1
+            kind = "killed" if inc < last else "closed"
+            for f in range(fragments):
+                parts = [p for rec in records if rec.fragment == f and rec.round in mine
+                         for p in rec.participants if p.learner == f"learner-{slot}"]
+                committed = sum(p.tokens for p in parts)
+                at = max((p.local_step for p in parts), default=0)
+                tail = sum(tokens[at:])
+                out[f"{kind}_tail"] += tail / fragments
+                out[f"{kind}_before"] += (sum(tokens) - committed - tail) / fragments
+    out["events"] = dict(sorted(seen.items()))
+    return out
 
 
 def _steps_logged(workdir: Path, run: str, slot: int) -> list[tuple[int, float]]:
@@ -222,7 +298,8 @@ def run_job(cs: ChaosSettings, workdir: Path, faults: bool) -> dict[str, Any]:
     stall = max((sec for log in steps for _, sec in log), default=0.0)
     figures = audit(box, cs)
     return {"run": run, "wall": wall, "kills": kills, "trained": trained, "stall": stall,
-            "goodput": figures["committed"] / max(trained, 1), **figures}
+            "goodput": figures["committed"] / max(trained, 1),
+            "losses": losses(workdir, run, box, cs.fragments), **figures}
 
 
 def audit(box: Path, cs: ChaosSettings) -> dict[str, Any]:
@@ -321,6 +398,18 @@ def main(argv: list[str] | None = None) -> None:
         f.write(text + "\n")
 
 
+def _loss_words(r: dict[str, Any]) -> str:
+    lo, trained = r["losses"], max(r["trained"], 1)
+    parts = [f"{lo[k] / trained:.1%} {words}" for k, words in (
+        ("killed_tail", "trained by killed learners after their last committed contribution"),
+        ("killed_before", "trained by killed learners before it but in no commit"),
+        ("closed_tail", "trained by closing learners after their last committed contribution"),
+        ("closed_before", "trained by closing learners before it but in no commit"),
+    )]
+    events = ", ".join(f"{n} {k}" for k, n in lo["events"].items()) or "none"
+    return "; ".join(parts) + f" (publishes and contributions: {events})"
+
+
 def report(cs: ChaosSettings, runs: list[dict[str, Any]], preset: str, command: list[str],
            vocab: int) -> str:
     faulty, clean = runs
@@ -341,9 +430,8 @@ def report(cs: ChaosSettings, runs: list[dict[str, Any]], preset: str, command: 
         f"per minute): {faulty['goodput']:.1%} "
         f"({'met' if faulty['goodput'] >= 0.95 else 'NOT met'}); without faults "
         f"{clean['goodput']:.1%}, so the faults cost "
-        f"{1 - faulty['goodput'] / max(clean['goodput'], 1e-9):.1%} of the committed tokens "
-        "(the rest is the decoupled design's own loss: with mixing 0 a commit overwrites "
-        "what a learner trained on that fragment after its snapshot)",
+        f"{1 - faulty['goodput'] / max(clean['goodput'], 1e-9):.1%} of the committed tokens",
+        *(f"where the {r['run']} run's lost tokens went: {_loss_words(r)}" for r in runs),
         f"no step() stall longer than the grace window plus one poll ({limit:.2f} s): "
         f"longest {faulty['stall']:.3f} s ({'met' if faulty['stall'] <= limit else 'NOT met'})",
         f"commits lost: {len(faulty['problems'])} "

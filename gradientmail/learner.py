@@ -127,6 +127,10 @@ class Learner(Mailman):
         self._closed = False
         self._last_step_time: float | None = None
         self._touched: set[int] = set()
+        # Snapshots of own publishes whose commit has not arrived, by round (training
+        # thread only): the base a rebasing commit subtracts. At most one per publish in
+        # flight; dropped when the round's commit is applied or the publish fails.
+        self._kept: dict[int, Any] = {}
         # Written by the mailman, read by the training thread (plain attribute swaps).
         self._others: tuple[int, int] = (-1, 0)  # (round, learners other than us in it)
         self._live: frozenset[str] = frozenset()
@@ -241,8 +245,8 @@ class Learner(Mailman):
         now = time.perf_counter()
         seconds = None if self._last_step_time is None else now - self._last_step_time
         self._last_step_time = now
-        # Count the step on the version it was taken on; a commit applied now overwrites
-        # it and keeps α of it (the steps counters follow the parameters).
+        # Count the step on the version it was taken on; a commit applied now rebases it,
+        # or overwrites it keeping α of it (the steps counters follow the parameters).
         self._state = ls.advanced(self._state_now(), int(samples), seconds)
         self._apply_arrived()
         self._retract_failed()
@@ -275,6 +279,7 @@ class Learner(Mailman):
             # the model ends on the newest commits, as every other learner sees them.
             for anchor in self._anchors:
                 self.adapter.apply(anchor)
+        self._kept.clear()
         stop = self._stop
         if stop is not None and self._loop.is_running():
             self._loop.call_soon_threadsafe(stop.set)
@@ -315,6 +320,7 @@ class Learner(Mailman):
             except queue.Empty:
                 return
             self._state = ls.retracted(self._state_now(), r)
+            self._kept.pop(r, None)
 
     def _apply(self, commit: _Commit) -> None:
         state = self._state_now()
@@ -323,21 +329,58 @@ class Learner(Mailman):
             return
         took_part = any(p.learner == self.learner_id for p in rec.participants)
         own = next((p for p in state.publishes if p.round == rec.round), None)
+        snapshot = None
+        for r in [r for r in self._kept if r <= rec.round]:
+            kept = self._kept.pop(r)
+            snapshot = kept if r == rec.round else snapshot
         staleness = (
             state.local_step - own.at
             if own is not None and took_part
             else state.fragments[rec.fragment].steps
         )
         mixing = self.algorithm.mixing
-        self.adapter.apply(commit.loaded, mixing)
+        base = self._rebase_base(state, rec.fragment, rec.version, took_part, own, snapshot)
+        counters = state.fragments[rec.fragment]
+        counted = own.steps if own is not None and took_part else 0
+        if base is not None and counters.steps > counted:
+            self.adapter.rebase(commit.loaded, base)
+        else:
+            # Nothing trained past the base (behind a barrier, say): rebasing would add
+            # zeros, and overwriting gives the commit's exact bytes.
+            self.adapter.apply(commit.loaded, mixing)
         self._touched.add(rec.fragment)
         self._anchors[rec.fragment] = commit.loaded
-        self._state = ls.applied(state, rec.round, rec.fragment, rec.version, took_part, mixing)
+        self._state = ls.applied(
+            state, rec.round, rec.fragment, rec.version, took_part, mixing,
+            rebase=base is not None,
+        )
         self.on_event(
             FragmentAligned(
                 self.learner_id, rec.round, rec.fragment, rec.version, staleness, commit.nbytes
             )
         )
+
+    def _rebase_base(
+        self,
+        state: ls.LearnerState,
+        fragment: int,
+        version: int,
+        took_part: bool,
+        own: ls.Publish | None,
+        snapshot: Any,
+    ) -> Any:
+        """What a rebasing commit subtracts from the local parameters, or None to
+        overwrite: the own snapshot of the round when this learner's contribution is in
+        the commit, else the commit it last aligned with (none of its progress is in)."""
+        if not self.algorithm.rebase:
+            return None
+        if version != state.fragments[fragment].version + 1:
+            # Commits were skipped (swept under a slow reader): what they hold of this
+            # learner's progress is unknown, so the commit overwrites.
+            return None
+        if took_part and own is not None:
+            return snapshot  # None only if it was never kept: then overwrite
+        return self._anchors[fragment]
 
     def _maybe_publish(self, final: bool = False) -> None:
         state = self._state_now()
@@ -359,6 +402,9 @@ class Learner(Mailman):
         assert sch is not None and self._loop is not None and self._jobs is not None
         p = sch.fragment_of(r)
         counters = state.fragments[p]
+        snapshot = self.adapter.snapshot(self._plan[p])
+        if self.algorithm.rebase and not final:
+            self._kept[r] = snapshot
         job = _Job(
             round=r,
             fragment=p,
@@ -367,7 +413,7 @@ class Learner(Mailman):
             steps=counters.steps,
             tokens=counters.tokens,
             final=final,
-            snapshot=self.adapter.snapshot(self._plan[p]),
+            snapshot=snapshot,
             anchor=self._anchors[p],
             step_seconds=state.step_seconds,
         )

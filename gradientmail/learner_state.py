@@ -187,22 +187,30 @@ def applied(
     version: int,
     took_part: bool,
     mixing: float,
+    rebase: bool = False,
 ) -> LearnerState:
     """Align with the commit of `round_` (fragment `fragment`, now at `version`).
 
-    The commit overwrites the fragment; with mixing α the learner keeps α of the local
-    parameters and so α of the steps and tokens that the commit did not count: those
-    trained after its own contribution to that round, or all of them if it took no part.
+    The steps and tokens the commit did not count are those trained after this learner's
+    own contribution to that round, or all of them if it took no part. Rebasing keeps the
+    local progress on top of the commit, so it keeps all of them: they go out with the
+    fragment's next contribution. Otherwise the commit overwrites the fragment; with
+    mixing α the learner keeps α of the local parameters and so α of those counts.
     """
+    if rebase and mixing:
+        raise ValueError(f"rebase=True and mixing={mixing} exclude each other")
     own = next((p for p in state.publishes if p.round == round_), None) if took_part else None
     f = state.fragments[fragment]
-    uncounted_steps = f.steps - (own.steps if own else 0)
-    uncounted_tokens = f.tokens - (own.tokens if own else 0)
-    kept = FragmentCounters(
-        steps=_floor_scaled(mixing, max(uncounted_steps, 0)),
-        tokens=_floor_scaled(mixing, max(uncounted_tokens, 0)),
-        version=version,
-    )
+    uncounted_steps = max(f.steps - (own.steps if own else 0), 0)
+    uncounted_tokens = max(f.tokens - (own.tokens if own else 0), 0)
+    if rebase:
+        kept = FragmentCounters(uncounted_steps, uncounted_tokens, version)
+    else:
+        kept = FragmentCounters(
+            steps=_floor_scaled(mixing, uncounted_steps),
+            tokens=_floor_scaled(mixing, uncounted_tokens),
+            version=version,
+        )
     frags = list(state.fragments)
     frags[fragment] = kept
     return dataclasses.replace(

@@ -59,7 +59,8 @@ _OTHER_VARIABLES = frozenset({"CONFIG", "RUN_KEY", "REGOLD"})
 RUN_KEY_VARIABLE = ENV_PREFIX + "RUN_KEY"
 
 # Each setting's kind, shared by the YAML reader (typed values) and the environment
-# reader (strings): "int", "int?", "float", "bool", "str", "str?", "merge", "partition".
+# reader (strings): "int", "int?", "float", "bool", "bool?", "str", "str?", "merge",
+# "partition".
 _PLUGIN_KINDS = {
     "mailbox": "str",
     "learner_id": "str?",
@@ -86,6 +87,7 @@ _DILOCO_KINDS = {
     "delta_dtype": "str?",
     "commit_dtype": "str?",
     "flush_on_close": "bool",
+    "rebase": "bool?",
 }
 _YAML_KEYS = (*_PLUGIN_KINDS, "diloco")
 _COMPRESSIONS = ("off", "zstd")

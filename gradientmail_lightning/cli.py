@@ -47,6 +47,7 @@ def diloco_callback(
     delta_dtype: Literal["BF16", "F8_E4M3", "F4"] | None = None,
     commit_dtype: Literal["BF16", "F8_E4M3", "F4"] | None = None,
     flush_on_close: bool = False,
+    rebase: bool | None = None,
     sync: bool = True,
     poll_interval: float = 1.0,
     compression: Literal["off", "zstd"] = "off",
@@ -74,6 +75,7 @@ def diloco_callback(
         delta_dtype=delta_dtype,
         commit_dtype=commit_dtype,
         flush_on_close=flush_on_close,
+        rebase=rebase,
     )
     keyed: dict[str, Any] = {}
     run_key = os.environ.get(RUN_KEY_VARIABLE)

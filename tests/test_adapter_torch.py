@@ -85,3 +85,45 @@ def test_errors_name_the_parameter() -> None:
         a.apply({"x": torch.zeros(3)})
     with pytest.raises(ConfigError, match=r"torch dtype torch\.int64"):
         from_torch(torch.zeros(2, dtype=torch.int64))
+
+
+def test_rebase_moves_the_local_progress_onto_the_commit_in_place() -> None:
+    m = model()
+    m[1].to(torch.bfloat16)
+    a = TorchAdapter(m)
+    names = ["0.weight", "1.bias"]
+    base = a.snapshot(names)
+    with torch.no_grad():
+        a.parameter("0.weight").add_(0.5)
+        a.parameter("1.bias").sub_(0.25)
+    local = a.snapshot(names)
+    objects = [a.parameter(n) for n in names]
+    commit = {"0.weight": torch.full((4, 3), 2.0),
+              "1.bias": TensorBytes.from_numpy(np.full(4, -1.0, np.float32))}
+    a.rebase({"0.weight": commit["0.weight"], "1.bias": to_torch(commit["1.bias"])
+              .to(torch.bfloat16)}, base)
+    assert [a.parameter(n) for n in names] == objects
+    want_w = commit["0.weight"] + (local["0.weight"] - base["0.weight"])
+    assert torch.equal(a.parameter("0.weight"), want_w)
+    want_b = (-1.0 + (local["1.bias"].float() - base["1.bias"].float())).to(torch.bfloat16)
+    assert a.parameter("1.bias").dtype == torch.bfloat16
+    assert torch.equal(a.parameter("1.bias"), want_b)
+    # Host bytes are accepted as the commit, like apply's
+    a.rebase({"1.bias": commit["1.bias"]}, {"1.bias": a.snapshot(["1.bias"])["1.bias"]})
+    assert torch.equal(a.parameter("1.bias"), torch.full((4,), -1.0, dtype=torch.bfloat16))
+
+
+def test_rebase_with_nothing_trained_since_the_base_is_the_commit() -> None:
+    a = TorchAdapter(model())
+    base = a.snapshot(["0.weight"])
+    commit = torch.randn(4, 3)
+    a.rebase({"0.weight": commit}, base)
+    assert torch.equal(a.parameter("0.weight").detach(), commit)
+
+
+def test_rebase_errors_name_the_parameter() -> None:
+    a = TorchAdapter(model())
+    with pytest.raises(SchemaMismatch, match=r"cannot rebase: '0.bias' has shape \[3\]"):
+        a.rebase({"0.bias": torch.zeros(3)}, {"0.bias": torch.zeros(3)})
+    with pytest.raises(SchemaMismatch, match=r"cannot rebase: no base for \['0.bias'\]"):
+        a.rebase({"0.bias": torch.zeros(4)}, {})

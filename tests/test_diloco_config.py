@@ -63,6 +63,10 @@ from gradientmail.serialization import ParameterSpec, Schema
         (dict(outlier_factor="5"), "outlier_factor='5' must be a finite number"),
         (dict(outlier_factor=float("inf")), "outlier_factor=inf must be a finite number"),
         (dict(outlier_factor=True), "outlier_factor=True must be a finite number"),
+        (dict(rebase=True, mixing=0.5), "rebase=True and mixing=0.5 exclude each other: "
+         "rebasing keeps all of the local progress, mixing keeps α of it; use mixing=0 to "
+         "rebase, or rebase=False (or None) to mix"),
+        (dict(rebase=1), "rebase=1 must be True, False or None (automatic)"),
     ],
 )
 def test_rejects_bad_values_naming_value_and_rule(kwargs: dict[str, Any], message: str) -> None:
@@ -144,6 +148,25 @@ def test_outlier_factor_is_in_the_json_only_when_set() -> None:
     assert DiLoCo.from_json({**GOLDEN, "outlier_factor": 5}) == guarded
 
 
+def test_rebase_is_the_default_without_mixing_and_in_the_json_only_when_not() -> None:
+    d = DiLoCo(sync_every=100, fragments=4)
+    assert d.rebase is True and d == DiLoCo(100, 4, rebase=True)
+    assert d.to_json() == GOLDEN  # default records unchanged: rebase written by omission
+    mixed = DiLoCo(100, 4, mixing=0.5)
+    assert mixed.rebase is False and mixed == DiLoCo(100, 4, mixing=0.5, rebase=False)
+    assert "rebase" not in mixed.to_json()
+    # Runs created before the field existed adopt as the default choice.
+    assert DiLoCo.from_json(GOLDEN) == d
+    assert DiLoCo.from_json({**GOLDEN, "mixing": 0.5}) == mixed
+    # Overwriting without mixing is the one choice that departs from the default.
+    plain = DiLoCo(100, 4, rebase=False)
+    assert plain.rebase is False and plain != d
+    assert plain.to_json() == {**GOLDEN, "rebase": False}
+    assert DiLoCo.from_json({**GOLDEN, "rebase": False}) == plain
+    # The standard presets rebase too: behind their barrier it is overwriting.
+    assert DiLoCo.standard(10, learners=2).rebase is True
+
+
 def test_mixing_zero_int_and_float_give_one_record() -> None:
     a, b = DiLoCo(10, 2, mixing=0), DiLoCo(10, 2, mixing=0.0)
     assert json.dumps(a.to_json()) == json.dumps(b.to_json())
@@ -164,10 +187,11 @@ def configs(draw: st.DrawFn) -> DiLoCo:
         st.just(ByBytes()),
         st.builds(Strided, st.sampled_from([r"\.(\d+)\.", r"layers_(\d+)", r"h(\d)"])),
     ))
+    mixing = draw(st.one_of(st.just(0.0), st.floats(0, 1, exclude_max=True)))
     return DiLoCo(
         sync_every=h, fragments=p, in_flight=tau,
         overlap_steps=draw(st.one_of(st.none(), st.integers(0, 10**6))),
-        mixing=draw(st.floats(0, 1, exclude_max=True)),
+        mixing=mixing,
         quorum_size=draw(st.integers(1, 1000)),
         outer_lr=draw(st.floats(1e-6, 10)),
         outer_momentum=draw(st.floats(0, 1, exclude_max=True)),
@@ -176,6 +200,7 @@ def configs(draw: st.DrawFn) -> DiLoCo:
         delta_dtype=draw(fmt), commit_dtype=draw(fmt),
         flush_on_close=draw(st.booleans()),
         outlier_factor=draw(st.one_of(st.none(), st.floats(1.0, 1e6, exclude_min=True))),
+        rebase=draw(st.sampled_from([None, False, True] if mixing == 0 else [None, False])),
     )
 
 
@@ -218,6 +243,13 @@ def _with(**changes: Any) -> dict[str, Any]:
         (_with(outlier_factor="5"), "algorithm record: outlier_factor='5' is not a number"),
         (_with(outlier_factor=1), "algorithm record: outlier_factor=1 must be None (off) or "
          "a number > 1"),
+        (_with(rebase=None), "algorithm record: rebase=None is not a bool"),
+        (_with(rebase=True), "algorithm record: rebase=True is what mixing=0.0 implies, and "
+         "is recorded by omission"),
+        (_with(mixing=0.5, rebase=False), "algorithm record: rebase=False is what "
+         "mixing=0.5 implies"),
+        (_with(mixing=0.5, rebase=True), "algorithm record: rebase=True and mixing=0.5 "
+         "exclude each other"),
         (_with(in_flight=5), "algorithm record: in_flight=5 exceeds fragments=4; need 1 <= "
          "in_flight <= fragments <= sync_every"),
         (_with(commit_dtype="F16"), "algorithm record: commit_dtype='F16' is not a transfer"),

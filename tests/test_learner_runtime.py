@@ -475,3 +475,90 @@ def test_flush_on_close_publishes_final_snapshots() -> None:
     want = newest_theta(mailbox)
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), want[name]), name
+
+
+def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _step_until_aligned(
+    learner: Learner, model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Train and step until a step applies a commit; the parameters just before that
+    step() (after its optimizer step) and the learner's local step then."""
+    for k in range(5000):  # a hang guard, not a timing assertion
+        train_step(model, opt, seed + k)
+        before = _params(model)
+        if learner.step(16):
+            return before, learner.local_step
+        time.sleep(0.002)
+    raise AssertionError("no commit arrived")
+
+
+@pytest.mark.parametrize("rebase", [True, False])
+def test_a_commit_keeps_what_was_trained_after_the_snapshot(rebase: bool) -> None:
+    mailbox = MemoryMailbox()
+    alg = DiLoCo(sync_every=4, fragments=1, in_flight=1, merge=WeightedMean(), rebase=rebase)
+    ma, mb = make_model(seed=0), make_model(seed=1)
+    a = Learner(TorchAdapter(ma), alg, mailbox, "a", keep_versions=1000,
+                on_event=lambda e: None, **FAST)
+    b = Learner(TorchAdapter(mb), alg, mailbox, "b", keep_versions=1000,
+                on_event=lambda e: None, **FAST)
+    a.start()
+    b.start()
+    theta0 = _params(mb)  # b joined a's run: it holds Θ⁰
+    opt_a = torch.optim.SGD(ma.parameters(), lr=0.05)
+    opt_b = torch.optim.SGD(mb.parameters(), lr=0.05)
+    train_step(mb, opt_b, 100)
+    assert b.step(16) == ()  # one step of b, nothing due
+    for k in range(4):
+        train_step(ma, opt_a, k)
+        snapshot = _params(ma)
+        a.step(16)  # the 4th publishes round 0 with this snapshot
+    # a trains on: the commit of round 0 lands some steps after its snapshot
+    before, at = _step_until_aligned(a, ma, opt_a, 4)
+    assert at > 4
+    (rec0,) = all_records(mailbox)[:1]
+    assert [p.learner for p in rec0.participants] == ["a"]
+    theta1 = newest_theta(mailbox, 0)
+    for name, p in ma.named_parameters():
+        # rebasing: Θ¹ + (θ − snapshot), a's progress since its snapshot kept on top
+        want = (before[name] - snapshot[name]) + theta1[name] if rebase else theta1[name]
+        assert torch.equal(p.detach(), want), name
+    # b took no part in round 0: all of its progress since Θ⁰ stays on top of Θ¹
+    before_b, _ = _step_until_aligned(b, mb, opt_b, 200)
+    # (a may have published round 1 in the step that aligned it; then b may have applied
+    # its commit too, rebasing twice: equal up to float rounding.)
+    newest = newest_theta(mailbox, b.rounds_seen)
+    for name, p in mb.named_parameters():
+        want = (before_b[name] - theta0[name]) + newest[name] if rebase else newest[name]
+        if b.rounds_seen == 0:
+            assert torch.equal(p.detach(), want), name
+        else:
+            torch.testing.assert_close(p.detach(), want, rtol=0, atol=1e-6)
+    # Both train on until each has a contribution committed after round 0.
+    for k in range(5000):
+        later = [p for r in all_records(mailbox)[1:] for p in r.participants]
+        if {p.learner for p in later} == {"a", "b"}:
+            break
+        for learner, model, opt in ((a, ma, opt_a), (b, mb, opt_b)):
+            train_step(model, opt, 1000 + k)
+            learner.step(16)
+        time.sleep(0.002)
+    else:
+        raise AssertionError("no later contributions from both learners")
+    a.close()
+    b.close()
+    parts = [p for r in all_records(mailbox) for p in r.participants]
+    for who in ("a", "b"):
+        mine = [p for p in parts if p.learner == who]
+        assert all(p.tokens == 16 * p.steps for p in mine)
+        if rebase:
+            # every step goes out once: each contribution holds the steps since the last
+            assert [p.steps for p in mine] == [
+                q.local_step - prev for q, prev in zip(
+                    mine, [0, *(m.local_step for m in mine[:-1])], strict=True)
+            ], who
+        else:
+            # overwriting threw away what was trained between the snapshot and the commit
+            assert sum(p.steps for p in mine) < mine[-1].local_step, who

@@ -197,3 +197,66 @@ def test_no_opportunity_when_the_round_waits_for_this_learner_alone() -> None:
     for _ in range(100):
         s = advanced(s, 1)
     assert due_round(s, sch, others=0, effective_quorum=2, live=2) == 0
+
+
+def test_rebase_keeps_exactly_the_uncounted_steps_and_tokens() -> None:
+    sch = RoundSchedule(sync_every=10, fragments=2, in_flight=2)
+    for before, after, tokens, took_part, publish in itertools.product(
+        range(4), range(4), (0, 1, 7), (True, False), (True, False)
+    ):
+        s = initial_state(2, versions=[3, 5])
+        for _ in range(before):
+            s = advanced(s, tokens)
+        if publish:
+            s = published(s, 0, sch)
+        for _ in range(after):
+            s = advanced(s, tokens)
+        out = applied(s, 0, 0, 4, took_part=took_part, mixing=0.0, rebase=True)
+        counted = before if publish and took_part else 0
+        want = FragmentCounters(before + after - counted, (before + after - counted) * tokens, 4)
+        assert out.fragments[0] == want, (before, after, tokens, took_part, publish)
+        assert out.fragments[1] == s.fragments[1]  # the other fragment is untouched
+        assert out.rounds_seen == 0 and out.publishes == ()
+        # Without rebasing the commit overwrites, and the counters with it.
+        plain = applied(s, 0, 0, 4, took_part=took_part, mixing=0.0)
+        assert plain.fragments[0] == FragmentCounters(0, 0, 4)
+
+
+def test_rebase_and_mixing_exclude_each_other() -> None:
+    s = advanced(initial_state(1), 3)
+    with pytest.raises(ValueError, match=r"rebase=True and mixing=0\.5 exclude each other"):
+        applied(s, 0, 0, 1, took_part=False, mixing=0.5, rebase=True)
+
+
+@pytest.mark.parametrize(("h", "p", "tau"), [(4, 1, 1), (6, 2, 2), (6, 3, 2), (9, 3, 3)])
+def test_with_rebase_every_token_is_counted_once(h: int, p: int, tau: int) -> None:
+    """A learner whose commits land `delay` steps after each publish, some of its
+    contributions left out of their rounds: the tokens of the contributions that made it
+    in, plus what the counters still hold, are exactly the tokens trained, per fragment."""
+    sch = RoundSchedule(sync_every=h, fragments=p, in_flight=tau)
+    for delay, left_out in itertools.product(range(5), ((), (0,), (1, 2), (0, 3, 4))):
+        s = initial_state(p)
+        arriving: list[tuple[int, int]] = []  # (step it lands at, round)
+        counted = [0] * p
+        trained = 0
+        next_round = 0
+        for step in range(1, 40):
+            s = advanced(s, step)  # tokens vary with the step
+            trained += step
+            while arriving and arriving[0][0] <= step:
+                _, r = arriving.pop(0)
+                f = sch.fragment_of(r)
+                took = r not in left_out
+                own = next(x for x in s.publishes if x.round == r)
+                if took:
+                    counted[f] += own.tokens
+                s = applied(s, r, f, s.fragments[f].version + 1, took, 0.0, rebase=True)
+            r = due_round(s, sch, others=0, effective_quorum=1)
+            if r is not None:
+                assert r == next_round
+                s = published(s, r, sch)
+                arriving.append((step + delay, r))
+                next_round += 1
+        assert next_round >= 4, "the schedule must have published a few rounds"
+        for f in range(p):
+            assert counted[f] + s.fragments[f].tokens == trained, (delay, left_out, f)

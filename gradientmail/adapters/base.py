@@ -39,3 +39,9 @@ class Adapter(Protocol):
     def apply(self, values: Any, mixing: float = 0.0) -> None:
         """Write loaded values into the parameters in place (training thread)."""
         ...
+
+    def rebase(self, values: Any, base: Any) -> None:
+        """θ ← value + (θ − base) for each name, in place (training thread): the local
+        progress since `base` (a snapshot or an earlier loaded commit) moved onto the
+        loaded `values`."""
+        ...

@@ -1,9 +1,10 @@
 """TorchAdapter: a torch module's parameters seen as a Schema and TensorBytes.
 
 The training thread calls `snapshot` (a clone on the parameters' own device: on a GPU it is
-queued on the stream, no host sync) and `apply` (in-place `copy_` under `no_grad`, so
-optimizers, hooks and `torch.compile` keep the same Parameter objects). Turning a snapshot
-into bytes (`to_bytes`), the device-to-host copy, is left to the communication thread.
+queued on the stream, no host sync), `apply` and `rebase` (in-place `copy_` under
+`no_grad`, so optimizers, hooks and `torch.compile` keep the same Parameter objects).
+Turning a snapshot into bytes (`to_bytes`), the device-to-host copy, is left to the
+communication thread.
 """
 
 from __future__ import annotations
@@ -127,6 +128,34 @@ class TorchAdapter:
 
         With `mixing` α the parameter becomes α·θ_local + (1−α)·value.
         """
+        self._check_fits(values, "apply")
+        for name, value in values.items():
+            p = self._params[name]
+            t = self._on_device(value, p)
+            if mixing:
+                mixed = t.to(torch.float32, copy=True).mul_(1.0 - mixing)
+                mixed.add_(p.detach().to(torch.float32), alpha=mixing)
+                p.copy_(mixed)
+            else:
+                p.copy_(t)
+
+    @torch.no_grad()
+    def rebase(self, values: Mapping[str, Any], base: Mapping[str, Any]) -> None:
+        """θ ← value + (θ − base) in place, in float32 on the parameters' device, then cast
+        to the parameter's dtype: the progress made since `base` kept on top of `values`.
+        """
+        self._check_fits(values, "rebase")
+        missing = [n for n in values if n not in base]
+        if missing:
+            raise SchemaMismatch(f"cannot rebase: no base for {missing}")
+        for name, value in values.items():
+            p = self._params[name]
+            local = p.detach().to(torch.float32, copy=True)
+            local.sub_(self._on_device(base[name], p).to(torch.float32))
+            local.add_(self._on_device(value, p).to(torch.float32))
+            p.copy_(local)
+
+    def _check_fits(self, values: Mapping[str, Any], what: str) -> None:
         problems = []
         for name, value in values.items():
             p = self._params.get(name)
@@ -137,13 +166,11 @@ class TorchAdapter:
             if shape != tuple(p.shape):
                 problems.append(f"{name!r} has shape {list(shape)}, the model {list(p.shape)}")
         if problems:
-            raise SchemaMismatch("cannot apply: " + "; ".join(problems))
-        for name, value in values.items():
-            p = self._params[name]
-            t = to_torch(value, p.device) if isinstance(value, TensorBytes) else value.to(p.device)
-            if mixing:
-                mixed = t.to(torch.float32, copy=True).mul_(1.0 - mixing)
-                mixed.add_(p.detach().to(torch.float32), alpha=mixing)
-                p.copy_(mixed)
-            else:
-                p.copy_(t)
+            raise SchemaMismatch(f"cannot {what}: " + "; ".join(problems))
+
+    @staticmethod
+    def _on_device(value: Any, p: torch.nn.Parameter) -> torch.Tensor:
+        if isinstance(value, TensorBytes):
+            return to_torch(value, p.device)
+        out: torch.Tensor = value.to(p.device)
+        return out

@@ -245,6 +245,12 @@ class Algorithm(Protocol):
     def mixing(self) -> float: ...
 
     @property
+    def rebase(self) -> bool | None:
+        """Whether a learner rebases its post-snapshot progress onto a commit (None
+        before a configuration resolves it; see `DiLoCo`)."""
+        ...
+
+    @property
     def overlap_steps(self) -> int | None: ...
 
     @property

@@ -147,6 +147,17 @@ class DiLoCo:
     contribution whose delta norm exceeds k × the round's median (None: off; see
     `outliers`). Its JSON omits `outlier_factor` when None, so runs created before the
     field existed keep their records.
+
+    `rebase` is how a learner aligns a fragment with a commit. Rebasing sets
+    θ ← Θ_new + (θ − base), where base is its own snapshot of that round when it took part
+    (its progress up to the snapshot is inside Θ_new) and otherwise the commit it last
+    aligned with; the steps and tokens Θ_new did not count stay counted and go out in the
+    fragment's next contribution. Nothing trained is thrown away. Without it the commit
+    overwrites the fragment, keeping α = `mixing` of it. None (the default) rebases when
+    `mixing` is 0 and mixes otherwise; rebase=True with mixing > 0 is refused. Behind a
+    barrier (overlap_steps=0) nothing is trained past the snapshot, and rebasing is
+    overwriting. The JSON writes `rebase` only where it departs from that default choice,
+    so default records, and runs created before the field existed, are unchanged.
     """
 
     sync_every: int
@@ -164,6 +175,7 @@ class DiLoCo:
     commit_dtype: str | None = None
     flush_on_close: bool = False
     outlier_factor: float | None = None
+    rebase: bool | None = None
 
     def __post_init__(self) -> None:
         _int("sync_every", self.sync_every, 1)
@@ -213,6 +225,17 @@ class DiLoCo:
                     "x the round's median, e.g. 5.0"
                 )
             object.__setattr__(self, "outlier_factor", k)
+        if self.rebase is not None and not isinstance(self.rebase, bool):
+            raise ConfigError(f"rebase={self.rebase!r} must be True, False or None (automatic)")
+        if self.rebase and mixing > 0:
+            raise ConfigError(
+                f"rebase=True and mixing={self.mixing!r} exclude each other: rebasing keeps "
+                "all of the local progress, mixing keeps α of it; use mixing=0 to rebase, "
+                "or rebase=False (or None) to mix"
+            )
+        # None resolves here, so DiLoCo() == DiLoCo(rebase=True) and the learner reads a bool.
+        rebase = _default_rebase(mixing) if self.rebase is None else self.rebase
+        object.__setattr__(self, "rebase", rebase)
         # Store floats as floats, so the JSON of mixing=0 and mixing=0.0 is the same record.
         object.__setattr__(self, "mixing", mixing)
         object.__setattr__(self, "outer_lr", lr)
@@ -275,6 +298,8 @@ class DiLoCo:
             v = getattr(self, f.name)
             if f.name in _OMITTED_WHEN_NONE and v is None:
                 continue
+            if f.name == "rebase" and v == _default_rebase(self.mixing):
+                continue
             out[f.name] = v.to_json() if f.name in ("merge", "partition") else v
         return out
 
@@ -309,6 +334,12 @@ class DiLoCo:
                 kw[name] = partition_from_json(v, "partition")
             else:
                 kw[name] = _json_field(name, v)
+        if "rebase" in kw and kw["rebase"] == _default_rebase(kw.get("mixing")):
+            # One record per configuration: the default choice is written by leaving it out.
+            raise RemoteProtocolError(
+                f"algorithm record: rebase={kw['rebase']!r} is what mixing="
+                f"{kw.get('mixing')!r} implies, and is recorded by omission"
+            )
         try:
             return cls(**kw)
         except ConfigError as exc:
@@ -319,12 +350,18 @@ _JSON_KINDS = {
     "sync_every": "int", "fragments": "int", "in_flight": "int", "overlap_steps": "int?",
     "mixing": "number", "quorum_size": "int", "outer_lr": "number", "outer_momentum": "number",
     "global_batch_size": "int?", "delta_dtype": "str?", "commit_dtype": "str?",
-    "flush_on_close": "bool", "outlier_factor": "number",
+    "flush_on_close": "bool", "outlier_factor": "number", "rebase": "bool",
 }
 # Fields added after format version 1 was pinned: absent means None, and None is written
-# by leaving them out, so older records stay valid and unchanged.
-_OMITTED_WHEN_NONE = frozenset({"outlier_factor"})
+# by leaving them out, so older records stay valid and unchanged. (`rebase` is never None
+# once built: it is left out when it equals `_default_rebase`.)
+_OMITTED_WHEN_NONE = frozenset({"outlier_factor", "rebase"})
 _JSON_WORDS = {"int": "an integer", "number": "a number", "str": "a string", "bool": "a bool"}
+
+
+def _default_rebase(mixing: Any) -> bool:
+    """What rebase=None resolves to: rebase unless the configuration mixes."""
+    return bool(mixing == 0)
 
 
 def _json_field(name: str, v: Any) -> Any:

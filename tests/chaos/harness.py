@@ -143,6 +143,13 @@ class ToyAdapter:
             self.params[n][...] = mixing * self.params[n] + (1.0 - mixing) * a if mixing else a
         self.applied.append({n: _digest(a) for n, a in arrays.items()})
 
+    def rebase(self, values: Mapping[str, Any], base: Mapping[str, Any]) -> None:
+        """θ ← value + (θ − base); `applied` logs the commit's values it was built on."""
+        rest = {n: self.params[n] - np.asarray(base[n], dtype=np.float32) for n in values}
+        self.apply(values)
+        for n, d in rest.items():
+            self.params[n] += d
+
     def digests(self) -> dict[str, str]:
         """SHA-256 of each parameter's float32 bytes."""
         return {n: _digest(a) for n, a in self.params.items()}
