@@ -184,7 +184,7 @@ def _quantize_bf16(name: str, tensor: TensorBytes, x: npt.NDArray[Any]) -> Tenso
     if not math.isfinite(float(np.array(amax, _F32).astype(ml_dtypes.bfloat16))):
         raise _overflow(name, "BF16")
     if tensor.dtype == "BF16":
-        return TensorBytes("BF16", tensor.shape, tensor.data)
+        return TensorBytes("BF16", tensor.shape, tensor.buffer)
     data = x.astype(ml_dtypes.bfloat16).tobytes()
     return TensorBytes("BF16", tensor.shape, data)
 
@@ -381,7 +381,7 @@ def dequantize(
             raise CorruptPayload(
                 f"{where}tensor {name!r}: F8_E4M3 scale has shape {list(scale.shape)}; need []"
             )
-        s = float(np.frombuffer(scale.data, _F32)[0])
+        s = float(np.frombuffer(scale.buffer, _F32)[0])
         m, e = math.frexp(s) if math.isfinite(s) else (0.0, 0)
         if m != 0.5 or not _F8_K[0] <= e - 1 <= _F8_K[1]:
             raise CorruptPayload(
@@ -389,7 +389,7 @@ def dequantize(
                 f"k in [{_F8_K[0]}, {_F8_K[1]}]; the payload is corrupt"
             )
         k = np.full(1, e - 1, np.int32)
-        values = _decode(np.frombuffer(codes.data, np.uint8), _F8_VALUES, k, codes.numel)
+        values = _decode(np.frombuffer(codes.buffer, np.uint8), _F8_VALUES, k, codes.numel)
     else:
         nblocks = -(-codes.numel // BLOCK)
         if scale.shape != (nblocks,):
@@ -397,14 +397,14 @@ def dequantize(
                 f"{where}tensor {name!r}: F4 scale has shape {list(scale.shape)}; "
                 f"{codes.numel} elements need [{nblocks}] (one per block of {BLOCK})"
             )
-        e8 = np.frombuffer(scale.data, np.uint8)
+        e8 = np.frombuffer(scale.buffer, np.uint8)
         if (e8 == 0xFF).any():
             raise CorruptPayload(
                 f"{where}tensor {name!r}: F4 scale block {int(np.argmax(e8 == 0xFF))} is NaN "
                 "(E8M0 0xFF); the payload is corrupt"
             )
         k = e8.astype(np.int32) - 127
-        nibbles = _unpack_pairs(codes.data, codes.numel)
+        nibbles = _unpack_pairs(codes.buffer, codes.numel)
         values = _decode(nibbles, _F4_VALUES, k, codes.numel)
     if not np.isfinite(values).all():
         raise CorruptPayload(
@@ -424,7 +424,7 @@ def _entry(entries: Mapping[str, TensorBytes], name: str, dtype: str, where: str
     return entry
 
 
-def _unpack_pairs(data: bytes, numel: int) -> npt.NDArray[np.uint8]:
+def _unpack_pairs(data: bytes | memoryview, numel: int) -> npt.NDArray[np.uint8]:
     packed = np.frombuffer(data, np.uint8)
     out = np.empty(packed.size * 2, np.uint8)
     out[0::2] = packed & np.uint8(0x0F)
