@@ -34,6 +34,7 @@ from gradientmail.serialization import (
     TensorBytes,
     dtype_bits,
     frozen_view,
+    handed_over,
     pack,
     pack_header,
     read_index,
@@ -111,7 +112,7 @@ def shuffle(tensor: TensorBytes) -> TensorBytes:
     if width <= 1 or not tensor.nbytes:
         return tensor
     planes = np.frombuffer(tensor.buffer, np.uint8).reshape(-1, width).T
-    return TensorBytes(tensor.dtype, tensor.shape, _owned(np.ascontiguousarray(planes)))
+    return TensorBytes(tensor.dtype, tensor.shape, handed_over(np.ascontiguousarray(planes)))
 
 
 def unshuffle(tensor: TensorBytes) -> TensorBytes:
@@ -142,13 +143,8 @@ def _interleave(shuffled: memoryview, width: int) -> npt.NDArray[np.uint8]:
     out = np.empty((planes.shape[1], width), np.uint8)
     for i in range(0, planes.shape[1], _BLOCK):
         out[i : i + _BLOCK] = planes[:, i : i + _BLOCK].T
-    return _owned(out)
+    return handed_over(out)
 
-
-def _owned(array: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
-    """`array`, which nothing else references, made read-only for a TensorBytes."""
-    array.flags.writeable = False
-    return array
 
 
 def _zstd() -> Any:

@@ -35,7 +35,7 @@ import reprlib
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import ml_dtypes
 import numpy as np
@@ -59,6 +59,7 @@ __all__ = [
     "TensorBytes",
     "dtype_bits",
     "frozen_view",
+    "handed_over",
     "nbytes_of",
     "pack",
     "pack_header",
@@ -79,6 +80,7 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_TENSORS = 1_000_000
 
 _F4_SHAPE_PREFIX = "gradientmail.f4shape."
+_A = TypeVar("_A", bound=np.generic)
 
 _NUMPY: dict[str, Any] = {
     "F32": np.dtype("<f4"),
@@ -243,6 +245,13 @@ class TensorBytes:
         else:
             out = np.frombuffer(self._data, dtype=_NUMPY[self.dtype]).reshape(self.shape)
         return out
+
+
+def handed_over(array: npt.NDArray[_A]) -> npt.NDArray[_A]:
+    """`array` made read-only, to be held by a TensorBytes without a copy. For arrays the
+    caller just made and references nowhere else: nothing may write them afterwards."""
+    array.flags.writeable = False
+    return array
 
 
 def _readonly_view(data: object) -> bytes | memoryview:
