@@ -260,3 +260,15 @@ def test_delta_is_host_memory_of_its_own() -> None:
         m.weight.add_(0.5)
     d = a.delta(anchor, a.snapshot(["weight"]))["weight"]
     assert np.allclose(d.to_numpy(), -0.5) and not d.to_numpy().flags.writeable
+
+
+def test_outer_step_knows_whether_theta_is_finite() -> None:
+    from gradientmail.backends.numpy_backend import NumpyValue
+
+    be = NumpyBackend()
+    big = np.full(BIG, 3e38, np.float32)
+    for delta, want in ((randn(BIG, 15), True), (-big, False)):
+        th, _ = be.outer_step(be.load(TensorBytes.from_numpy(big)), be.zeros(BIG),
+                              [NumpyValue(delta)], [1.0], 0.7, 0.9)
+        assert be.all_finite(th) is want and th.isfinite() is want
+        assert NumpyValue(th.array).isfinite() is want  # the same answer by a full scan

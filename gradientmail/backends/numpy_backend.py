@@ -74,7 +74,7 @@ def f32_to_bf16_bits(a: F32Array) -> npt.NDArray[np.uint16]:
 class NumpyValue:
     """An F32 tensor held as a numpy array. Operations return new Values; none mutates."""
 
-    __slots__ = ("_a", "_owned", "_source")
+    __slots__ = ("_a", "_finite", "_owned", "_source")
 
     def __init__(self, array: F32Array, source: bytes | memoryview | None = None) -> None:
         if array.dtype != np.float32:
@@ -87,12 +87,15 @@ class NumpyValue:
         # then hands it over without a copy. An array a caller passed in may be written
         # by that caller later, so it is copied.
         self._owned = False
+        # Whether every element is finite, when a fused helper found out while writing it.
+        self._finite: bool | None = None
 
     @classmethod
-    def _of(cls, array: F32Array) -> NumpyValue:
+    def _of(cls, array: F32Array, finite: bool | None = None) -> NumpyValue:
         """A Value owning `array`, which nothing else references or writes."""
         value = cls(array)
         value._owned = True
+        value._finite = finite
         return value
 
     @property
@@ -133,6 +136,8 @@ class NumpyValue:
         return math.sqrt(_gram([self._flat()], _serial)[0][0])
 
     def isfinite(self) -> bool:
+        if self._finite is not None:
+            return self._finite
         flat = self._flat()
         return all(_finite(flat, span) for span in _blocks(flat.size))
 
@@ -272,9 +277,10 @@ class NumpyBackend:
         th_out = self.buffers.empty(th.size)
         mo_out = self.buffers.empty(mo.size)
 
-        def run(span: tuple[int, int]) -> None:
+        def run(span: tuple[int, int]) -> bool:
             d = np.empty(CHUNK, dtype=np.float32)
             tmp = np.empty_like(d)
+            finite = True
             with np.errstate(over="ignore", invalid="ignore"):
                 for s, n in _chunks(span):
                     dd, tt, mm = d[:n], tmp[:n], mo_out[s : s + n]
@@ -285,14 +291,21 @@ class NumpyBackend:
                     np.add(dd, tt, out=tt)
                     np.multiply(tt, eta, out=tt)
                     np.subtract(th[s : s + n], tt, out=th_out[s : s + n])
+                    # Checked while the chunk is in cache: all_finite(Θ) needs no pass.
+                    finite = finite and bool(np.isfinite(th_out[s : s + n]).all())
+            return finite
 
-        self._map(run, _blocks(th.size))
+        finite = all(self._map(run, _blocks(th.size)))
         shape = theta.shape
-        return NumpyValue._of(th_out.reshape(shape)), NumpyValue._of(mo_out.reshape(shape))
+        return (NumpyValue._of(th_out.reshape(shape), finite),
+                NumpyValue._of(mo_out.reshape(shape)))
 
     def all_finite(self, value: Any) -> bool:
-        """`value.isfinite()`, on the backend's threads."""
+        """`value.isfinite()`, on the backend's threads (known without a pass for the
+        theta of `outer_step`, which checks it while writing it)."""
         (a,) = _arrays([value])
+        if value._finite is not None:
+            return bool(value._finite)
         return all(self._map(lambda span: _finite(a, span), _blocks(a.size)))
 
 
