@@ -272,3 +272,22 @@ def test_outer_step_knows_whether_theta_is_finite() -> None:
                               [NumpyValue(delta)], [1.0], 0.7, 0.9)
         assert be.all_finite(th) is want and th.isfinite() is want
         assert NumpyValue(th.array).isfinite() is want  # the same answer by a full scan
+
+
+@pytest.mark.parametrize("m", [2, 3, 8])
+def test_gram_of_long_vectors_is_exact_up_to_summation_order_and_symmetric(m: int) -> None:
+    import math
+
+    from gradientmail.backends.numpy_backend import NumpyValue
+
+    be = NumpyBackend()
+    arrays = [randn((70_001,), 20 + i) for i in range(m)]  # full chunks and a tail
+    g = be.gram([NumpyValue(a) for a in arrays])
+    wide = [a.astype(np.float64) for a in arrays]
+    for i in range(m):
+        for j in range(m):
+            exact = math.fsum(wide[i] * wide[j])  # float32 products are exact in float64
+            assert g[i][j] == g[j][i]
+            assert g[i][j] == pytest.approx(exact, rel=1e-12, abs=1e-9)
+    if m == 2:  # dot runs the same blocks as a gram of two
+        assert NumpyValue(arrays[0]).dot(NumpyValue(arrays[1])) == g[0][1]
