@@ -33,6 +33,8 @@ from gradientmail.serialization import (
     Schema,
     TensorBytes,
     dtype_bits,
+    frozen_view,
+    handed_over,
     pack,
     pack_header,
     read_index,
@@ -107,21 +109,21 @@ def size_bound(schema: Schema, names: Iterable[str] | None = None, fmt: str | No
 def shuffle(tensor: TensorBytes) -> TensorBytes:
     """The same tensor with byte k of every element stored together, k = 0, 1, ..."""
     width = dtype_bits(tensor.dtype) // 8
-    if width <= 1 or not tensor.data:
+    if width <= 1 or not tensor.nbytes:
         return tensor
-    planes = np.frombuffer(tensor.data, np.uint8).reshape(-1, width).T
-    return TensorBytes(tensor.dtype, tensor.shape, planes.tobytes())
+    planes = np.frombuffer(tensor.buffer, np.uint8).reshape(-1, width).T
+    return TensorBytes(tensor.dtype, tensor.shape, handed_over(np.ascontiguousarray(planes)))
 
 
 def unshuffle(tensor: TensorBytes) -> TensorBytes:
     """Inverse of `shuffle`."""
     width = dtype_bits(tensor.dtype) // 8
-    if width <= 1 or not tensor.data:
+    if width <= 1 or not tensor.nbytes:
         return tensor
-    return TensorBytes(tensor.dtype, tensor.shape, _interleave(memoryview(tensor.data), width))
+    return TensorBytes(tensor.dtype, tensor.shape, _interleave(memoryview(tensor.buffer), width))
 
 
-def _shuffle_into(data: bytes, width: int, out: npt.NDArray[np.uint8]) -> None:
+def _shuffle_into(data: bytes | memoryview, width: int, out: npt.NDArray[np.uint8]) -> None:
     """Write the shuffled bytes of `data` into `out` (same length)."""
     source = np.frombuffer(data, np.uint8)
     if width <= 1:
@@ -134,13 +136,15 @@ def _shuffle_into(data: bytes, width: int, out: npt.NDArray[np.uint8]) -> None:
         planes[:, i : i + _BLOCK] = elements[i : i + _BLOCK].T
 
 
-def _interleave(shuffled: memoryview, width: int) -> bytes:
-    """Inverse of the shuffle: `shuffled` holds `width` byte planes one after another."""
+def _interleave(shuffled: memoryview, width: int) -> npt.NDArray[np.uint8]:
+    """Inverse of the shuffle: `shuffled` holds `width` byte planes one after another.
+    Returns a new read-only array (no further copy into bytes)."""
     planes = np.frombuffer(shuffled, np.uint8).reshape(width, -1)
     out = np.empty((planes.shape[1], width), np.uint8)
     for i in range(0, planes.shape[1], _BLOCK):
         out[i : i + _BLOCK] = planes[:, i : i + _BLOCK].T
-    return out.tobytes()
+    return handed_over(out)
+
 
 
 def _zstd() -> Any:
@@ -177,7 +181,7 @@ def encode(
     for name in order:
         tensor = tensors[name]
         end = pos + tensor.nbytes
-        _shuffle_into(tensor.data, dtype_bits(tensor.dtype) // 8, blob[pos:end])
+        _shuffle_into(tensor.buffer, dtype_bits(tensor.dtype) // 8, blob[pos:end])
         pos = end
     # zstd's multi-threaded frames are the same for any number of workers >= 1, so the
     # bytes depend on the payload's size alone, never on the machine.
@@ -220,13 +224,15 @@ def decode_with_metadata(
     flag = meta.pop(SHUFFLE_KEY, None)
     if flag not in (None, "1"):
         raise CorruptPayload(f"{key}: metadata {SHUFFLE_KEY}={flag!r}; the only layout is '1'")
-    view = memoryview(raw)
+    # Unshuffled tensors are views into the payload (read-only, no copy); shuffled ones
+    # are interleaved once into their own arrays.
+    view = frozen_view(raw)
     out: dict[str, TensorBytes] = {}
     for span in spans:
         data = view[span.start : span.end]
         width = dtype_bits(span.dtype) // 8
-        raw_data = _interleave(data, width) if flag and width > 1 and data else bytes(data)
-        out[span.name] = TensorBytes(span.dtype, span.shape, raw_data)
+        held = _interleave(data, width) if flag and width > 1 and data else data
+        out[span.name] = TensorBytes(span.dtype, span.shape, held)
     return out, meta
 
 

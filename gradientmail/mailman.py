@@ -4,6 +4,14 @@
 (lease, new commits, who published the next round, the embedded syncer) and the publish
 loop (anchor − θ, quantize, encode, upload). It shares nothing with the training thread but
 two queues and a few attributes it overwrites whole; `Learner` holds the other half.
+
+Copies of a fragment's bytes (F32, codec off; "+1 GPU" where a device adds one). Publish:
+the snapshot clone (training thread), anchor − θ (a new tensor), its device-to-host copy
+(GPU only; `from_torch` then holds that host memory as is), quantize (only with a
+delta_dtype: the codes), `pack` (header and tensors joined into one blob), upload.
+Receive: download, `decode` (none: the tensors view the payload; zstd: decompress and
+unshuffle), `adapter.load` (one copy straight from the payload onto the device, the anchor
+the learner keeps), and `apply` (the parameters' in-place copy).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from gradientmail.errors import ConfigError, CorruptPayload, MissingExtra, NonFiniteError
-from gradientmail.serialization import STORAGE_DTYPES, TensorBytes
+from gradientmail.serialization import STORAGE_DTYPES, TensorBytes, handed_over
 
 __all__ = [
     "BLOCK",
@@ -184,8 +184,8 @@ def _quantize_bf16(name: str, tensor: TensorBytes, x: npt.NDArray[Any]) -> Tenso
     if not math.isfinite(float(np.array(amax, _F32).astype(ml_dtypes.bfloat16))):
         raise _overflow(name, "BF16")
     if tensor.dtype == "BF16":
-        return TensorBytes("BF16", tensor.shape, tensor.data)
-    data = x.astype(ml_dtypes.bfloat16).tobytes()
+        return TensorBytes("BF16", tensor.shape, tensor.buffer)
+    data = handed_over(x.astype(ml_dtypes.bfloat16))
     return TensorBytes("BF16", tensor.shape, data)
 
 
@@ -224,13 +224,13 @@ def _quantize_f8(
     return {name: TensorBytes("F8_E4M3", shape, codes), scale_name(name): scale}
 
 
-def _cast_f8_numpy(x: npt.NDArray[np.float32], inv: float) -> bytes:
+def _cast_f8_numpy(x: npt.NDArray[np.float32], inv: float) -> npt.NDArray[np.uint8]:
     out = np.empty(x.size, np.uint8)
     f = _F32(inv)
     for i in range(0, x.size, _CHUNK):
         y = x[i : i + _CHUNK] * f
         out[i : i + _CHUNK] = y.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
-    return out.tobytes()
+    return handed_over(out)
 
 
 def _torch_view(x: npt.NDArray[Any]) -> Any:
@@ -254,7 +254,7 @@ def _torch_absmax(x: npt.NDArray[np.float32]) -> float:
     return best
 
 
-def _cast_f8_torch(x: npt.NDArray[np.float32], inv: float) -> bytes:
+def _cast_f8_torch(x: npt.NDArray[np.float32], inv: float) -> npt.NDArray[np.uint8]:
     import torch
 
     xt = _torch_view(x)
@@ -264,7 +264,7 @@ def _cast_f8_torch(x: npt.NDArray[np.float32], inv: float) -> bytes:
         part = xt[i : i + _TORCH_CHUNK]
         y = torch.mul(part, inv, out=buf[: part.numel()])
         out[i : i + _TORCH_CHUNK].copy_(y)
-    return bytes(out.view(torch.uint8).numpy().data)
+    return handed_over(out.view(torch.uint8).numpy())
 
 
 def _quantize_f4(
@@ -293,7 +293,9 @@ def _quantize_f4(
     packed = codes(parts[0], inv[:nfull])
     if rest:
         # The padding is zeros, so an odd tail ends in the zero nibble the layout requires.
-        packed += codes(parts[1], inv[nfull:])[: (rest + 1) // 2]
+        packed = handed_over(
+            np.concatenate([packed, codes(parts[1], inv[nfull:])[: (rest + 1) // 2]])
+        )
     scale = TensorBytes("F8_E8M0", (nfull + (rest > 0),), (k + 127).astype(np.uint8).tobytes())
     return {name: TensorBytes("F4", shape, packed), scale_name(name): scale}
 
@@ -319,7 +321,9 @@ def _block_absmax_torch(blocks: npt.NDArray[np.float32]) -> npt.NDArray[np.float
     return result
 
 
-def _codes_f4_numpy(blocks: npt.NDArray[np.float32], inv: npt.NDArray[np.float32]) -> bytes:
+def _codes_f4_numpy(
+    blocks: npt.NDArray[np.float32], inv: npt.NDArray[np.float32]
+) -> npt.NDArray[np.uint8]:
     """E2M1 codes of blocks · inv (one factor per block), packed two per byte."""
     out = np.empty(blocks.size // 2, np.uint8)
     step = _CHUNK // BLOCK
@@ -327,10 +331,12 @@ def _codes_f4_numpy(blocks: npt.NDArray[np.float32], inv: npt.NDArray[np.float32
         y = blocks[i : i + step] * inv[i : i + step, None]
         pairs = y.astype(ml_dtypes.float4_e2m1fn).view(np.uint8).reshape(-1, 2)
         out[i * BLOCK // 2 : (i + step) * BLOCK // 2] = pairs[:, 0] | (pairs[:, 1] << 4)
-    return out.tobytes()
+    return handed_over(out)
 
 
-def _codes_f4_torch(blocks: npt.NDArray[np.float32], inv: npt.NDArray[np.float32]) -> bytes:
+def _codes_f4_torch(
+    blocks: npt.NDArray[np.float32], inv: npt.NDArray[np.float32]
+) -> npt.NDArray[np.uint8]:
     """Same bytes as `_codes_f4_numpy`, by integer arithmetic on the float32 bits.
 
     torch cannot cast to E2M1, and comparing against the seven rounding thresholds costs
@@ -355,7 +361,7 @@ def _codes_f4_torch(blocks: npt.NDArray[np.float32], inv: npt.NDArray[np.float32
         code |= (bits >> 28) & 8  # sign bit 31 → bit 3
         pairs = code.to(torch.uint8).view(-1, 2)
         out[i * BLOCK // 2 : (i + step) * BLOCK // 2] = pairs[:, 0] | (pairs[:, 1] << 4)
-    return bytes(out.numpy().data)
+    return handed_over(out.numpy())
 
 
 def dequantize(
@@ -374,14 +380,14 @@ def dequantize(
             raise CorruptPayload(
                 f"{where}tensor {name!r}: BF16 values hold NaN or infinity; the payload is corrupt"
             )
-        return TensorBytes("F32", codes.shape, values.tobytes())
+        return TensorBytes("F32", codes.shape, handed_over(values))
     scale = _entry(entries, scale_name(name), "F32" if fmt == "F8_E4M3" else "F8_E8M0", where)
     if fmt == "F8_E4M3":
         if scale.shape != ():
             raise CorruptPayload(
                 f"{where}tensor {name!r}: F8_E4M3 scale has shape {list(scale.shape)}; need []"
             )
-        s = float(np.frombuffer(scale.data, _F32)[0])
+        s = float(np.frombuffer(scale.buffer, _F32)[0])
         m, e = math.frexp(s) if math.isfinite(s) else (0.0, 0)
         if m != 0.5 or not _F8_K[0] <= e - 1 <= _F8_K[1]:
             raise CorruptPayload(
@@ -389,7 +395,7 @@ def dequantize(
                 f"k in [{_F8_K[0]}, {_F8_K[1]}]; the payload is corrupt"
             )
         k = np.full(1, e - 1, np.int32)
-        values = _decode(np.frombuffer(codes.data, np.uint8), _F8_VALUES, k, codes.numel)
+        values = _decode(np.frombuffer(codes.buffer, np.uint8), _F8_VALUES, k, codes.numel)
     else:
         nblocks = -(-codes.numel // BLOCK)
         if scale.shape != (nblocks,):
@@ -397,21 +403,21 @@ def dequantize(
                 f"{where}tensor {name!r}: F4 scale has shape {list(scale.shape)}; "
                 f"{codes.numel} elements need [{nblocks}] (one per block of {BLOCK})"
             )
-        e8 = np.frombuffer(scale.data, np.uint8)
+        e8 = np.frombuffer(scale.buffer, np.uint8)
         if (e8 == 0xFF).any():
             raise CorruptPayload(
                 f"{where}tensor {name!r}: F4 scale block {int(np.argmax(e8 == 0xFF))} is NaN "
                 "(E8M0 0xFF); the payload is corrupt"
             )
         k = e8.astype(np.int32) - 127
-        nibbles = _unpack_pairs(codes.data, codes.numel)
+        nibbles = _unpack_pairs(codes.buffer, codes.numel)
         values = _decode(nibbles, _F4_VALUES, k, codes.numel)
     if not np.isfinite(values).all():
         raise CorruptPayload(
             f"{where}tensor {name!r}: {fmt} codes decode to NaN or past float32's range; "
             "the payload is corrupt"
         )
-    return TensorBytes("F32", codes.shape, values.tobytes())
+    return TensorBytes("F32", codes.shape, handed_over(values))
 
 
 def _entry(entries: Mapping[str, TensorBytes], name: str, dtype: str, where: str) -> TensorBytes:
@@ -424,7 +430,7 @@ def _entry(entries: Mapping[str, TensorBytes], name: str, dtype: str, where: str
     return entry
 
 
-def _unpack_pairs(data: bytes, numel: int) -> npt.NDArray[np.uint8]:
+def _unpack_pairs(data: bytes | memoryview, numel: int) -> npt.NDArray[np.uint8]:
     packed = np.frombuffer(data, np.uint8)
     out = np.empty(packed.size * 2, np.uint8)
     out[0::2] = packed & np.uint8(0x0F)

@@ -35,7 +35,7 @@ import reprlib
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import ml_dtypes
 import numpy as np
@@ -58,6 +58,8 @@ __all__ = [
     "Span",
     "TensorBytes",
     "dtype_bits",
+    "frozen_view",
+    "handed_over",
     "nbytes_of",
     "pack",
     "pack_header",
@@ -78,6 +80,7 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_TENSORS = 1_000_000
 
 _F4_SHAPE_PREFIX = "gradientmail.f4shape."
+_A = TypeVar("_A", bound=np.generic)
 
 _NUMPY: dict[str, Any] = {
     "F32": np.dtype("<f4"),
@@ -113,28 +116,80 @@ def _check_shape(shape: object, what: str) -> tuple[int, ...]:
     return shape
 
 
-@dataclass(frozen=True)
 class TensorBytes:
-    """A tensor as raw little-endian bytes: `len(data) == nbytes_of(dtype, shape)`."""
+    """A tensor as raw little-endian bytes: `len(data) == nbytes_of(dtype, shape)`.
+
+    Built from `bytes`, or without a copy from any read-only C-contiguous buffer of memory
+    nobody writes (a memoryview such as a slice of a downloaded payload, a read-only numpy
+    array a backend produced and handed over); a writable buffer is refused, since its
+    owner could change the tensor afterwards. `buffer` is the zero-copy read-only byte view
+    every reader in the library uses; `data` is the same bytes as a `bytes` object (the
+    object itself when built from bytes, else a copy made on each access). Immutable;
+    equal when dtype, shape and bytes are; the hash follows equality; pickling stores
+    plain bytes.
+    """
+
+    __slots__ = ("_data", "dtype", "shape")
 
     dtype: str
     shape: tuple[int, ...]
-    data: bytes
+    _data: bytes | memoryview
 
-    def __post_init__(self) -> None:
-        dtype_bits(self.dtype)
-        _check_shape(self.shape, "TensorBytes")
-        if not isinstance(self.data, bytes):
+    def __init__(self, dtype: str, shape: tuple[int, ...], data: Any) -> None:
+        dtype_bits(dtype)
+        _check_shape(shape, "TensorBytes")
+        held = data if isinstance(data, bytes) else _readonly_view(data)
+        want = nbytes_of(dtype, shape)
+        if len(held) != want:
             raise ConfigError(
-                f"TensorBytes data must be bytes, not {type(self.data).__name__}; "
-                "wrap it with bytes(...)"
+                f"TensorBytes {dtype}{list(shape)} needs {want} bytes but holds {len(held)}"
             )
-        want = nbytes_of(self.dtype, self.shape)
-        if len(self.data) != want:
-            raise ConfigError(
-                f"TensorBytes {self.dtype}{list(self.shape)} needs {want} bytes "
-                f"but holds {len(self.data)}"
-            )
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "_data", held)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"TensorBytes is immutable; cannot set {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"TensorBytes is immutable; cannot delete {name!r}")
+
+    @property
+    def data(self) -> bytes:
+        """The data as `bytes` (a copy when the tensor views shared memory; hot paths read
+        `buffer` instead)."""
+        d = self._data
+        return d if isinstance(d, bytes) else d.tobytes()
+
+    @property
+    def buffer(self) -> bytes | memoryview:
+        """The data without a copy: `bytes`, or a read-only flat byte memoryview."""
+        return self._data
+
+    @property
+    def is_view(self) -> bool:
+        """Whether the data is shared memory (a memoryview) rather than its own bytes."""
+        return not isinstance(self._data, bytes)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TensorBytes):
+            return NotImplemented
+        return (
+            self.dtype == other.dtype
+            and self.shape == other.shape
+            and _same_bytes(self._data, other._data)
+        )
+
+    def __hash__(self) -> int:
+        # Equal tensors have equal prefixes: hashing a bounded prefix keeps hash() cheap
+        # for large tensors and never needs a hashable buffer owner.
+        return hash((self.dtype, self.shape, len(self._data), bytes(self._data[:64])))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (TensorBytes, (self.dtype, self.shape, self.data))
+
+    def __repr__(self) -> str:
+        return f"TensorBytes(dtype={self.dtype!r}, shape={self.shape!r}, nbytes={self.nbytes})"
 
     @property
     def numel(self) -> int:
@@ -144,11 +199,18 @@ class TensorBytes:
     @property
     def nbytes(self) -> int:
         """Number of data bytes."""
-        return len(self.data)
+        return len(self._data)
 
     @classmethod
-    def from_numpy(cls, array: npt.ArrayLike) -> TensorBytes:
-        """Wrap a float32/float16/bfloat16/float8_e4m3fn/float8_e8m0fnu array (copied).
+    def from_numpy(cls, array: npt.ArrayLike, *, copy: bool = True) -> TensorBytes:
+        """Wrap a float32/float16/bfloat16/float8_e4m3fn/float8_e8m0fnu array.
+
+        With `copy` (the default) the data is copied unless it provably cannot change (a
+        read-only view of `bytes`, as `to_numpy` returns), so the caller may go on writing
+        its array. `copy=False` hands the array over without a copy: it must be
+        C-contiguous, little-endian and of one of those dtypes (else `ConfigError`); it is
+        marked read-only, and the caller promises that nothing writes its memory again
+        through any other alias.
 
         A `ml_dtypes.float4_e2m1fn` array (one code per byte) is packed two per byte.
         """
@@ -157,21 +219,95 @@ class TensorBytes:
             return cls("F4", tuple(arr.shape), _pack_nibbles(arr.reshape(-1).view(np.uint8)))
         for name, dt in _NUMPY.items():
             if arr.dtype == dt or (arr.dtype.kind == "f" and arr.dtype.newbyteorder("<") == dt):
-                data = np.ascontiguousarray(arr, dtype=dt).tobytes()
-                return cls(name, tuple(int(d) for d in arr.shape), data)
+                shape = tuple(int(d) for d in arr.shape)
+                if not copy:
+                    if arr.dtype != dt or not arr.flags.c_contiguous:
+                        raise ConfigError(
+                            f"from_numpy(copy=False) needs a C-contiguous {dt} array; "
+                            f"got {arr.dtype}, contiguous={arr.flags.c_contiguous}"
+                        )
+                    arr.flags.writeable = False
+                    return cls(name, shape, arr)
+                if arr.dtype == dt and arr.flags.c_contiguous and _immutable(arr):
+                    return cls(name, shape, arr)
+                return cls(name, shape, np.ascontiguousarray(arr, dtype=dt).tobytes())
         raise ConfigError(
             f"cannot wrap a numpy array of dtype {arr.dtype}; use float32, float16, "
             "ml_dtypes.bfloat16, float8_e4m3fn, float8_e8m0fnu or float4_e2m1fn"
         )
 
     def to_numpy(self) -> npt.NDArray[Any]:
-        """A read-only numpy view of the data (F4: unpacked to one float4_e2m1fn per byte)."""
+        """A read-only numpy view of the data, no copy (F4: unpacked to one
+        float4_e2m1fn per byte, a new array)."""
         if self.dtype == "F4":
-            codes = _unpack_nibbles(self.data, self.numel)
+            codes = _unpack_nibbles(self._data, self.numel)
             out: npt.NDArray[Any] = codes.view(ml_dtypes.float4_e2m1fn).reshape(self.shape)
         else:
-            out = np.frombuffer(self.data, dtype=_NUMPY[self.dtype]).reshape(self.shape)
+            out = np.frombuffer(self._data, dtype=_NUMPY[self.dtype]).reshape(self.shape)
         return out
+
+
+def handed_over(array: npt.NDArray[_A]) -> npt.NDArray[_A]:
+    """`array` made read-only, to be held by a TensorBytes without a copy. For arrays the
+    caller just made and references nowhere else: nothing may write them afterwards."""
+    array.flags.writeable = False
+    return array
+
+
+def _readonly_view(data: object) -> bytes | memoryview:
+    """`data` as bytes, or as a read-only flat byte view of the same memory (no copy)."""
+    if isinstance(data, np.ndarray):
+        if data.flags.writeable or not data.flags.c_contiguous:
+            raise ConfigError(
+                "TensorBytes data must be bytes, not a writable or non-contiguous numpy "
+                "array; use TensorBytes.from_numpy(...)"
+            )
+        # A byte view first: the buffer protocol does not know ml_dtypes' dtypes.
+        data = data.reshape(-1).view(np.uint8).data
+    if isinstance(data, memoryview) and data.readonly and data.c_contiguous:
+        if data.ndim != 1 or data.format != "B":
+            try:
+                data = data.cast("B")
+            except TypeError as exc:
+                raise ConfigError(f"TensorBytes cannot view this buffer as bytes: {exc}") from None
+        return data
+    raise ConfigError(
+        f"TensorBytes data must be bytes, not {type(data).__name__}, or a read-only "
+        "contiguous buffer (memoryview, numpy array); wrap it with bytes(...)"
+    )
+
+
+def _immutable(arr: npt.NDArray[Any]) -> bool:
+    """Whether `arr`'s memory provably cannot change: read-only all the way down to a
+    `bytes` object (an array that owns its memory can be made writable again)."""
+    obj: object = arr
+    while True:
+        if isinstance(obj, np.ndarray):
+            if obj.flags.writeable or obj.base is None:
+                return False
+            obj = obj.base
+        elif isinstance(obj, memoryview):
+            if not obj.readonly:
+                return False
+            obj = obj.obj
+        else:
+            return isinstance(obj, bytes)
+
+
+#: Bytes compared per step by `_same_bytes` (memoryview comparison goes element by element).
+_COMPARE_STEP = 1 << 20
+
+
+def _same_bytes(a: bytes | memoryview, b: bytes | memoryview) -> bool:
+    if isinstance(a, bytes) and isinstance(b, bytes):
+        return a == b
+    if len(a) != len(b):
+        return False
+    va, vb = memoryview(a), memoryview(b)
+    return all(
+        va[s : s + _COMPARE_STEP].tobytes() == vb[s : s + _COMPARE_STEP].tobytes()
+        for s in range(0, len(va), _COMPARE_STEP)
+    )
 
 
 def _pack_nibbles(codes: npt.NDArray[np.uint8]) -> bytes:
@@ -182,7 +318,7 @@ def _pack_nibbles(codes: npt.NDArray[np.uint8]) -> bytes:
     return (pairs[:, 0] | (pairs[:, 1] << np.uint8(4))).tobytes()
 
 
-def _unpack_nibbles(data: bytes, numel: int) -> npt.NDArray[np.uint8]:
+def _unpack_nibbles(data: bytes | memoryview, numel: int) -> npt.NDArray[np.uint8]:
     packed = np.frombuffer(data, dtype=np.uint8)
     out = np.empty(packed.size * 2, dtype=np.uint8)
     out[0::2] = packed & np.uint8(0x0F)
@@ -404,13 +540,13 @@ def pack_header(
         shape = list(tensor.shape)
         if tensor.dtype == "F4" and not (shape and shape[-1] % 2 == 0):
             meta[_F4_SHAPE_PREFIX + name] = json.dumps(shape, separators=(",", ":"))
-            shape = [2 * len(tensor.data)]
+            shape = [2 * tensor.nbytes]
         entries[name] = {
             "dtype": tensor.dtype,
             "shape": shape,
-            "data_offsets": [offset, offset + len(tensor.data)],
+            "data_offsets": [offset, offset + tensor.nbytes],
         }
-        offset += len(tensor.data)
+        offset += tensor.nbytes
     head: dict[str, Any] = {"__metadata__": dict(sorted(meta.items()))} if meta else {}
     head.update(entries)
     text = json.dumps(head, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
@@ -425,7 +561,7 @@ def pack(tensors: Mapping[str, TensorBytes], metadata: Mapping[str, str] | None 
     give equal blobs, so golden payloads and SHA-256 references stay stable.
     """
     header, order = pack_header(tensors, metadata)
-    return b"".join([header, *(tensors[n].data for n in order)])
+    return b"".join([header, *(tensors[n].buffer for n in order)])
 
 
 @dataclass(frozen=True)
@@ -440,20 +576,24 @@ class Span:
 
 
 def unpack(
-    blob: bytes,
+    blob: bytes | memoryview,
     *,
     key: str = "payload",
     max_tensors: int = MAX_TENSORS,
     max_header_bytes: int = MAX_HEADER_BYTES,
 ) -> dict[str, TensorBytes]:
-    """Read a safetensors blob; `CorruptPayload` naming `key` and the tensor on bad input."""
+    """Read a safetensors blob; `CorruptPayload` naming `key` and the tensor on bad input.
+
+    The tensors are read-only views into `blob` (no copy; a writable `blob` is copied
+    once first), so they keep the whole blob alive.
+    """
     return unpack_with_metadata(
         blob, key=key, max_tensors=max_tensors, max_header_bytes=max_header_bytes
     )[0]
 
 
 def unpack_with_metadata(
-    blob: bytes,
+    blob: bytes | memoryview,
     *,
     key: str = "payload",
     max_tensors: int = MAX_TENSORS,
@@ -463,15 +603,23 @@ def unpack_with_metadata(
     spans, meta = read_index(
         blob, key=key, max_tensors=max_tensors, max_header_bytes=max_header_bytes
     )
-    view = memoryview(blob)
+    view = frozen_view(blob)
     out: dict[str, TensorBytes] = {}
     for span in spans:
-        out[span.name] = TensorBytes(span.dtype, span.shape, bytes(view[span.start : span.end]))
+        out[span.name] = TensorBytes(span.dtype, span.shape, view[span.start : span.end])
     return out, meta
 
 
+def frozen_view(blob: bytes | bytearray | memoryview) -> memoryview:
+    """A read-only byte view of `blob` that nobody can write: `bytes` and read-only views
+    are viewed in place, anything writable is copied once (its owner could change it)."""
+    if isinstance(blob, memoryview) and blob.readonly:
+        return blob.cast("B") if blob.format != "B" or blob.ndim != 1 else blob
+    return memoryview(blob if isinstance(blob, bytes) else bytes(blob))
+
+
 def read_index(
-    blob: bytes,
+    blob: bytes | memoryview,
     *,
     key: str = "payload",
     max_tensors: int = MAX_TENSORS,

@@ -63,7 +63,7 @@ def theta_digest(theta: Mapping[str, TensorBytes], names: Sequence[str]) -> str:
     for n in names:
         t = theta[n]
         h.update(f"{n}\0{t.dtype}\0{list(t.shape)}\0".encode())
-        h.update(t.data)
+        h.update(t.buffer)
     return h.hexdigest()
 
 

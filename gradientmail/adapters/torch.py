@@ -9,6 +9,7 @@ communication thread.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -28,23 +29,40 @@ _FROM_NAME = {
 }
 
 
-def to_torch(tensor: TensorBytes, device: torch.device | str | None = None) -> torch.Tensor:
-    """A new torch tensor holding `tensor` (F32/F16/BF16/F8_E4M3), on `device`."""
+# torch.frombuffer warns (once per process) that a read-only buffer is not writable. The
+# views made here are only ever read (copied from), so spend that warning at import.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.frombuffer(bytes(4), dtype=torch.float32)
+
+
+def _view(tensor: TensorBytes) -> torch.Tensor:
+    """A CPU tensor over `tensor`'s memory, no copy. It may be read-only memory shared
+    with a payload: only read it (copy from it), never write it or hand it out."""
     try:
         dtype = _FROM_NAME[tensor.dtype]
     except KeyError:
         raise ConfigError(
             f"cannot load a {tensor.dtype} tensor into torch directly; dequantize it first"
         ) from None
-    if tensor.numel == 0:
-        out = torch.empty(tensor.shape, dtype=dtype)
-    else:
-        out = torch.frombuffer(bytearray(tensor.data), dtype=dtype).reshape(tensor.shape)
-    return out.to(device) if device is not None else out
+    if tensor.numel == 0:  # frombuffer refuses an empty buffer
+        return torch.empty(tensor.shape, dtype=dtype)
+    return torch.frombuffer(tensor.buffer, dtype=dtype).reshape(tensor.shape)
+
+
+def to_torch(tensor: TensorBytes, device: torch.device | str | None = None) -> torch.Tensor:
+    """A new torch tensor holding `tensor` (F32/F16/BF16/F8_E4M3), on `device`: one copy,
+    straight from the TensorBytes' memory to the device."""
+    return _view(tensor).to(device=device, copy=True)
 
 
 def from_torch(tensor: torch.Tensor, dtype: str | None = None) -> TensorBytes:
-    """The bytes of `tensor` (cast to `dtype` first, round to nearest even), on the host."""
+    """The bytes of `tensor` (cast to `dtype` first, round to nearest even), on the host.
+
+    At most one copy: a conversion or device-to-host transfer makes new memory, which the
+    TensorBytes then holds as is; a CPU tensor already in `dtype` is copied once (its
+    owner may write it later).
+    """
     if dtype is None:
         dtype = _TO_NAME.get(tensor.dtype, "")
         if not dtype:
@@ -52,9 +70,13 @@ def from_torch(tensor: torch.Tensor, dtype: str | None = None) -> TensorBytes:
     target = _FROM_NAME.get(dtype)
     if target is None or dtype == "F8_E4M3":
         raise ConfigError(f"from_torch: dtype {dtype!r} must be F32, F16 or BF16")
-    t = tensor.detach().to(device="cpu", dtype=target).contiguous()
+    source = tensor.detach()
+    t = source.to(device="cpu", dtype=target).contiguous()
     # Reinterpret as bytes: numpy has no bfloat16, so view the storage as uint8.
-    raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    raw = t.reshape(-1).view(torch.uint8).numpy()
+    if source.numel() and t.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
+        raw = raw.copy()
+    raw.flags.writeable = False
     return TensorBytes(dtype, tuple(t.shape), raw)
 
 
@@ -108,7 +130,9 @@ class TorchAdapter:
     def load(self, values: Mapping[str, TensorBytes]) -> dict[str, torch.Tensor]:
         """`values` as tensors on the parameters' device, in their storage dtypes."""
         return {
-            n: to_torch(t, self._params[n].device).to(self._params[n].dtype)
+            n: _view(t).to(
+                device=self._params[n].device, dtype=self._params[n].dtype, copy=True
+            )
             for n, t in values.items()
         }
 
@@ -170,7 +194,7 @@ class TorchAdapter:
 
     @staticmethod
     def _on_device(value: Any, p: torch.nn.Parameter) -> torch.Tensor:
-        if isinstance(value, TensorBytes):
-            return to_torch(value, p.device)
-        out: torch.Tensor = value.to(p.device)
+        # A TensorBytes is read in place (on the CPU; callers only read the result: copy_,
+        # or arithmetic into a fresh tensor), so a payload is not copied once more.
+        out: torch.Tensor = (_view(value) if isinstance(value, TensorBytes) else value).to(p.device)
         return out

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from gradientmail.backends.pool import DEFAULT_POOL_BYTES, BufferPool
 from gradientmail.errors import ConfigError
 from gradientmail.serialization import STORAGE_DTYPES, TensorBytes
 
@@ -34,8 +35,11 @@ F32Array = npt.NDArray[np.float32]
 #: length a step touches stay in a core's L2 cache, and each numpy call does enough work
 #: to amortise its overhead (and the GIL, when several threads run).
 CHUNK = 1 << 16
-#: Elements per step of `gram`, whose float64 copies of M vectors must fit in L2 too.
-GRAM_CHUNK = 1 << 14
+#: Elements per step of `gram`: its float64 copies of M vectors (two of them, see
+#: `_gram_block`) stay within a few MB, and each step's batched product is large enough
+#: that two threads do not wait on each other between numpy calls (measured on 2 cores:
+#: M=8 1.5x faster than 1 << 14).
+GRAM_CHUNK = 1 << 15
 #: Elements per task a thread takes. Fixed, not derived from the thread count, so that
 #: float64 partial sums are added in the same order whatever the number of threads.
 BLOCK = 1 << 20
@@ -73,15 +77,29 @@ def f32_to_bf16_bits(a: F32Array) -> npt.NDArray[np.uint16]:
 class NumpyValue:
     """An F32 tensor held as a numpy array. Operations return new Values; none mutates."""
 
-    __slots__ = ("_a", "_source")
+    __slots__ = ("_a", "_finite", "_owned", "_source")
 
-    def __init__(self, array: F32Array, source: bytes | None = None) -> None:
+    def __init__(self, array: F32Array, source: bytes | memoryview | None = None) -> None:
         if array.dtype != np.float32:
             raise ConfigError(f"NumpyValue holds float32 arrays, not {array.dtype}")
         self._a = array
         # The F32 bytes the array views, when it was loaded from them: to_bytes("F32")
-        # hands them back instead of copying (bytes are immutable, so they cannot differ).
+        # hands them back instead of copying (a TensorBytes' data never changes).
         self._source = source
+        # Whether the array is this Value's alone (a result of the backend): to_bytes
+        # then hands it over without a copy. An array a caller passed in may be written
+        # by that caller later, so it is copied.
+        self._owned = False
+        # Whether every element is finite, when a fused helper found out while writing it.
+        self._finite: bool | None = None
+
+    @classmethod
+    def _of(cls, array: F32Array, finite: bool | None = None) -> NumpyValue:
+        """A Value owning `array`, which nothing else references or writes."""
+        value = cls(array)
+        value._owned = True
+        value._finite = finite
+        return value
 
     @property
     def array(self) -> F32Array:
@@ -103,14 +121,14 @@ class NumpyValue:
         return other._a
 
     def __add__(self, other: Any) -> NumpyValue:
-        return NumpyValue(np.add(self._a, self._other(other)))
+        return NumpyValue._of(np.add(self._a, self._other(other)))
 
     def __sub__(self, other: Any) -> NumpyValue:
-        return NumpyValue(np.subtract(self._a, self._other(other)))
+        return NumpyValue._of(np.subtract(self._a, self._other(other)))
 
     def __mul__(self, k: float) -> NumpyValue:
         with np.errstate(over="ignore"):
-            return NumpyValue(np.multiply(self._a, np.float32(k)))
+            return NumpyValue._of(np.multiply(self._a, np.float32(k)))
 
     __rmul__ = __mul__
 
@@ -121,28 +139,36 @@ class NumpyValue:
         return math.sqrt(_gram([self._flat()], _serial)[0][0])
 
     def isfinite(self) -> bool:
+        if self._finite is not None:
+            return self._finite
         flat = self._flat()
         return all(_finite(flat, span) for span in _blocks(flat.size))
 
     def to_bytes(self, dtype: str) -> TensorBytes:
+        """The Value in `dtype`. F32 shares the Value's memory (made read-only) when the
+        Value owns it or was loaded from bytes; other dtypes are converted once, into an
+        array the TensorBytes then holds without a further copy."""
         flat = self._flat()
         if dtype == "F32":
             if self._source is not None:
                 return TensorBytes("F32", self.shape, self._source)
-            data = flat.astype("<f4", copy=False).tobytes()
+            if self._owned and flat.dtype == np.dtype("<f4"):
+                data = flat
+            else:
+                data = flat.astype("<f4", copy=True)
         elif dtype == "F16":
             with np.errstate(over="ignore", invalid="ignore"):
-                half = flat.astype("<f2")
+                data = flat.astype("<f2")
             # NaN payloads differ between converters (numpy keeps the payload, CUDA writes
             # 0x7FFF): pin one NaN so every backend writes the same bytes.
-            half.view(np.uint16)[np.isnan(flat)] = 0x7E00
-            data = half.tobytes()
+            data.view(np.uint16)[np.isnan(flat)] = 0x7E00
         elif dtype == "BF16":
-            data = f32_to_bf16_bits(flat).astype("<u2", copy=False).tobytes()
+            data = f32_to_bf16_bits(flat).astype("<u2", copy=False)
         else:
             raise ConfigError(
                 f"to_bytes: dtype {dtype!r} is not one of {', '.join(STORAGE_DTYPES)}"
             )
+        data.flags.writeable = False
         return TensorBytes(dtype, self.shape, data)
 
     def _flat(self) -> F32Array:
@@ -171,37 +197,39 @@ class NumpyBackend:
     The fused helpers split the data into fixed blocks and run them on `threads` threads
     (default: the usable CPUs, at most 4, about where a merge becomes bound by memory
     bandwidth; numpy releases the GIL inside its loops). The result does not depend on the
-    number of threads.
+    number of threads. Their outputs come from a `BufferPool` of up to `pool_bytes`
+    (0: always allocate), so a round reuses the memory of a state dropped since.
     """
 
     name = "numpy"
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, pool_bytes: int = DEFAULT_POOL_BYTES) -> None:
         if threads is None:
             threads = min(_usable_cpus(), 4)
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ConfigError(f"threads={threads!r} must be an int >= 1")
         self.threads = threads
+        self.buffers = BufferPool(pool_bytes)
         self._pool: ThreadPoolExecutor | None = None
 
     def load(self, tensor: TensorBytes) -> NumpyValue:
         """A Value from F32 (zero-copy, read-only), F16 or BF16 bytes (exactly widened)."""
         if tensor.dtype == "F32":
-            return NumpyValue(np.frombuffer(tensor.data, dtype="<f4").reshape(tensor.shape),
-                              tensor.data)
+            a = np.frombuffer(tensor.buffer, dtype="<f4").reshape(tensor.shape)
+            return NumpyValue(a, tensor.buffer)
         if tensor.dtype == "F16":
-            a = np.frombuffer(tensor.data, dtype="<f2").astype(np.float32)
+            a = np.frombuffer(tensor.buffer, dtype="<f2").astype(np.float32)
         elif tensor.dtype == "BF16":
-            bits = np.frombuffer(tensor.data, dtype="<u2").astype(np.uint32) << np.uint32(16)
+            bits = np.frombuffer(tensor.buffer, dtype="<u2").astype(np.uint32) << np.uint32(16)
             a = bits.view(np.float32)
         else:
             raise ConfigError(
                 f"cannot load a {tensor.dtype} tensor as a Value; dequantize it to F32 first"
             )
-        return NumpyValue(a.reshape(tensor.shape))
+        return NumpyValue._of(a.reshape(tensor.shape))
 
     def zeros(self, shape: tuple[int, ...]) -> NumpyValue:
-        return NumpyValue(np.zeros(shape, dtype=np.float32))
+        return NumpyValue._of(np.zeros(shape, dtype=np.float32))
 
     def _map(self, fn: Callable[[tuple[int, int]], _T], spans: list[tuple[int, int]]) -> list[_T]:
         if self.threads == 1 or len(spans) < 2:
@@ -220,7 +248,7 @@ class NumpyBackend:
         float32 first): the bytes of `v0 * c0 + v1 * c1 + …` with Value operations."""
         arrays = _arrays(values)
         ks = _coeffs(coeffs, len(arrays))
-        out = np.empty(arrays[0].size, dtype=np.float32)
+        out = self.buffers.empty(arrays[0].size)
 
         def run(span: tuple[int, int]) -> None:
             tmp = np.empty(CHUNK, dtype=np.float32)
@@ -229,7 +257,7 @@ class NumpyBackend:
                     _lincomb_chunk(arrays, ks, s, n, out[s : s + n], tmp[:n])
 
         self._map(run, _blocks(out.size))
-        return NumpyValue(out.reshape(values[0].shape))
+        return NumpyValue._of(out.reshape(values[0].shape))
 
     def outer_step(
         self,
@@ -249,12 +277,13 @@ class NumpyBackend:
             raise ConfigError(f"theta shape {theta.shape} does not match {values[0].shape}")
         ks = _coeffs(coeffs, len(arrays))
         b, eta = np.float32(beta), np.float32(lr)
-        th_out = np.empty_like(th)
-        mo_out = np.empty_like(mo)
+        th_out = self.buffers.empty(th.size)
+        mo_out = self.buffers.empty(mo.size)
 
-        def run(span: tuple[int, int]) -> None:
+        def run(span: tuple[int, int]) -> bool:
             d = np.empty(CHUNK, dtype=np.float32)
             tmp = np.empty_like(d)
+            finite = True
             with np.errstate(over="ignore", invalid="ignore"):
                 for s, n in _chunks(span):
                     dd, tt, mm = d[:n], tmp[:n], mo_out[s : s + n]
@@ -265,14 +294,21 @@ class NumpyBackend:
                     np.add(dd, tt, out=tt)
                     np.multiply(tt, eta, out=tt)
                     np.subtract(th[s : s + n], tt, out=th_out[s : s + n])
+                    # Checked while the chunk is in cache: all_finite(Θ) needs no pass.
+                    finite = finite and bool(np.isfinite(th_out[s : s + n]).all())
+            return finite
 
-        self._map(run, _blocks(th.size))
+        finite = all(self._map(run, _blocks(th.size)))
         shape = theta.shape
-        return NumpyValue(th_out.reshape(shape)), NumpyValue(mo_out.reshape(shape))
+        return (NumpyValue._of(th_out.reshape(shape), finite),
+                NumpyValue._of(mo_out.reshape(shape)))
 
     def all_finite(self, value: Any) -> bool:
-        """`value.isfinite()`, on the backend's threads."""
+        """`value.isfinite()`, on the backend's threads (known without a pass for the
+        theta of `outer_step`, which checks it while writing it)."""
         (a,) = _arrays([value])
+        if value._finite is not None:
+            return bool(value._finite)
         return all(self._map(lambda span: _finite(a, span), _blocks(a.size)))
 
 
@@ -298,13 +334,18 @@ def _gram_block(arrays: list[F32Array], span: tuple[int, int]) -> npt.NDArray[np
     k = 1 << max(6, min(GRAM_CHUNK, (1 << 17) // (m * m)).bit_length() - 1)
     g = np.zeros((m, m), dtype=np.float64)
     buf = np.empty((GRAM_CHUNK // k, m, k), dtype=np.float64)
+    # A second copy of the block as the right operand: numpy sends block @ block.T to
+    # BLAS syrk, which for these shapes (m rows, k long) runs 1.2-2.7x slower than gemm on
+    # two distinct operands, the float64 copy included.
+    twin = np.empty_like(buf)
     for s, n in _chunks(span, GRAM_CHUNK):
         full = n // k
         if full:
             block = buf[:full]
             for i, a in enumerate(arrays):
                 np.copyto(block[:, i, :], a[s : s + full * k].reshape(full, k))
-            g += np.matmul(block, block.transpose(0, 2, 1)).sum(axis=0)
+            np.copyto(twin[:full], block)
+            g += np.matmul(block, twin[:full].transpose(0, 2, 1)).sum(axis=0)
         if n > full * k:
             tail = np.empty((m, n - full * k), dtype=np.float64)
             for i, a in enumerate(arrays):
@@ -326,7 +367,8 @@ def _gram(
     # number of threads, and for Value.dot, which runs the same blocks in one thread.
     for part in mapper(lambda span: _gram_block(arrays, span), _blocks(arrays[0].size)):
         total += part
-    return [[float(x) for x in row] for row in total]
+    # gemm may round G[i][j] and G[j][i] differently: keep the upper triangle, mirrored.
+    return [[float(total[min(i, j), max(i, j)]) for j in range(m)] for i in range(m)]
 
 
 def _serial(fn: Callable[[tuple[int, int]], _T], spans: list[tuple[int, int]]) -> list[_T]:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from gradientmail.backends.numpy_backend import f32
+from gradientmail.backends.pool import DEFAULT_POOL_BYTES, BufferPool
 from gradientmail.errors import ConfigError
 from gradientmail.serialization import STORAGE_DTYPES, TensorBytes
 
@@ -43,12 +44,22 @@ with warnings.catch_warnings():
 class TorchValue:
     """An F32 tensor held by torch on some device. Operations return new Values."""
 
-    __slots__ = ("_t",)
+    __slots__ = ("_owned", "_t")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         if tensor.dtype != torch.float32:
             raise ConfigError(f"TorchValue holds float32 tensors, not {tensor.dtype}")
         self._t = tensor
+        # Whether the tensor is this Value's alone (a result of the backend, or a view of
+        # bytes nobody writes): to_bytes then shares its host memory instead of copying.
+        self._owned = False
+
+    @classmethod
+    def _of(cls, tensor: torch.Tensor) -> TorchValue:
+        """A Value owning `tensor`, which nothing else writes."""
+        value = cls(tensor)
+        value._owned = True
+        return value
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -70,13 +81,13 @@ class TorchValue:
         return other._t
 
     def __add__(self, other: Any) -> TorchValue:
-        return TorchValue(torch.add(self._t, self._other(other)))
+        return TorchValue._of(torch.add(self._t, self._other(other)))
 
     def __sub__(self, other: Any) -> TorchValue:
-        return TorchValue(torch.sub(self._t, self._other(other)))
+        return TorchValue._of(torch.sub(self._t, self._other(other)))
 
     def __mul__(self, k: float) -> TorchValue:
-        return TorchValue(torch.mul(self._t, f32(k)))
+        return TorchValue._of(torch.mul(self._t, f32(k)))
 
     __rmul__ = __mul__
 
@@ -91,6 +102,9 @@ class TorchValue:
         return _all_finite(self._t)
 
     def to_bytes(self, dtype: str) -> TensorBytes:
+        """The Value in `dtype` as host bytes. F32 on the CPU shares the Value's memory
+        when the Value owns it; everything else is converted or copied to the host once,
+        into memory the TensorBytes then holds without a further copy."""
         if dtype not in STORAGE_DTYPES:
             raise ConfigError(
                 f"to_bytes: dtype {dtype!r} is not one of {', '.join(STORAGE_DTYPES)}"
@@ -101,14 +115,17 @@ class TorchValue:
             # torch's vectorised conversion turns NaN into 0xFFFF, its scalar one into
             # 0x7FC0; pin 0x7FC0 so both backends write the same bytes.
             bits = torch.where(torch.isnan(t), torch.tensor(0x7FC0, dtype=torch.int16), bits)
-            data = bits.cpu().numpy().tobytes()
+            data = bits.cpu().numpy()
         elif dtype == "F16":
             bits = t.to(torch.float16).view(torch.int16)
             # As numpy writes it; CUDA's conversion writes 0x7FFF.
             bits = torch.where(torch.isnan(t), torch.tensor(0x7E00, dtype=torch.int16), bits)
-            data = bits.cpu().numpy().tobytes()
+            data = bits.cpu().numpy()
+        elif t.device.type != "cpu" or self._owned:
+            data = t.cpu().numpy()  # a fresh host copy, or memory no one writes
         else:
-            data = t.cpu().numpy().tobytes()
+            data = t.numpy().copy()
+        data.flags.writeable = False
         return TensorBytes(dtype, self.shape, data)
 
     def __repr__(self) -> str:
@@ -166,23 +183,33 @@ class TorchBackend:
 
     name = "torch"
 
-    def __init__(self, device: str | torch.device | None = None) -> None:
+    def __init__(
+        self, device: str | torch.device | None = None, pool_bytes: int = DEFAULT_POOL_BYTES
+    ) -> None:
         self.device = torch.device("cpu" if device is None else device)
+        # On the CPU, large outputs reuse memory of dropped states (see `BufferPool`).
+        self.buffers = BufferPool(pool_bytes if self.device.type == "cpu" else 0)
+
+    def _empty(self, like: torch.Tensor) -> torch.Tensor:
+        if like.device.type != "cpu":
+            return torch.empty_like(like)
+        return torch.from_numpy(self.buffers.empty(like.numel()))
 
     def load(self, tensor: TensorBytes) -> TorchValue:
-        """A Value from F32, F16 or BF16 bytes (exactly widened to float32)."""
+        """A Value from F32, F16 or BF16 bytes (exactly widened to float32; F32 bytes on
+        the CPU are viewed in place, read-only by the Value contract)."""
         dt = _TORCH_DTYPES.get(tensor.dtype)
         if dt is None:
             raise ConfigError(
                 f"cannot load a {tensor.dtype} tensor as a Value; dequantize it to F32 first"
             )
         # frombuffer refuses an empty buffer.
-        t = torch.frombuffer(tensor.data, dtype=dt) if tensor.data else torch.empty(0, dtype=dt)
+        t = torch.frombuffer(tensor.buffer, dtype=dt) if tensor.nbytes else torch.empty(0, dtype=dt)
         t = t.to(self.device).to(torch.float32)
-        return TorchValue(t.reshape(tensor.shape))
+        return TorchValue._of(t.reshape(tensor.shape))
 
     def zeros(self, shape: tuple[int, ...]) -> TorchValue:
-        return TorchValue(torch.zeros(shape, dtype=torch.float32, device=self.device))
+        return TorchValue._of(torch.zeros(shape, dtype=torch.float32, device=self.device))
 
     def all_finite(self, value: Any) -> bool:
         """`value.isfinite()`."""
@@ -198,13 +225,13 @@ class TorchBackend:
         """c₀·v₀ + c₁·v₁ + … left to right in float32; the bytes of the Value chain."""
         flats = _tensors(values)
         ks = _coeffs(coeffs, len(flats))
-        out = torch.empty_like(flats[0])
+        out = self._empty(flats[0])
         step = _chunk(out)
         tmp = torch.empty(min(step, out.numel()), dtype=torch.float32, device=out.device)
         for s in range(0, out.numel(), step):
             n = min(step, out.numel() - s)
             _lincomb_chunk(flats, ks, s, n, out[s : s + n], tmp[:n])
-        return TorchValue(out.reshape(values[0].shape))
+        return TorchValue._of(out.reshape(values[0].shape))
 
     def outer_step(
         self,
@@ -222,7 +249,7 @@ class TorchBackend:
             raise ConfigError(f"theta shape {theta.shape} does not match {values[0].shape}")
         ks = _coeffs(coeffs, len(flats))
         b, eta = f32(beta), f32(lr)
-        th_out, mo_out = torch.empty_like(th), torch.empty_like(mo)
+        th_out, mo_out = self._empty(th), self._empty(mo)
         step = _chunk(th)
         d = torch.empty(min(step, th.numel()), dtype=torch.float32, device=th.device)
         tmp = torch.empty_like(d)
@@ -237,7 +264,7 @@ class TorchBackend:
             torch.mul(tt, eta, out=tt)
             torch.sub(th[s : s + n], tt, out=th_out[s : s + n])
         shape = tuple(theta.shape)
-        return TorchValue(th_out.reshape(shape)), TorchValue(mo_out.reshape(shape))
+        return TorchValue._of(th_out.reshape(shape)), TorchValue._of(mo_out.reshape(shape))
 
 
 def _coeffs(coeffs: Sequence[float], m: int) -> list[float]:
