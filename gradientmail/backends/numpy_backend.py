@@ -333,7 +333,11 @@ def _gram_block(arrays: list[F32Array], span: tuple[int, int]) -> npt.NDArray[np
     # serialises concurrent callers on a lock, and our threads would wait for each other.
     k = 1 << max(6, min(GRAM_CHUNK, (1 << 17) // (m * m)).bit_length() - 1)
     g = np.zeros((m, m), dtype=np.float64)
-    buf = np.empty((GRAM_CHUNK // k, m, k), dtype=np.float64)
+    # Sized to the span: a small tensor (a LayerNorm's 128 weights) must not allocate two
+    # GRAM_CHUNK-long float64 blocks per round; that allocation held the GIL for 3% of a
+    # tiny GPT-2 run on the training thread's time.
+    rows = max(min(GRAM_CHUNK, span[1] - span[0]) // k, 1)
+    buf = np.empty((rows, m, k), dtype=np.float64)
     # A second copy of the block as the right operand: numpy sends block @ block.T to
     # BLAS syrk, which for these shapes (m rows, k long) runs 1.2-2.7x slower than gemm on
     # two distinct operands, the float64 copy included.
@@ -345,7 +349,12 @@ def _gram_block(arrays: list[F32Array], span: tuple[int, int]) -> npt.NDArray[np
             for i, a in enumerate(arrays):
                 np.copyto(block[:, i, :], a[s : s + full * k].reshape(full, k))
             np.copyto(twin[:full], block)
-            g += np.matmul(block, twin[:full].transpose(0, 2, 1)).sum(axis=0)
+            # np.dot releases the GIL around BLAS; batched np.matmul holds it, which stalled
+            # the training thread of a learner whose embedded closer was merging.
+            acc = np.dot(block[0], twin[0].T)
+            for r in range(1, full):
+                acc += np.dot(block[r], twin[r].T)
+            g += acc
         if n > full * k:
             tail = np.empty((m, n - full * k), dtype=np.float64)
             for i, a in enumerate(arrays):
