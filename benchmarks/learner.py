@@ -84,6 +84,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="steps per block")
     ap.add_argument("--blocks", type=int, default=None, help="interleaved blocks per arm")
     ap.add_argument("--sync-every", type=int, default=None)
+    ap.add_argument("--fragments", type=int, default=4, help="P of the throughput runs")
     ap.add_argument("--table-out", default=None, help="also write the table to this file")
     args = ap.parse_args()
     dev = args.device
@@ -145,7 +146,8 @@ def main() -> None:
     # with the closer embedded in the learner (the default), and with the learner's
     # closing left to `gradientmail sync` in another process (sync=False), as a run on
     # big models would do it on a CPU box.
-    run_alg = DiLoCo(sync_every=sync_every, fragments=4, in_flight=2)
+    run_alg = DiLoCo(sync_every=sync_every, fragments=args.fragments,
+                     in_flight=min(2, args.fragments))
     train_loop(model, 3, batch, block, dev, None)  # warm-up
     arms: dict[str, tuple[list[float], list[float], int, int]] = {}
     added_mib = 0.0
@@ -163,16 +165,22 @@ def main() -> None:
         rss1 = rss_mib()
         plain, gm = [], []
         peak_plain = peak_gm = 0
-        for _ in range(blocks):
-            if dev == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            plain.append(train_loop(model, steps, batch, block, dev, None))
-            if dev == "cuda":
-                peak_plain = max(peak_plain, torch.cuda.max_memory_allocated())
-                torch.cuda.reset_peak_memory_stats()
-            gm.append(train_loop(model, steps, batch, block, dev, with_l))
-            if dev == "cuda":
-                peak_gm = max(peak_gm, torch.cuda.max_memory_allocated())
+        for b in range(blocks):
+            # Alternate which arm goes first, so a machine slowing down or speeding up
+            # within a pair favours neither; each pair gives one ratio.
+            for arm in (("plain", "gm") if b % 2 == 0 else ("gm", "plain")):
+                if dev == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                if arm == "plain":
+                    plain.append(train_loop(model, steps, batch, block, dev, None))
+                else:
+                    gm.append(train_loop(model, steps, batch, block, dev, with_l))
+                if dev == "cuda":
+                    peak = torch.cuda.max_memory_allocated()
+                    if arm == "plain":
+                        peak_plain = max(peak_plain, peak)
+                    else:
+                        peak_gm = max(peak_gm, peak)
         arms[closer] = (plain, gm, with_l.rounds_seen + 1, with_l._handed)
         with_l.close()
         if proc is not None:
@@ -189,11 +197,14 @@ def main() -> None:
     throughput_rows = []
     for closer, (plain, gm, rounds, published) in arms.items():
         sp_plain, sp_gm = statistics.median(plain), statistics.median(gm)
+        ratios = [g / p for g, p in zip(gm, plain, strict=True)]
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
         where = "in the learner" if closer == "embedded" else "in another process"
         throughput_rows += [
             f"| steps/s without learner / with it, closer {where} ({published} published, "
             f"{rounds} committed) | {sp_plain:.2f} / {sp_gm:.2f} | |",
-            f"| with / without, closer {where} | {sp_gm / sp_plain:.3f}x | >= 0.99x |",
+            f"| with / without, closer {where} (median of {len(ratios)} paired blocks; "
+            f"quartiles {q1:.3f}-{q3:.3f}) | {statistics.median(ratios):.3f}x | >= 0.99x |",
         ]
     frag_mb = sum(
         params[n].numel() * params[n].element_size() for names in learner.plan for n in names
@@ -213,7 +224,9 @@ def main() -> None:
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, device {dev}"
         f"{' (' + torch.cuda.get_device_name() + ')' if dev == 'cuda' else ''}; "
         f"model GPT-2 {args.model}, batch {batch}x{block}, {blocks} interleaved blocks of "
-        f"{steps} steps, DiLoCo H={sync_every}, P=4, τ=2, local-directory mailbox.\n"
+        f"{steps} steps, DiLoCo H={sync_every}, P={args.fragments}, "
+        f"τ={min(2, args.fragments)} (a round every {sync_every // args.fragments} steps), "
+        f"local-directory mailbox.\n"
         f"Command: `python benchmarks/learner.py {' '.join(sys.argv[1:])}`\n\n"
     )
     print(header + table)
