@@ -17,7 +17,8 @@ Written payloads carry the claim attempt that wrote them, so a superseded creato
 closer that wakes up late can never overwrite what the winner's record references.
 
 Decisions (which keys to sweep, which contributions a round may use, which claim is
-current, what a lease listing says) are pure functions here; `Exchange` only does I/O.
+current) are pure functions in `gradientmail.keyspace`, re-exported here; `Exchange` only
+does I/O.
 Every record passes through a `Seal`: `PlainSeal` stores canonical JSON as is; with a run
 key, `gradientmail.auth.HmacSeal` seals and checks every record.
 """
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 from collections.abc import Iterable, Mapping
 from typing import Protocol, TypeVar
 
@@ -40,12 +40,27 @@ from gradientmail.errors import (
     ProtocolError,
     RemoteProtocolError,
 )
+from gradientmail.keyspace import (
+    _ARTIFACT_KINDS,
+    _ROUND_AREAS,
+    _ROUND_LIMIT,
+    MANIFEST_KEY,
+    Contributions,
+    Rejected,
+    _attempts,
+    _check_number,
+    _round_dir,
+    artifact_key,
+    current_attempt,
+    plan_sweep,
+    round_key,
+    screen_snapshots,
+)
 from gradientmail.lease import LeaseTracker, lease_counters, lease_key
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.records import (
     CODECS,
     CreationClaim,
-    Dropped,
     Manifest,
     PayloadRef,
     Record,
@@ -72,137 +87,7 @@ __all__ = [
     "screen_snapshots",
 ]
 
-MANIFEST_KEY = "manifest.json"
-_ROUND_LIMIT = 10**10
-_ARTIFACT_KINDS = ("theta", "outer", "updates")
-_ROUND_AREAS = ("payloads/", "snapshots/", "claims/round/")
-_NUMBERED = re.compile(r"(\d{10})")
-_ATTEMPT = re.compile(r"\d{6}")
-_ARTIFACT = re.compile(r"(theta|outer|updates)/(\d+)/(\d{10})-(\d{6})(\..+)")
 _R = TypeVar("_R", bound=Record)
-
-
-def _check_number(what: str, value: int, limit: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
-        raise LocalProtocolError(f"{what}={value!r} must be an integer in [0, {limit})")
-    return value
-
-
-def round_key(round_: int) -> str:
-    """`rounds/<round>.json`, the commit record of `round_`."""
-    return f"rounds/{_check_number('round', round_, _ROUND_LIMIT):010d}.json"
-
-
-def _round_dir(area: str, round_: int) -> str:
-    return f"{area}{_check_number('round', round_, _ROUND_LIMIT):010d}/"
-
-
-def artifact_key(kind: str, fragment: int, version: int, attempt: int, ext: str) -> str:
-    """`<kind>/<fragment>/<version>-<attempt><ext>` for kind theta, outer or updates."""
-    if kind not in _ARTIFACT_KINDS:
-        raise LocalProtocolError(f"artifact kind {kind!r} must be one of {_ARTIFACT_KINDS}")
-    _check_number("fragment", fragment, 10**6)
-    return (f"{kind}/{fragment}/{_check_number('version', version, _ROUND_LIMIT):010d}"
-            f"-{_check_number('attempt', attempt, 10**6):06d}{ext}")
-
-
-def current_attempt(attempts: Iterable[int]) -> int | None:
-    """The claim that counts: the highest attempt (a takeover claims attempt + 1)."""
-    return max(attempts, default=None)
-
-
-def _attempts(keys: Iterable[str], prefix: str) -> list[int]:
-    out = []
-    for key in keys:
-        rest = key[len(prefix):]
-        if key.startswith(prefix) and _ATTEMPT.fullmatch(rest):
-            out.append(int(rest))
-    return sorted(out)
-
-
-@dataclasses.dataclass(frozen=True)
-class Rejected:
-    """A contribution record that could not be used: its key, its learner (when the key
-    names a valid one) and why."""
-
-    key: str
-    learner: str | None
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Contributions:
-    """A round's contributions: the well-formed records (by learner id) and the rejected."""
-
-    records: tuple[SnapshotRecord, ...]
-    rejected: tuple[Rejected, ...]
-
-
-def screen_snapshots(
-    snapshots: Iterable[SnapshotRecord],
-    *,
-    fragment: int,
-    version: int,
-    schema_digest: str,
-) -> tuple[list[SnapshotRecord], list[Dropped]]:
-    """Split a round's contributions into usable ones and dropped ones (with the reason).
-
-    A usable contribution trains the round's `fragment`, against its current `version`
-    (anything else is stale), for the run's schema.
-    """
-    usable: list[SnapshotRecord] = []
-    dropped: list[Dropped] = []
-    for s in snapshots:
-        if s.fragment != fragment:
-            dropped.append(Dropped(s.learner, f"fragment {s.fragment}; the round trains "
-                                              f"fragment {fragment}"))
-        elif s.base_version != version:
-            dropped.append(Dropped(s.learner, f"stale: base version {s.base_version}; "
-                                              f"fragment {fragment} is at version {version}"))
-        elif s.schema_digest != schema_digest:
-            dropped.append(Dropped(s.learner, f"schema digest {s.schema_digest[:12]} differs "
-                                              f"from the run's {schema_digest[:12]}"))
-        else:
-            usable.append(s)
-    return usable, dropped
-
-
-def plan_sweep(
-    keys: Iterable[str], latest: Mapping[int, RoundRecord], keep_versions: int = 2
-) -> list[str]:
-    """The keys to delete once `latest` (each fragment's newest record) is committed.
-
-    Deleted: payloads, snapshots and closer claims of closed rounds (round <= the newest
-    committed round), and the theta/outer/update payloads of each fragment older than its
-    newest `keep_versions` versions, or of its newest version but not referenced by its
-    record (a superseded closer's upload). Never deleted: anything the newest records
-    reference, versions not yet committed (a closer may be uploading them), fragments with
-    no record in `latest`, and keys of any shape this function does not know.
-    """
-    if isinstance(keep_versions, bool) or not isinstance(keep_versions, int) \
-            or keep_versions < 1:
-        raise ConfigError(f"keep_versions={keep_versions!r} must be an integer >= 1")
-    if not latest:
-        return []
-    closed = max(r.round for r in latest.values())
-    referenced = {ref.key for r in latest.values() for ref in r.payload_refs()}
-    doomed = []
-    for key in keys:
-        area = next((a for a in _ROUND_AREAS if key.startswith(a)), None)
-        if area is not None:
-            m = _NUMBERED.match(key[len(area):])
-            if m is not None and key[len(area) + 10:].startswith("/") \
-                    and int(m.group(1)) <= closed:
-                doomed.append(key)
-            continue
-        art = _ARTIFACT.fullmatch(key)
-        if art is None or key in referenced or int(art.group(2)) not in latest:
-            continue
-        newest = latest[int(art.group(2))].version
-        version = int(art.group(3))
-        if version <= newest - keep_versions or version == newest:
-            doomed.append(key)
-    return doomed
 
 
 class Seal(Protocol):
