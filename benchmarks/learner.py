@@ -76,6 +76,11 @@ def train_loop(model: torch.nn.Module, steps: int, batch: int, block: int, devic
     return steps / (time.perf_counter() - t0)
 
 
+def _quartiles(xs: list[float]) -> str:
+    q1, _, q3 = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+    return f"{q1:.3f}-{q3:.3f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -149,6 +154,9 @@ def main() -> None:
     run_alg = DiLoCo(sync_every=sync_every, fragments=args.fragments,
                      in_flight=min(2, args.fragments))
     train_loop(model, 3, batch, block, dev, None)  # warm-up
+    # The resolution of this machine: the same pairing with no learner in either block.
+    same = [train_loop(model, steps, batch, block, dev, None)
+            / train_loop(model, steps, batch, block, dev, None) for _ in range(blocks)]
     arms: dict[str, tuple[list[float], list[float], int, int]] = {}
     added_mib = 0.0
     for closer in ("embedded", "process"):
@@ -194,17 +202,19 @@ def main() -> None:
     med_idle = statistics.median(idle) * 1e6
     med_due = statistics.median(due) * 1e6
     med_clone = statistics.median(clone) * 1e6
-    throughput_rows = []
+    throughput_rows = [
+        f"| without / without: the noise of this pairing (median of {len(same)} paired "
+        f"blocks; quartiles {_quartiles(same)}) | {statistics.median(same):.3f}x | |"
+    ]
     for closer, (plain, gm, rounds, published) in arms.items():
         sp_plain, sp_gm = statistics.median(plain), statistics.median(gm)
         ratios = [g / p for g, p in zip(gm, plain, strict=True)]
-        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
         where = "in the learner" if closer == "embedded" else "in another process"
         throughput_rows += [
             f"| steps/s without learner / with it, closer {where} ({published} published, "
             f"{rounds} committed) | {sp_plain:.2f} / {sp_gm:.2f} | |",
             f"| with / without, closer {where} (median of {len(ratios)} paired blocks; "
-            f"quartiles {q1:.3f}-{q3:.3f}) | {statistics.median(ratios):.3f}x | >= 0.99x |",
+            f"quartiles {_quartiles(ratios)}) | {statistics.median(ratios):.3f}x | >= 0.99x |",
         ]
     frag_mb = sum(
         params[n].numel() * params[n].element_size() for names in learner.plan for n in names
