@@ -127,6 +127,9 @@ def main() -> None:
             save_file(
                 {n: p.detach().cpu().contiguous() for n, p in net.named_parameters()}, args.output
             )
+    # Accelerate's own advice: tear the process group down before exit (left to interpreter
+    # shutdown, gloo's threads can abort a finished run).
+    accelerator.end_training()
 
 
 if __name__ == "__main__":

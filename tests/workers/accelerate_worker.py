@@ -119,6 +119,10 @@ def main() -> None:
     }
     path = Path(args.out) / f"{args.learner_id}.rank{rank}.json"
     path.write_text(json.dumps(out))
+    # Tear the gloo process group down here: left to interpreter exit, its threads now and
+    # then abort the process ("terminate called without an active exception", exit -6)
+    # after a good run, as in the Lightning DDP worker.
+    accelerator.end_training()
 
 
 if __name__ == "__main__":
