@@ -154,9 +154,13 @@ def main() -> None:
     run_alg = DiLoCo(sync_every=sync_every, fragments=args.fragments,
                      in_flight=min(2, args.fragments))
     train_loop(model, 3, batch, block, dev, None)  # warm-up
-    # The resolution of this machine: the same pairing with no learner in either block.
-    same = [train_loop(model, steps, batch, block, dev, None)
-            / train_loop(model, steps, batch, block, dev, None) for _ in range(blocks)]
+    # The resolution of this machine: the same pairing with no learner in either block,
+    # alternating which block is the numerator, as the arms below alternate their order.
+    same = []
+    for b in range(blocks):
+        first = train_loop(model, steps, batch, block, dev, None)
+        second = train_loop(model, steps, batch, block, dev, None)
+        same.append(first / second if b % 2 == 0 else second / first)
     arms: dict[str, tuple[list[float], list[float], int, int]] = {}
     added_mib = 0.0
     for closer in ("embedded", "process"):
