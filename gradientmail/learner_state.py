@@ -97,6 +97,14 @@ def advanced(state: LearnerState, tokens: int, seconds: float | None = None) -> 
 
 
 def candidate_round(state: LearnerState) -> int:
+    """The round this learner would publish next: a hole first (an open round below its
+    last publish that it has no publish for: one whose upload failed after a later round
+    went out; the round may be waiting for it), else the first round after both its last
+    publish and the newest commit."""
+    own = {p.round for p in state.publishes}
+    for r in range(state.rounds_seen + 1, state.last_published):
+        if r not in own:
+            return r
     return max(state.last_published + 1, state.rounds_seen + 1)
 
 
@@ -137,8 +145,8 @@ def due_round(
     r = publishable(state, schedule)
     if r is None:
         return None
-    if state.local_step - state.last_publish_step >= schedule.gap(r):
-        return r
+    if r < state.last_published or state.local_step - state.last_publish_step >= schedule.gap(r):
+        return r  # a hole is due at once: its round may be waiting for this learner
     about_to_close = others >= max(effective_quorum - 1, 1)
     closes_without_us = live is None or others >= effective_quorum or others < live - 1
     return r if about_to_close and closes_without_us else None
@@ -158,8 +166,8 @@ def published(state: LearnerState, round_: int, schedule: RoundSchedule) -> Lear
 
 def retracted(state: LearnerState, round_: int) -> LearnerState:
     """Forget an own publish that failed to upload: the round becomes publishable again
-    (when it is still the newest), and its steps, never reset by a publish, go out with
-    the fragment's next publish."""
+    (before any later one: see `candidate_round`), and its steps, never reset by a
+    publish, go out with the fragment's next publish."""
     remaining = tuple(p for p in state.publishes if p.round != round_)
     if len(remaining) == len(state.publishes):
         return state

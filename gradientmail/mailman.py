@@ -31,6 +31,7 @@ from gradientmail.algorithms.diloco import rebuild_theta
 from gradientmail.algorithms.schedule import RoundSchedule
 from gradientmail.auth import HmacSeal
 from gradientmail.clock import Clock
+from gradientmail.errors import LocalProtocolError
 from gradientmail.events import (
     EventSink,
     PollFailed,
@@ -43,7 +44,7 @@ from gradientmail.join import JoinResult, join_run
 from gradientmail.lease import LeaseTracker
 from gradientmail.protocol import Exchange, payload_bound
 from gradientmail.quantization import quantize
-from gradientmail.records import RoundRecord
+from gradientmail.records import RoundRecord, SnapshotRecord
 from gradientmail.serialization import TensorBytes
 from gradientmail.syncer import theta_digest
 
@@ -364,23 +365,77 @@ class Mailman:
             job = await self._jobs.get()
             if job is None:
                 return
+            t0 = self.clock.now()
             try:
-                await self._publish(job)
+                await self._publish(job, t0)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                self.on_event(PublishFailed(self.learner_id, job.round, repr(exc)))
-                self._failed.put(job.round)
+                await self._publish_failed(job, exc, t0)
             finally:
                 self._finished += 1
 
-    async def _publish(self, job: _Job) -> None:
+    async def _publish_failed(self, job: _Job, exc: Exception, t0: float) -> None:
+        """A publish raised. Unless the error was our own (a refused field, a round taken
+        already), its record may have been written all the same (the answer was lost, or
+        the retries ran out after an attempt that landed), so look before retracting: a
+        retracted publish whose record landed would have its steps counted twice (once in
+        the commit that merged it, again with the next publish)."""
+        outcome, record = (
+            ("absent", None) if isinstance(exc, LocalProtocolError) else await self._settle(job)
+        )
+        if record is not None:
+            self._published(job, record, t0)
+            return
+        self.on_event(PublishFailed(self.learner_id, job.round, repr(exc)))
+        if outcome == "absent":
+            # Known not written: the round may be published again, the steps go out later.
+            # ("closed": the commit's participants say whether it was merged; the training
+            # thread learns it from there.)
+            self._failed.put(job.round)
+
+    async def _settle(self, job: _Job) -> tuple[str, SnapshotRecord | None]:
+        """Whether a failed publish's record landed: ("landed", record), ("absent", None),
+        or ("closed", None) when the round's commit arrived before the store would say
+        (one GET per poll interval while it fails)."""
+        ex = self._exchange
+        assert ex is not None
+        while self._newest_seen < job.round:
+            try:
+                record = await ex.contribution(job.round, self.learner_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                await self.clock.sleep(self.poll_interval)
+                continue
+            if record is not None and (
+                record.fragment, record.base_version, record.local_step, record.steps,
+                record.tokens, record.final,
+            ) == (job.fragment, job.base_version, job.local_step, job.steps, job.tokens,
+                  job.final):
+                return "landed", record
+            return "absent", None
+        return "closed", None
+
+    def _published(self, job: _Job, record: SnapshotRecord, t0: float) -> None:
+        self.on_event(
+            SnapshotPublished(
+                self.learner_id,
+                job.round,
+                job.fragment,
+                job.steps,
+                job.tokens,
+                record.payload.size,
+                self.clock.now() - t0,
+            )
+        )
+
+    async def _publish(self, job: _Job, t0: float) -> None:
         ex = self._exchange
         assert ex is not None
         if job.round <= self._newest_seen and not job.final:
             self.on_event(PublishCancelled(self.learner_id, job.round, "round already closed"))
             return
-        t0 = self.clock.now()
         fmt = self.algorithm.delta_dtype
         tensors = await asyncio.to_thread(self._encode_delta, job, fmt)
         record = await ex.publish(
@@ -397,17 +452,7 @@ class Mailman:
             delta_format=fmt or "F32",
             step_seconds=job.step_seconds,
         )
-        self.on_event(
-            SnapshotPublished(
-                self.learner_id,
-                job.round,
-                job.fragment,
-                job.steps,
-                job.tokens,
-                record.payload.size,
-                self.clock.now() - t0,
-            )
-        )
+        self._published(job, record, t0)
 
     def _encode_delta(self, job: _Job, fmt: str | None) -> dict[str, TensorBytes]:
         delta = self.adapter.delta(job.anchor, job.snapshot)

@@ -358,6 +358,13 @@ class Exchange:
             "a later round"
         )
 
+    async def contribution(self, round_: int, learner: str) -> SnapshotRecord | None:
+        """`learner`'s record for `round_`, or None when it has not contributed (one GET)."""
+        check_learner_id(learner)
+        return await self._read_record(
+            f"{_round_dir('snapshots/', round_)}{learner}.json", SnapshotRecord
+        )
+
     async def publishers(self, round_: int) -> frozenset[str]:
         """Learners whose record for `round_` exists (one LIST, no GET)."""
         prefix = _round_dir("snapshots/", round_)

@@ -79,21 +79,35 @@ def test_publishable_stays_within_tau_of_the_newest_commit() -> None:
 
 
 def test_publishable_exhaustive_against_the_rule() -> None:
-    """Every small state: the candidate is right after both the last publish and the newest
-    commit, at most τ past the commit, and its fragment was trained."""
+    """Every small state: the candidate is the lowest open round below the last publish
+    that has no own publish (a retracted one), else the round right after both the last
+    publish and the newest commit, at most τ past the commit, and its fragment trained."""
     for p, tau in [(1, 1), (2, 1), (2, 2), (3, 2), (3, 3)]:
         sch = RoundSchedule(sync_every=6, fragments=p, in_flight=tau)
-        for seen, last, trained in itertools.product(range(-1, 4), range(-1, 6), range(2**p)):
+        for seen, ahead, trained, holes in itertools.product(
+            range(-1, 4), range(-1, tau + 1), range(2**p), range(2**tau)
+        ):
+            last = seen + ahead if ahead >= 0 else -1
+            open_rounds = list(range(seen + 1, last + 1))
+            if holes >= 2 ** max(len(open_rounds) - 1, 0):
+                continue  # holes only below the last publish, which is never one
+            own = [r for i, r in enumerate(open_rounds) if not holes >> i & 1]
             frags = tuple(FragmentCounters(steps=(trained >> i) & 1) for i in range(p))
-            s = LearnerState(local_step=9, fragments=frags, rounds_seen=seen, last_published=last)
+            s = LearnerState(local_step=9, fragments=frags, rounds_seen=seen, last_published=last,
+                             last_publish_step=9,  # just published: nothing due on schedule
+                             publishes=tuple(Publish(r, 0, 1, 1) for r in own))
             got = publishable(s, sch)
-            cand = max(last, seen) + 1
+            missing = [r for r in open_rounds if r not in own]
+            cand = missing[0] if missing else max(last, seen) + 1
             if cand - seen > tau or not (trained >> (cand % p)) & 1:
-                assert got is None, (p, tau, seen, last, trained)
+                assert got is None, (p, tau, seen, last, trained, holes)
             else:
-                assert got == cand
+                assert got == cand, (p, tau, seen, last, trained, holes)
                 assert seen < got <= seen + tau
-                assert got > last
+                assert got > last or got in missing
+                # a hole is due at once; the next round waits for its gap
+                due = due_round(s, sch, others=0, effective_quorum=2)
+                assert (due == got) if missing else (due is None)
 
 
 def test_due_by_opportunity_when_the_round_is_about_to_close() -> None:
@@ -181,6 +195,12 @@ def test_a_failed_publish_is_retracted_and_its_steps_go_out_next() -> None:
     t = retracted(s, 0)
     assert t.last_published == 1 and [p.round for p in t.publishes] == [1]
     assert retracted(t, 7) is t
+    # round 0 is open and waits for this learner: it goes out next, at once, before round 2
+    assert publishable(t, sch) == 0
+    assert due_round(t, sch, others=0, effective_quorum=2) == 0
+    u = published(t, 0, sch)
+    assert u.last_published == 1 and [p.round for p in u.publishes] == [1, 0]
+    assert publishable(u, sch) is None  # round 2 is τ past the newest commit
 
 
 def test_no_opportunity_when_the_round_waits_for_this_learner_alone() -> None:
