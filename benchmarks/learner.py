@@ -18,6 +18,7 @@ import argparse
 import datetime
 import os
 import platform
+import random
 import resource
 import statistics
 import subprocess
@@ -79,6 +80,22 @@ def train_loop(model: torch.nn.Module, steps: int, batch: int, block: int, devic
 def _quartiles(xs: list[float]) -> str:
     q1, _, q3 = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
     return f"{q1:.3f}-{q3:.3f}"
+
+
+def _paired(num: list[float], den: list[float]) -> tuple[float, float, float]:
+    """Throughput of the `num` blocks over the `den` blocks (each a list of steps/s of
+    equal-length blocks, paired by index): the ratio of total times, and its 95%
+    bootstrap interval over the pairs (2,000 resamples, fixed seed)."""
+    t_num, t_den = [1 / x for x in num], [1 / x for x in den]
+    ratio = sum(t_den) / sum(t_num)
+    rng = random.Random(0)
+    n = len(num)
+    boots = []
+    for _ in range(2000):
+        idx = [rng.randrange(n) for _ in range(n)]
+        boots.append(sum(t_den[i] for i in idx) / sum(t_num[i] for i in idx))
+    boots.sort()
+    return ratio, boots[49], boots[1949]
 
 
 def main() -> None:
@@ -156,11 +173,14 @@ def main() -> None:
     train_loop(model, 3, batch, block, dev, None)  # warm-up
     # The resolution of this machine: the same pairing with no learner in either block,
     # alternating which block is the numerator, as the arms below alternate their order.
-    same = []
+    same, same_num, same_den = [], [], []
     for b in range(blocks):
         first = train_loop(model, steps, batch, block, dev, None)
         second = train_loop(model, steps, batch, block, dev, None)
-        same.append(first / second if b % 2 == 0 else second / first)
+        num, den = (first, second) if b % 2 == 0 else (second, first)
+        same.append(num / den)
+        same_num.append(num)
+        same_den.append(den)
     arms: dict[str, tuple[list[float], list[float], int, int]] = {}
     added_mib = 0.0
     for closer in ("embedded", "process"):
@@ -206,19 +226,26 @@ def main() -> None:
     med_idle = statistics.median(idle) * 1e6
     med_due = statistics.median(due) * 1e6
     med_clone = statistics.median(clone) * 1e6
+    # Each arm: the ratio of total times over its paired blocks (what a run would see),
+    # with a bootstrap interval over the pairs; the median and quartiles of the per-pair
+    # ratios show the spread of one pair.
+    same_r, same_lo, same_hi = _paired(same_num, same_den)
     throughput_rows = [
-        f"| without / without: the noise of this pairing (median of {len(same)} paired "
-        f"blocks; quartiles {_quartiles(same)}) | {statistics.median(same):.3f}x | |"
+        f"| without / without: the noise of this pairing ({len(same)} paired blocks; 95% "
+        f"interval {same_lo:.3f}-{same_hi:.3f}; per pair median {statistics.median(same):.3f}, "
+        f"quartiles {_quartiles(same)}) | {same_r:.3f}x | |"
     ]
     for closer, (plain, gm, rounds, published) in arms.items():
         sp_plain, sp_gm = statistics.median(plain), statistics.median(gm)
         ratios = [g / p for g, p in zip(gm, plain, strict=True)]
+        r, lo, hi = _paired(gm, plain)
         where = "in the learner" if closer == "embedded" else "in another process"
         throughput_rows += [
             f"| steps/s without learner / with it, closer {where} ({published} published, "
             f"{rounds} committed) | {sp_plain:.2f} / {sp_gm:.2f} | |",
-            f"| with / without, closer {where} (median of {len(ratios)} paired blocks; "
-            f"quartiles {_quartiles(ratios)}) | {statistics.median(ratios):.3f}x | >= 0.99x |",
+            f"| with / without, closer {where} ({len(ratios)} paired blocks; 95% interval "
+            f"{lo:.3f}-{hi:.3f}; per pair median {statistics.median(ratios):.3f}, quartiles "
+            f"{_quartiles(ratios)}) | {r:.3f}x | >= 0.99x |",
         ]
     frag_mb = sum(
         params[n].numel() * params[n].element_size() for names in learner.plan for n in names

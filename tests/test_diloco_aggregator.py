@@ -311,6 +311,21 @@ def test_rejects_non_finite_deltas_naming_the_learners() -> None:
     )
 
 
+def test_a_lone_non_finite_delta_is_named_too() -> None:
+    # One contribution takes no Gram matrix; its finiteness is still checked first.
+    (c,) = make_contributions(0, learners=1)
+    a = arr(c.delta["h.0.attn"]).copy()
+    a[0, 1] = np.inf
+    c = Contribution(c.learner, 0, 1, 1, False,
+                     dict(c.delta, **{"h.0.attn": TensorBytes.from_numpy(a)}))
+    with pytest.raises(NonFiniteError) as exc:
+        _round([c])
+    assert str(exc.value) == (
+        "the delta of 'h.0.attn' from learners ['l0'] holds NaN or infinity; "
+        "leave those contributions out of the round"
+    )
+
+
 def test_an_overflowing_outer_step_is_refused() -> None:
     huge = {n: TensorBytes.from_numpy(np.full(s, 3e38, np.float32)) for n, s in SHAPES.items()}
     with pytest.raises(NonFiniteError, match=r"the outer step overflowed float32 in 'wte\.embed'"):

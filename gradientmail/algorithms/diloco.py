@@ -447,7 +447,10 @@ class DiLoCoAggregator:
         update: dict[str, TensorBytes] = {}
         for name in names:
             deltas = [be.load(c.delta[name]) for c in contribs]
-            gram = be.gram(deltas)
+            # One delta needs no Gram matrix (its coefficient is 1, there is no cosine):
+            # a finiteness pass in float32 costs a fraction of a float64 product.
+            gram = be.gram(deltas) if m > 1 else [
+                [0.0 if be.all_finite(deltas[0]) else math.nan]]
             bad = [c.learner for i, c in enumerate(contribs) if not math.isfinite(gram[i][i])]
             if bad:
                 raise NonFiniteError(
