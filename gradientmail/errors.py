@@ -9,6 +9,7 @@ the fix.
 from __future__ import annotations
 
 __all__ = [
+    "AlreadyContributed",
     "AuthenticationError",
     "ConditionalWriteUnsupported",
     "ConfigError",
@@ -55,6 +56,10 @@ class ProtocolError(GradientmailError):
 
 class LocalProtocolError(ProtocolError, ValueError):
     """This process asked for something the protocol does not allow (bad key, bad id)."""
+
+
+class AlreadyContributed(LocalProtocolError):
+    """A learner published to a round it already has a contribution in (one per round)."""
 
 
 class RemoteProtocolError(ProtocolError):

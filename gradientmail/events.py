@@ -125,7 +125,10 @@ class SnapshotPublished(Event):
 
 @dataclasses.dataclass(frozen=True)
 class PublishFailed(WarningEvent):
-    """A publish failed; its steps stay counted and go out with the fragment's next round."""
+    """A publish failed and its record is not in the store (checked before this is
+    reported: a write whose answer was lost counts as published). Its steps stay counted
+    and go out with the round published again (at once, if it is still open) or a later
+    one; if the round's commit came first, its participants say whether it was in."""
 
     learner: str
     round: int

@@ -381,9 +381,12 @@ class Mailman:
         the retries ran out after an attempt that landed), so look before retracting: a
         retracted publish whose record landed would have its steps counted twice (once in
         the commit that merged it, again with the next publish)."""
-        outcome, record = (
-            ("absent", None) if isinstance(exc, LocalProtocolError) else await self._settle(job)
-        )
+        if isinstance(exc, LocalProtocolError):
+            # A refused field, or a round this learner id has a record in already (an
+            # earlier run of it): the steps go out with a later round.
+            outcome, record = "absent", None
+        else:
+            outcome, record = await self._settle(job)
         if record is not None:
             self._published(job, record, t0)
             return

@@ -34,6 +34,7 @@ from gradientmail import compression as codec
 from gradientmail.auth import HmacSeal, open_manifest, refuse_sealed
 from gradientmail.clock import Clock, MonotonicClock
 from gradientmail.errors import (
+    AlreadyContributed,
     ConfigError,
     CorruptPayload,
     LocalProtocolError,
@@ -330,7 +331,7 @@ class Exchange:
     ) -> SnapshotRecord:
         """Upload a delta, then the record that references it (both create-if-absent).
 
-        Raises `LocalProtocolError` if `learner` has contributed to `round_` already (one
+        Raises `AlreadyContributed` if `learner` has contributed to `round_` already (one
         contribution per learner and round; its steps can go out with a later round).
         """
         check_learner_id(learner)
@@ -352,7 +353,7 @@ class Exchange:
             record = dataclasses.replace(draft, payload=ref)
             if await self._write_record(key, record):
                 return record
-        raise LocalProtocolError(
+        raise AlreadyContributed(
             f"learner {learner!r} has already contributed to round {round_} ({key!r} or its "
             "payload exists); a learner contributes once per round: publish the steps with "
             "a later round"

@@ -13,6 +13,7 @@ import pytest
 from gradientmail.algorithms.schedule import Estimates
 from gradientmail.clock import FakeClock
 from gradientmail.errors import (
+    AlreadyContributed,
     ConfigError,
     CorruptPayload,
     LocalProtocolError,
@@ -244,7 +245,7 @@ def test_publish_contributions_and_fetch() -> None:
         assert [r.learner for r in got.records] == ["a", "b"] and got.rejected == ()
         assert got.records[0] == rec
         assert await ex.fetch_delta(rec, SCHEMA, ["b"]) == tensors(1, 0.5)
-        with pytest.raises(LocalProtocolError, match="learner 'a' has already contributed "
+        with pytest.raises(AlreadyContributed, match="learner 'a' has already contributed "
                                                      "to round 3"):
             await ex.publish(3, "a", tensors(1, 0.5), **fields)
         with pytest.raises(LocalProtocolError, match="base_version=-1 must be"):
