@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -248,6 +250,27 @@ def test_delete_prunes_empty_directories_while_writers_run(tmp_path: Path) -> No
     assert errors == []
     assert asyncio.run(mailbox.list()) == []
     assert list(root.iterdir()) == []
+
+
+def test_a_directory_made_and_pruned_by_others_meanwhile_is_made_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # mkdir says the directory exists (another writer made it), but a delete pruned it
+    # before we looked: that is no object in the way; the write retries.
+    mailbox = LocalMailbox(tmp_path / "mb", fsync=False)
+    asyncio.run(mailbox.put("seed", b""))
+    real_mkdir = os.mkdir
+    raced: list[str] = []
+
+    def mkdir(path: Any, *args: Any, **kwargs: Any) -> None:
+        if str(path).endswith("payloads") and not raced:
+            raced.append(str(path))
+            raise FileExistsError(errno.EEXIST, "made by another writer", path)
+        real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    asyncio.run(mailbox.put("payloads/0/x", b"x"))
+    assert raced and asyncio.run(mailbox.get("payloads/0/x")) == b"x"
 
 
 def test_options_validated(tmp_path: Path) -> None:

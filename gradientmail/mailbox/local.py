@@ -197,6 +197,11 @@ class LocalMailbox(Mailbox):
             os.mkdir(path)
         except FileExistsError:
             if not os.path.isdir(path):
+                if not os.path.lexists(path):
+                    # Made by another writer, then pruned by a concurrent delete: the
+                    # caller retries (_write_temp).
+                    raise FileNotFoundError(errno.ENOENT, "directory pruned meanwhile",
+                                            path) from None
                 other = os.path.relpath(path, self.root).replace(os.sep, "/")
                 raise MailboxError(
                     f"cannot write key {key!r} in {self.url}: {other!r} is an object, so it "
