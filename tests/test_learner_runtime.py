@@ -154,15 +154,22 @@ def test_decoupled_defaults_three_learners(tmp_path: Any) -> None:
     assert run(Exchange(mailbox).leases()) == {}
 
 
-def test_failed_publish_is_reported_and_its_steps_go_out_next_round() -> None:
-    plan = FaultPlan().fail("create", "payloads/*/solo.*", nth=1, times=1)
+def solo(plan: FaultPlan, overlap_steps: int | None
+         ) -> tuple[Mailbox, Learner, torch.nn.Module, torch.optim.Optimizer, Recorder]:
+    """A started learner alone in a run (H=4, one fragment), its store failing by `plan`."""
     mailbox = FaultyMailbox(MemoryMailbox(), plan)
-    alg = DiLoCo(sync_every=4, fragments=1, in_flight=1, overlap_steps=None, merge=WeightedMean())
+    alg = DiLoCo(sync_every=4, fragments=1, in_flight=1, overlap_steps=overlap_steps,
+                 merge=WeightedMean())
     rec = Recorder()
     model = make_model()
     learner = Learner(TorchAdapter(model), alg, mailbox, "solo", on_event=rec, **FAST)
     learner.start()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    return mailbox, learner, model, torch.optim.SGD(model.parameters(), lr=0.05), rec
+
+
+def test_failed_publish_is_reported_and_its_steps_go_out_next_round() -> None:
+    plan = FaultPlan().fail("create", "payloads/*/solo.*", nth=1, times=1)
+    mailbox, learner, model, opt, rec = solo(plan, overlap_steps=None)
     for step in range(4):
         train_step(model, opt, step)
         learner.step(10)
@@ -187,13 +194,7 @@ def test_a_publish_that_landed_though_its_answer_was_lost_counts_once() -> None:
     # The record's create lands but raises (an answer lost after the mailbox's retries):
     # the learner looks before retracting, finds its own record, and counts it as sent.
     plan = FaultPlan().fail("create", "snapshots/*/solo.json", nth=1, times=1, after=True)
-    mailbox = FaultyMailbox(MemoryMailbox(), plan)
-    alg = DiLoCo(sync_every=4, fragments=1, in_flight=1, overlap_steps=0, merge=WeightedMean())
-    rec = Recorder()
-    model = make_model()
-    learner = Learner(TorchAdapter(model), alg, mailbox, "solo", on_event=rec, **FAST)
-    learner.start()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    mailbox, learner, model, opt, rec = solo(plan, overlap_steps=0)
     for step in range(8):
         train_step(model, opt, step)
         learner.step(10)
