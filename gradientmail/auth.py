@@ -32,7 +32,8 @@ import re
 from typing import TYPE_CHECKING
 
 from gradientmail.errors import AuthenticationError, ConfigError, RemoteProtocolError
-from gradientmail.records import MAX_MANIFEST_BYTES, Manifest, parse_json
+from gradientmail.record_json import MAX_MANIFEST_BYTES, parse_json
+from gradientmail.records import Manifest
 
 if TYPE_CHECKING:
     from gradientmail.protocol import Seal

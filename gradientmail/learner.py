@@ -25,7 +25,7 @@ from typing import Any
 from gradientmail import learner_state as ls
 from gradientmail.adapters.base import Adapter
 from gradientmail.algorithms.base import Algorithm
-from gradientmail.algorithms.schedule import RoundSchedule
+from gradientmail.algorithms.schedule import Estimates, RoundSchedule
 from gradientmail.auth import HmacSeal
 from gradientmail.clock import Clock, MonotonicClock
 from gradientmail.errors import ConfigError, GradientmailError
@@ -43,9 +43,9 @@ from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
 from gradientmail.mailman import BACKUP_EVERY, Mailman, _Commit, _Job
 from gradientmail.protocol import Exchange
-from gradientmail.records import check_learner_id
+from gradientmail.records import RoundRecord, check_learner_id
 from gradientmail.serialization import TensorBytes
-from gradientmail.syncer_state import effective_quorum
+from gradientmail.syncer_state import SLOW_FACTOR, effective_quorum
 
 __all__ = ["BACKUP_EVERY", "Learner", "default_learner_id"]
 
@@ -55,6 +55,28 @@ def default_learner_id() -> str:
     raw = f"{socket.gethostname()}-{os.getpid()}"
     clean = re.sub(r"[^A-Za-z0-9._-]", "-", raw).lstrip("._-") or "learner"
     return clean[:64]
+
+
+def _lag_steps(rec: RoundRecord, step_seconds: float | None) -> int | None:
+    """How many of this learner's steps ago the round's first contribution came in:
+    the record's latency (first contribution to record) over the learner's step time.
+    None when either is unknown (a record from before the latency was recorded)."""
+    if rec.arrival is None or not step_seconds:
+        return None
+    return int(rec.arrival.latency / step_seconds)
+
+
+def _wait_steps(algorithm: Algorithm, estimates: Estimates, schedule: RoundSchedule,
+                round_: int, poll_interval: float, step_seconds: float | None) -> int | None:
+    """How many of this learner's steps a round waits for it after its first contribution
+    (the closers' window over its step time); None when it is not waited for (it steps
+    much slower than the run's pace) or its pace is unknown."""
+    if not step_seconds:
+        return None
+    if estimates.step and step_seconds > SLOW_FACTOR * estimates.step:
+        return None
+    window = algorithm.grace_window(estimates, schedule, round_, poll_interval)
+    return int(window / step_seconds)
 
 
 class Learner(Mailman):
@@ -131,6 +153,8 @@ class Learner(Mailman):
         # thread only): the base a rebasing commit subtracts. At most one per publish in
         # flight; dropped when the round's commit is applied or the publish fails.
         self._kept: dict[int, Any] = {}
+        # The newest applied record's estimates: how long closers wait for this learner.
+        self._estimates = Estimates()
         # Written by the mailman, read by the training thread (plain attribute swaps).
         self._others: tuple[int, int] = (-1, 0)  # (round, learners other than us in it)
         self._live: frozenset[str] = frozenset()
@@ -350,9 +374,10 @@ class Learner(Mailman):
             self.adapter.apply(commit.loaded, mixing)
         self._touched.add(rec.fragment)
         self._anchors[rec.fragment] = commit.loaded
+        self._estimates = rec.estimates
         self._state = ls.applied(
             state, rec.round, rec.fragment, rec.version, took_part, mixing,
-            rebase=base is not None,
+            rebase=base is not None, lag_steps=_lag_steps(rec, state.step_seconds),
         )
         self.on_event(
             FragmentAligned(
@@ -391,7 +416,9 @@ class Learner(Mailman):
         others = others if seen_round == candidate else 0
         live = max(len(self._live), 1)
         quorum = effective_quorum(self.algorithm.quorum_size, live)
-        r = ls.due_round(state, sch, others, quorum, live)
+        wait = _wait_steps(self.algorithm, self._estimates, sch, candidate,
+                           self.poll_interval, state.step_seconds)
+        r = ls.due_round(state, sch, others, quorum, live, wait)
         if r is None:
             return
         self._hand_over(r, final=final)

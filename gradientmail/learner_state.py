@@ -24,6 +24,7 @@ __all__ = [
     "applied",
     "due_round",
     "initial_state",
+    "missed",
     "overdue",
     "publishable",
     "published",
@@ -129,6 +130,7 @@ def due_round(
     others: int,
     effective_quorum: int,
     live: int | None = None,
+    wait_steps: int | None = None,
 ) -> int | None:
     """The round to publish now, or None.
 
@@ -140,16 +142,20 @@ def due_round(
     the round can close without this learner: the quorum is in already, or some other
     live learner could still complete it. When the round waits for this learner alone
     (standard DiLoCo: quorum = every learner), publishing early would only cut its
-    contribution short, so it keeps its schedule.
+    contribution short, so it keeps its schedule. Likewise with `wait_steps` (how many of
+    this learner's steps the round waits for the learners it expects): a learner due on
+    schedule within that many steps will be waited for, and keeps its schedule.
     """
     r = publishable(state, schedule)
     if r is None:
         return None
-    if r < state.last_published or state.local_step - state.last_publish_step >= schedule.gap(r):
+    since = state.local_step - state.last_publish_step
+    if r < state.last_published or since >= schedule.gap(r):
         return r  # a hole is due at once: its round may be waiting for this learner
     about_to_close = others >= max(effective_quorum - 1, 1)
     closes_without_us = live is None or others >= effective_quorum or others < live - 1
-    return r if about_to_close and closes_without_us else None
+    waited_for = wait_steps is not None and schedule.gap(r) - since <= wait_steps
+    return r if about_to_close and closes_without_us and not waited_for else None
 
 
 def published(state: LearnerState, round_: int, schedule: RoundSchedule) -> LearnerState:
@@ -196,6 +202,7 @@ def applied(
     took_part: bool,
     mixing: float,
     rebase: bool = False,
+    lag_steps: int | None = None,
 ) -> LearnerState:
     """Align with the commit of `round_` (fragment `fragment`, now at `version`).
 
@@ -204,6 +211,13 @@ def applied(
     local progress on top of the commit, so it keeps all of them: they go out with the
     fragment's next contribution. Otherwise the commit overwrites the fragment; with
     mixing α the learner keeps α of the local parameters and so α of those counts.
+
+    A learner that missed the round (no part in it, no later publish in flight) moves
+    its publishing schedule into phase with the round's first contributor, which
+    published `lag_steps` of this learner's steps before the commit arrived (the record's
+    latency over its step time): its next round is due one gap after that. Without it, a
+    learner that was a little late published the next round at once, a gap early for
+    it, and the run split into phase groups that each filled half of the rounds.
     """
     if rebase and mixing:
         raise ValueError(f"rebase=True and mixing={mixing} exclude each other")
@@ -221,12 +235,23 @@ def applied(
         )
     frags = list(state.fragments)
     frags[fragment] = kept
+    reference = state.last_publish_step
+    if missed(state, round_, took_part) and lag_steps is not None:
+        reference = state.local_step - max(lag_steps, 0)
     return dataclasses.replace(
         state,
         fragments=tuple(frags),
         rounds_seen=max(state.rounds_seen, round_),
+        last_publish_step=reference,
         publishes=tuple(p for p in state.publishes if p.round > round_),
     )
+
+
+def missed(state: LearnerState, round_: int, took_part: bool) -> bool:
+    """Whether the commit of `round_` closed without this learner while it had nothing
+    newer in flight: its schedule is out of phase with the run's (late, or a joiner)."""
+    return not took_part and all(p.round <= round_ for p in state.publishes) \
+        and state.last_published <= round_
 
 
 def _floor_scaled(alpha: float, n: int) -> int:

@@ -15,9 +15,8 @@ import dataclasses
 import hashlib
 import json
 import math
-import re
-from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, NoReturn, Self, TypeVar
+from collections.abc import Mapping
+from typing import Any, ClassVar, Self
 
 from gradientmail.algorithms.schedule import Estimates
 from gradientmail.errors import (
@@ -26,12 +25,31 @@ from gradientmail.errors import (
     RemoteProtocolError,
 )
 from gradientmail.mailbox.base import check_key
+from gradientmail.record_json import (
+    _HINT,
+    CODECS,
+    FORMAT_VERSION,
+    MAX_MANIFEST_BYTES,
+    MAX_RECORD_BYTES,
+    _build,
+    _check_count,
+    _check_format,
+    _check_sha256,
+    _check_text,
+    _Fields,
+    _is_number,
+    _seconds,
+    canonical_json,
+    check_learner_id,
+    parse_json,
+)
 from gradientmail.serialization import Schema
 
 __all__ = [
     "CODECS",
     "FORMAT_VERSION",
     "MAX_RECORD_BYTES",
+    "Arrival",
     "CreationClaim",
     "Dropped",
     "Manifest",
@@ -46,195 +64,6 @@ __all__ = [
     "check_learner_id",
     "parse_json",
 ]
-
-#: The record format this code writes and the only one it reads.
-FORMAT_VERSION = 1
-#: Bound on a record's bytes; a manifest (which holds the schema) may be larger.
-MAX_RECORD_BYTES = 1 << 20
-MAX_MANIFEST_BYTES = 16 << 20
-#: Payload codecs a manifest may name (see gradientmail.compression).
-CODECS = ("off", "zstd")
-
-_LEARNER_RULE = "[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
-_LEARNER_ID = re.compile(_LEARNER_RULE)
-_SHA256 = re.compile("[0-9a-f]{64}")
-_FORMAT = re.compile("[A-Za-z0-9_]{1,32}")
-_MAX_INT = (1 << 63) - 1
-_MAX_TEXT = 1000
-_T = TypeVar("_T")
-_HINT = "the writer does not speak gradientmail record format v1, or the object was damaged"
-
-
-def check_learner_id(learner: object) -> str:
-    """Return `learner` if it is a valid learner id; raise `LocalProtocolError` otherwise.
-
-    Ids appear in keys (`snapshots/<round>/<learner>.json`), so they are short and plain.
-    """
-    if not isinstance(learner, str) or not _LEARNER_ID.fullmatch(learner):
-        raise LocalProtocolError(
-            f"learner id {learner!r} is invalid; an id must match {_LEARNER_RULE} "
-            "(a letter or digit, then up to 63 letters, digits, '.', '_' or '-'), "
-            "e.g. 'node-3.gpu0'"
-        )
-    return learner
-
-
-def canonical_json(obj: Any) -> bytes:
-    """The canonical bytes of a JSON value: sorted keys, compact, UTF-8, finite numbers."""
-    try:
-        text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                          allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise LocalProtocolError(f"cannot encode {obj!r:.200} as canonical JSON: {exc}") from exc
-    return text.encode("utf-8")
-
-
-def _reject_constant(name: str) -> NoReturn:
-    raise ValueError(f"non-finite number {name} is not JSON")
-
-
-def _finite_float(text: str) -> float:
-    x = float(text)
-    if not math.isfinite(x):
-        raise ValueError(f"number {text} overflows a float")
-    return x
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate field {k!r}")
-        out[k] = v
-    return out
-
-
-def parse_json(data: bytes, key: str, max_bytes: int = MAX_RECORD_BYTES) -> dict[str, Any]:
-    """Parse a record's bytes into a JSON object, or raise `RemoteProtocolError` naming `key`.
-
-    Rejects oversized data, invalid UTF-8, invalid JSON, NaN/Infinity, numbers that overflow,
-    duplicate fields, absurd nesting, and any top-level value that is not an object.
-    """
-    if len(data) > max_bytes:
-        raise RemoteProtocolError(
-            f"record {key!r} is {len(data)} bytes; records are at most {max_bytes} bytes ({_HINT})"
-        )
-    try:
-        obj = json.loads(
-            data.decode("utf-8"),
-            parse_constant=_reject_constant,
-            parse_float=_finite_float,
-            object_pairs_hook=_no_duplicates,
-        )
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise RemoteProtocolError(f"record {key!r} is not valid JSON: {exc} ({_HINT})") from exc
-    if not isinstance(obj, dict):
-        raise RemoteProtocolError(
-            f"record {key!r} is a JSON {type(obj).__name__}, not an object ({_HINT})"
-        )
-    return obj
-
-
-_JSON_TYPE = {type(None): "null", bool: "boolean", int: "number", float: "number",
-              str: "string", list: "array", dict: "object"}
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
-class _Fields:
-    """Strict reader of one JSON object at `path` inside the record at `key`."""
-
-    def __init__(self, obj: Any, key: str, path: str, names: tuple[str, ...]) -> None:
-        self.key, self.path = key, path
-        if not isinstance(obj, dict):
-            self.fail("", "must be an object", obj)
-        if "v" in names and "v" in obj:  # another format version fails on that first
-            self.version(obj["v"])
-        missing = sorted(set(names) - obj.keys())
-        extra = sorted(obj.keys() - set(names))
-        if missing or extra:
-            where = f"field {path!r}" if path else "the record"
-            raise RemoteProtocolError(
-                f"record {key!r}: {where} must have exactly the fields {sorted(names)}; "
-                f"missing {missing}, unexpected {extra} ({_HINT})"
-            )
-        self.obj: dict[str, Any] = obj
-
-    def at(self, name: str) -> str:
-        return f"{self.path}.{name}" if self.path else name
-
-    def fail(self, name: str, rule: str, value: Any) -> NoReturn:
-        where = self.at(name) if name else self.path
-        raise RemoteProtocolError(
-            f"record {self.key!r}: field {where!r} {rule}, got {value!r:.100} "
-            f"({_JSON_TYPE.get(type(value), 'value')}) ({_HINT})"
-        )
-
-    def get(self, name: str, ok: Callable[[Any], bool], rule: str, null: bool = False) -> Any:
-        v = self.obj[name]
-        if not (ok(v) or (null and v is None)):
-            self.fail(name, rule + (" or null" if null else ""), v)
-        return v
-
-    def get_int(self, name: str) -> int:
-        return int(self.get(name, _is_int, "must be an integer"))
-
-    def get_opt_float(self, name: str) -> float | None:
-        v = self.get(name, _is_number, "must be a number", null=True)
-        return None if v is None else float(v)
-
-    def get_str(self, name: str, null: bool = False) -> Any:
-        return self.get(name, lambda v: isinstance(v, str), "must be a string", null)
-
-    def get_bool(self, name: str) -> bool:
-        return bool(self.get(name, lambda v: isinstance(v, bool), "must be true or false"))
-
-    def get_list(self, name: str) -> list[Any]:
-        return list(self.get(name, lambda v: isinstance(v, list), "must be an array"))
-
-    def version(self, v: Any) -> None:
-        if v != FORMAT_VERSION or isinstance(v, bool):
-            raise RemoteProtocolError(
-                f"record {self.key!r}: field 'v' is {v!r}, but this gradientmail reads record "
-                f"format version {FORMAT_VERSION} only; upgrade gradientmail on every machine "
-                "of the run, or start the run under a fresh prefix"
-            )
-
-
-def _build(cls: type[_T], key: str, path: str, /, **kwargs: Any) -> _T:
-    """Construct a record from parsed fields, turning value-rule failures into remote errors."""
-    try:
-        return cls(**kwargs)
-    except (GradientmailError, ValueError) as exc:
-        where = f" field {path!r}:" if path else ""
-        raise RemoteProtocolError(f"record {key!r}:{where} {exc} ({_HINT})") from exc
-
-
-def _check_count(what: str, value: int, low: int = 0) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= _MAX_INT:
-        raise LocalProtocolError(f"{what}={value!r} must be an integer in [{low}, 2**63 - 1]")
-
-
-def _check_sha256(what: str, value: str) -> None:
-    if not isinstance(value, str) or not _SHA256.fullmatch(value):
-        raise LocalProtocolError(f"{what}={value!r} must be 64 lowercase hex digits (SHA-256)")
-
-
-def _check_format(what: str, value: str) -> None:
-    if not isinstance(value, str) or not _FORMAT.fullmatch(value):
-        raise LocalProtocolError(f"{what}={value!r} must match [A-Za-z0-9_]{{1,32}}, e.g. 'BF16'")
-
-
-def _check_text(what: str, value: str) -> None:
-    if not isinstance(value, str) or len(value) > _MAX_TEXT:
-        raise LocalProtocolError(f"{what}={value!r:.100} must be a string of at most {_MAX_TEXT}")
-
 
 class Record:
     """A top-level record: `encode()` to canonical bytes, `decode(data, key)` strictly."""
@@ -499,28 +328,68 @@ class Participant:
     steps: int
     tokens: int
     weight: float
+    #: The learner's step-time EMA as its contribution reported it: every party learns
+    #: each learner's pace from the records (a closer does not wait for a much slower
+    #: one). Left out of the JSON when None, so older records keep their bytes.
+    step_seconds: float | None = None
 
     def __post_init__(self) -> None:
         check_learner_id(self.learner)
         for name in ("local_step", "steps", "tokens"):
             _check_count(name, getattr(self, name))
-        w = self.weight
-        if isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w) \
-                or w < 0:
-            raise LocalProtocolError(f"weight={w!r} must be a finite number >= 0")
-        object.__setattr__(self, "weight", float(w))
+        object.__setattr__(self, "weight", _seconds("weight", self.weight))
+        if self.step_seconds is not None:
+            object.__setattr__(self, "step_seconds", _seconds("step_seconds", self.step_seconds))
 
     def to_json(self) -> dict[str, Any]:
-        return {"learner": self.learner, "local_step": self.local_step, "steps": self.steps,
-                "tokens": self.tokens, "weight": self.weight}
+        out = {"learner": self.learner, "local_step": self.local_step, "steps": self.steps,
+               "tokens": self.tokens, "weight": self.weight}
+        if self.step_seconds is not None:
+            out["step_seconds"] = self.step_seconds
+        return out
 
     @classmethod
     def from_json(cls, obj: Any, key: str, path: str) -> Participant:
-        f = _Fields(obj, key, path, ("learner", "local_step", "steps", "tokens", "weight"))
+        optional = ("step_seconds",) if isinstance(obj, dict) and "step_seconds" in obj else ()
+        f = _Fields(obj, key, path,
+                    ("learner", "local_step", "steps", "tokens", "weight", *optional))
         return _build(cls, key, path, learner=f.get_str("learner"),
                       local_step=f.get_int("local_step"), steps=f.get_int("steps"),
                       tokens=f.get_int("tokens"), weight=float(f.get(
-                          "weight", _is_number, "must be a number")))
+                          "weight", _is_number, "must be a number")),
+                      step_seconds=f.get_float("step_seconds") if optional else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrival:
+    """How a round waited for its learners, as its closer saw it: the `window` (seconds
+    after the first contribution it would wait for the learners it expected), `latency`
+    (seconds from the first contribution it saw to the record: a learner that missed
+    the round aligns its next publish with the first one by it), and `missed` (expected
+    learners not in when it closed)."""
+
+    window: float
+    latency: float
+    missed: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "window", _seconds("window", self.window))
+        object.__setattr__(self, "latency", _seconds("latency", self.latency))
+        object.__setattr__(self, "missed", tuple(sorted(self.missed)))
+        for learner in self.missed:
+            check_learner_id(learner)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"latency": self.latency, "missed": list(self.missed), "window": self.window}
+
+    @classmethod
+    def from_json(cls, obj: Any, key: str, path: str) -> Arrival:
+        f = _Fields(obj, key, path, ("latency", "missed", "window"))
+        missed = f.get_list("missed")
+        if not all(isinstance(m, str) for m in missed):
+            f.fail("missed", "must be a list of learner ids", missed)
+        return _build(cls, key, path, window=f.get_float("window"),
+                      latency=f.get_float("latency"), missed=tuple(missed))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -590,6 +459,9 @@ class RoundRecord(Record):
     dropped: tuple[Dropped, ...]
     closer: str
     all_final: bool
+    #: How the round waited for its learners (None in records written before it existed,
+    #: and left out of the JSON then, so they keep their bytes).
+    arrival: Arrival | None = None
 
     def __post_init__(self) -> None:
         _check_count("round", self.round)
@@ -617,7 +489,7 @@ class RoundRecord(Record):
         return tuple(refs)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "all_final": self.all_final,
             "closer": self.closer,
             "dropped": [d.to_json() for d in self.dropped],
@@ -632,12 +504,16 @@ class RoundRecord(Record):
             "v": FORMAT_VERSION,
             "version": self.version,
         }
+        if self.arrival is not None:
+            out["arrival"] = self.arrival.to_json()
+        return out
 
     @classmethod
     def from_json(cls, obj: Any, key: str) -> Self:
+        optional = ("arrival",) if isinstance(obj, dict) and "arrival" in obj else ()
         f = _Fields(obj, key, "", ("all_final", "closer", "dropped", "estimates", "fragment",
                                    "mean_cosine", "outer", "participants", "round", "theta",
-                                   "update", "v", "version"))
+                                   "update", "v", "version", *optional))
         try:
             estimates = Estimates.from_json(f.obj["estimates"])
         except GradientmailError as exc:
@@ -657,4 +533,5 @@ class RoundRecord(Record):
             dropped=tuple(Dropped.from_json(d, key, f"dropped[{i}]")
                           for i, d in enumerate(f.get_list("dropped"))),
             closer=f.get_str("closer"), all_final=f.get_bool("all_final"),
+            arrival=Arrival.from_json(f.obj["arrival"], key, "arrival") if optional else None,
         )

@@ -40,10 +40,18 @@ from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
 from gradientmail.protocol import Exchange, payload_bound
 from gradientmail.quantization import dequantize
-from gradientmail.records import Dropped, Manifest, RoundRecord, SnapshotRecord, UpdateRef
+from gradientmail.records import (
+    Arrival,
+    Dropped,
+    Manifest,
+    RoundRecord,
+    SnapshotRecord,
+    UpdateRef,
+)
 from gradientmail.serialization import Schema, TensorBytes
 from gradientmail.syncer_state import (
     RoundWatch,
+    awaited,
     close_time,
     effective_quorum,
     next_claim_attempt,
@@ -74,6 +82,7 @@ class _Open:
     round: int
     first_seen: dict[str, float] = dataclasses.field(default_factory=dict)
     claims: dict[int, float] = dataclasses.field(default_factory=dict)
+    refreshed: bool = False  # the leases were listed again before an early close
 
 
 class Syncer:
@@ -137,6 +146,8 @@ class Syncer:
         self._last: RoundRecord | None = None
         self._latest: dict[int, RoundRecord] = {}
         self._states: dict[int, FragmentState] = {}
+        # Each learner's step seconds as the newest record it took part in reported them.
+        self._paces: dict[str, float] = {}
         self._open = _Open(0)
         self.rounds_closed = 0
 
@@ -193,15 +204,33 @@ class Syncer:
             polls = self.watch_every if close else self.backup_every
             self._next_watch = now + (polls - 1) * self.poll_interval * 0.999
         alg, sch = self._alg(), self._sch()
-        grace = alg.grace_window(self._estimates(), sch, r)
+        grace = alg.grace_window(self._estimates(), sch, r, self.poll_interval)
         watch = RoundWatch(r, dict(self._open.first_seen))
-        due = close_time(watch, live, alg.quorum_size, grace)
+        expected = awaited(live, self._paces)
+        due = close_time(watch, live, alg.quorum_size, grace, expected)
         if due is not None and len(watch.first_seen) < alg.quorum_size:
             # About to close short of the configured quorum because few learners look
             # live: a learner that joined since the last lease listing must not be left
             # out of a standard DiLoCo round, so look at the leases again first.
             live = await refresh_live()
-            due = close_time(watch, live, alg.quorum_size, grace)
+            expected = awaited(live, self._paces)
+            due = close_time(watch, live, alg.quorum_size, grace, expected)
+        first = watch.first_time()
+        if (due is not None and now >= due and first is not None and due < first + grace
+                and not self._open.refreshed):
+            # Closing before the window ends because every learner it knows of is in:
+            # the live set comes from a lease listing up to a lease period old, and a
+            # learner that joined since would miss this round and, in phase with the
+            # others, lose every later one to them by a fraction of a second. Look at
+            # the leases once first.
+            self._open.refreshed = True
+            live = await refresh_live()
+            expected = awaited(live, self._paces)
+            due = close_time(watch, live, alg.quorum_size, grace, expected)
+        if due is not None and close and now < due:
+            # The window is open: look every poll, so the round closes as soon as the
+            # last learner it waits for is in (one LIST a poll, for one closer a round).
+            self._next_watch = -math.inf
         if due is not None and not close:
             # A backup closer gives the preferred one a head start before it claims (and
             # before it lists claims every poll): rounds close once, at no extra cost.
@@ -228,7 +257,7 @@ class Syncer:
             await self._catch_up()
             return False
         t_quorum = watch.quorum_time(effective_quorum(alg.quorum_size, len(live)))
-        return await self._close(r, attempt, watch.first_time(), t_quorum)
+        return await self._close(r, attempt, watch.first_time(), t_quorum, grace, expected)
 
     async def _observe_leases(self) -> frozenset[str]:
         return await self.exchange.observe_leases(self._tracker)
@@ -275,6 +304,9 @@ class Syncer:
         self._cursor = rec.round
         self._last = rec
         self._latest[rec.fragment] = rec
+        for p in rec.participants:
+            if p.step_seconds is not None:
+                self._paces[p.learner] = p.step_seconds
         cached = self._states.get(rec.fragment)
         if cached is not None and cached.version != rec.version:
             del self._states[rec.fragment]
@@ -313,7 +345,8 @@ class Syncer:
     # -- closing ------------------------------------------------------------------------
 
     async def _close(
-        self, r: int, attempt: int, t_first: float | None, t_quorum: float | None
+        self, r: int, attempt: int, t_first: float | None, t_quorum: float | None,
+        window: float, expected: frozenset[str],
     ) -> bool:
         ex, manifest = self.exchange, self._manifest
         assert manifest is not None
@@ -336,10 +369,9 @@ class Syncer:
         contributions = await self._drop_outliers(r, contributions, keys, dropped)
         # ξ_step: the step-time EMAs the merged learners reported with their snapshots.
         merged = {c.learner for c in contributions}
-        step_seconds = [
-            s.step_seconds for s in found.records
-            if s.learner in merged and s.step_seconds is not None
-        ]
+        paces = {s.learner: s.step_seconds for s in found.records
+                 if s.learner in merged and s.step_seconds is not None}
+        step_seconds = list(paces.values())
         result = None
         if contributions:
             aggregator = self._alg().aggregator(self.backend)
@@ -385,6 +417,11 @@ class Syncer:
             None if t_first is None or t_quorum is None else t_quorum - t_first,
             now - (t_claim if t_quorum is None else t_quorum),
         )
+        t_first = t_claim if t_first is None else t_first
+        arrival = Arrival(
+            window, max(now - t_first, 0.0),
+            tuple(sorted(expected - {s.learner for s in found.records})),
+        )
         record = RoundRecord(
             round=r,
             fragment=fragment,
@@ -392,12 +429,16 @@ class Syncer:
             theta=theta_ref,
             outer=outer_ref,
             update=update_ref,
-            participants=tuple(participants),
+            participants=tuple(
+                dataclasses.replace(p, step_seconds=paces.get(p.learner))
+                for p in participants
+            ),
             estimates=estimates,
             mean_cosine=cosine,
             dropped=tuple(dropped),
             closer=self.closer_id,
             all_final=all_final,
+            arrival=arrival,
         )
         if not await ex.commit(record):
             self.on_event(CommitLost(self.closer_id, r))

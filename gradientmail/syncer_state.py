@@ -14,7 +14,9 @@ from collections.abc import Collection, Mapping
 from gradientmail.algorithms.schedule import Estimates
 
 __all__ = [
+    "SLOW_FACTOR",
     "RoundWatch",
+    "awaited",
     "close_time",
     "effective_quorum",
     "next_claim_attempt",
@@ -49,20 +51,53 @@ class RoundWatch:
 
 
 def close_time(
-    watch: RoundWatch, live: Collection[str], quorum_size: int, grace: float
+    watch: RoundWatch,
+    live: Collection[str],
+    quorum_size: int,
+    grace: float,
+    awaited: Collection[str] | None = None,
 ) -> float | None:
     """The observer time from which the round may be claimed, or None (quorum not in).
 
-    Once the effective quorum is in, the syncer waits the grace window for stragglers,
-    unless every live learner has contributed already: then nobody is worth waiting for.
+    Once the effective quorum is in, the round waits for the `awaited` learners (default:
+    every live one) until `grace` seconds after its *first* contribution, and closes at
+    once when every awaited learner is in. The window runs from the first contribution,
+    not from the quorum: what it must cover is how far apart learners in phase arrive,
+    and with quorum 1 the quorum time says nothing about that (the first arrival closed
+    rounds 0 s later, and equal-speed learners fell into two phase groups).
     """
     q = effective_quorum(quorum_size, len(live))
     t_quorum = watch.quorum_time(q)
     if t_quorum is None:
         return None
-    if live and set(live) <= set(watch.first_seen):
-        return t_quorum
-    return t_quorum + max(grace, 0.0)
+    waiting = set(live if awaited is None else awaited) - set(watch.first_seen)
+    if live and not waiting:
+        return t_quorum  # nobody left worth waiting for (no live learner: no knowledge)
+    t_first = watch.first_time()
+    assert t_first is not None  # the quorum is in, so something was seen
+    return max(t_quorum, t_first + max(grace, 0.0))
+
+
+#: A live learner whose step time exceeds this many times the run's pace is not waited
+#: for: its contributions join whichever round is open when they arrive.
+SLOW_FACTOR = 1.5
+
+
+def awaited(
+    live: Collection[str], paces: Mapping[str, float], slow_factor: float = SLOW_FACTOR
+) -> frozenset[str]:
+    """The live learners a round waits for: all but those known to be much slower.
+
+    `paces` holds each learner's step seconds as the records last reported them. The
+    run's pace is the lower median of the live learners' known paces (of two learners,
+    the faster: otherwise one learner twice as slow would set half the pace it is judged
+    by). A learner with no known pace (a joiner) is waited for.
+    """
+    known = sorted(paces[x] for x in live if x in paces)
+    if not known:
+        return frozenset(live)
+    pace = known[(len(known) - 1) // 2]
+    return frozenset(x for x in live if x not in paces or paces[x] <= slow_factor * pace)
 
 
 def next_claim_attempt(

@@ -46,7 +46,7 @@ def diloco_callback(
     global_batch_size: int | None = None,
     delta_dtype: Literal["BF16", "F8_E4M3", "F4"] | None = None,
     commit_dtype: Literal["BF16", "F8_E4M3", "F4"] | None = None,
-    flush_on_close: bool = False,
+    flush_on_close: bool = True,
     rebase: bool | None = None,
     sync: bool = True,
     poll_interval: float = 1.0,

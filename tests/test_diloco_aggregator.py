@@ -3,6 +3,7 @@ a golden trajectory, and the fragment state's payloads."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import random
@@ -22,6 +23,7 @@ from gradientmail.algorithms.diloco import (
     WeightedMean,
     rda,
     rebuild_theta,
+    span_scales,
     weighted_mean,
 )
 from gradientmail.algorithms.merge import gram_of, mean_cosine
@@ -143,7 +145,7 @@ def test_contribution_order_does_not_matter() -> None:
 
 
 def test_one_round_is_the_merge_then_nesterov() -> None:
-    cfg = DiLoCo(sync_every=10, fragments=1, in_flight=1, outer_lr=0.5, outer_momentum=0.8)
+    cfg = DiLoCo(sync_every=12, fragments=1, in_flight=1, outer_lr=0.5, outer_momentum=0.8)
     schema = make_schema()
     theta = make_theta(schema)
     state = cfg.initial_state(0, theta)
@@ -171,7 +173,7 @@ def test_one_round_is_the_merge_then_nesterov() -> None:
 
 
 def test_final_round_moves_the_master_by_delta_and_keeps_momentum() -> None:
-    cfg = DiLoCo(sync_every=10, fragments=1, in_flight=1, merge=WeightedMean())
+    cfg = DiLoCo(sync_every=12, fragments=1, in_flight=1, merge=WeightedMean())
     schema = make_schema()
     state, _ = trajectory(cfg, NP, rounds=2)
     cs = make_contributions(7, final=True)
@@ -187,6 +189,37 @@ def test_final_round_moves_the_master_by_delta_and_keeps_momentum() -> None:
     res2 = cfg.aggregator().close_round(state, mixed, schema)
     assert not res2.all_final
     assert res2.state.momentum["ln.w"] != state.momentum["ln.w"]
+
+
+@pytest.mark.parametrize("merge", [WeightedMean(), Rda(direct_pattern=None)])
+def test_a_stale_contribution_counts_per_sync_period(merge: Any) -> None:
+    # H = 10; l1 carries 11 steps and l2 12: their deltas count 10/11 and 10/12 of
+    # themselves (k = steps/H sync periods, each its average progress), with the usual
+    # weights tokens²/steps. l0 on schedule is unchanged.
+    cfg = DiLoCo(sync_every=10, fragments=1, in_flight=1, merge=merge, outer_momentum=0.0,
+                 outer_lr=1.0)
+    schema = make_schema()
+    theta = make_theta(schema)
+    cs = make_contributions(0)
+    assert span_scales([c.steps for c in cs], 10) == [1.0, 10 / 11, 10 / 12]
+    res = cfg.aggregator().close_round(cfg.initial_state(0, theta), cs, schema)
+    weights = [c.tokens**2 / c.steps for c in cs]
+    combine = weighted_mean if isinstance(merge, WeightedMean) else rda
+    for name in SHAPES:
+        per_period = [NP.load(c.delta[name]) * (10 / c.steps if c.steps > 10 else 1.0)
+                      for c in cs]
+        want = NP.load(theta[name]) - combine(per_period, weights)
+        np.testing.assert_allclose(arr(res.state.theta[name]), want.array, rtol=2e-5,
+                                   atol=1e-7)
+    # The same contributions under H = 12 are all on schedule: a different merge.
+    wide = dataclasses.replace(cfg, sync_every=12)
+    res12 = wide.aggregator().close_round(wide.initial_state(0, theta), cs, schema)
+    assert res12.state.theta["ln.w"] != res.state.theta["ln.w"]
+    # A lone stale contribution is scaled too; an early one (steps < H) is not scaled up.
+    lone = cfg.aggregator().close_round(cfg.initial_state(0, theta), cs[2:], schema)
+    np.testing.assert_allclose(arr(lone.state.theta["ln.w"]), arr(theta["ln.w"]) - arr(
+        cs[2].delta["ln.w"]) * (10 / 12), rtol=2e-6, atol=1e-7)
+    assert span_scales([3, 10, 20], 10) == [1.0, 1.0, 0.5]
 
 
 def test_low_precision_schema_keeps_an_fp32_master() -> None:
@@ -241,11 +274,12 @@ GOLDEN = {
     "F32-rda-F4": "219927c9a521c52e729b2e75398966a9752dd8b129b23fceb3e5b9fb4f709cdb",
 }
 GOLDEN_CASES = {
-    "F32-rda": ("F32", DiLoCo(sync_every=10, fragments=1, in_flight=1)),
+    # H = 12 covers every contribution's steps (10-12): no span is scaled.
+    "F32-rda": ("F32", DiLoCo(sync_every=12, fragments=1, in_flight=1)),
     "BF16-weighted_mean": (
-        "BF16", DiLoCo(sync_every=10, fragments=1, in_flight=1, merge=WeightedMean())
+        "BF16", DiLoCo(sync_every=12, fragments=1, in_flight=1, merge=WeightedMean())
     ),
-    "F32-rda-F4": ("F32", DiLoCo(sync_every=10, fragments=1, in_flight=1, commit_dtype="F4")),
+    "F32-rda-F4": ("F32", DiLoCo(sync_every=12, fragments=1, in_flight=1, commit_dtype="F4")),
 }
 
 

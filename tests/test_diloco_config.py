@@ -129,7 +129,7 @@ GOLDEN = {
     "overlap_steps": None, "mixing": 0.0, "quorum_size": 1, "outer_lr": 0.7,
     "outer_momentum": 0.9, "merge": {"type": "rda", "direct_pattern": "embed"},
     "partition": {"type": "by_bytes"}, "global_batch_size": None, "delta_dtype": None,
-    "commit_dtype": None, "flush_on_close": False,
+    "commit_dtype": None, "flush_on_close": True,
 }
 
 
@@ -376,16 +376,18 @@ def test_algorithm_plan_uses_its_partition() -> None:
 
 def test_grace_window() -> None:
     s = RoundSchedule(sync_every=40, fragments=4, in_flight=2, overlap_steps=None)  # gap 10
-    est = Estimates(step=0.5, quorum=2.0, sync=1.0)
-    # ahead = 2·10 = 20 steps = 10 s; slack 10 − 3 = 7 s; half is 3.5 s; gap cap 5 s.
-    assert grace_window(est, s, 0) == 3.5
-    assert grace_window(Estimates(step=2.0, quorum=0.0, sync=0.0), s, 0) == 20.0
-    assert grace_window(Estimates(step=0.5, quorum=20.0, sync=1.0), s, 0) == 0.0
-    capped = RoundSchedule(sync_every=40, fragments=4, in_flight=2, overlap_steps=8)
-    assert grace_window(est, capped, 0) == 0.5  # ahead = 8 steps = 4 s; (4 − 3) / 2
+    # a few steps (5) of the run's pace, at least 3 polls, at most one gap
+    assert grace_window(Estimates(step=0.5, quorum=2.0, sync=1.0), s, 0) == 3.0
+    assert grace_window(Estimates(step=0.5), s, 0, poll_interval=0.2) == 2.5
+    assert grace_window(Estimates(step=2.0), s, 0) == 10.0
+    assert grace_window(Estimates(step=0.1), s, 0) == 1.0  # the gap: 10 steps of 0.1 s
+    assert grace_window(Estimates(step=0.1), s, 0, poll_interval=0.01) == 0.5
+    # the quorum and sync estimates play no part (nor does overlap_steps)
     barrier = RoundSchedule(sync_every=40, fragments=4, in_flight=2, overlap_steps=0)
-    assert grace_window(est, barrier, 0) == 0.0
-    for missing in (Estimates(), Estimates(step=1.0, quorum=1.0), Estimates(quorum=1, sync=1)):
-        assert grace_window(missing, s, 0) == 0.0
+    assert grace_window(Estimates(step=2.0, quorum=50.0, sync=9.0), barrier, 0) == 10.0
+    # round 0 has no step estimate yet: the poll floor
+    for missing in (Estimates(), Estimates(quorum=1.0, sync=1.0)):
+        assert grace_window(missing, s, 0) == 3.0
+        assert grace_window(missing, s, 0, poll_interval=0.5) == 1.5
     d = DiLoCo(sync_every=40, fragments=4)
-    assert d.grace_window(est, d.schedule, 0) == 3.5
+    assert d.grace_window(Estimates(step=2.0), d.schedule, 0, 1.0) == 10.0

@@ -15,6 +15,7 @@ from gradientmail.learner_state import (
     applied,
     due_round,
     initial_state,
+    missed,
     overdue,
     publishable,
     published,
@@ -280,3 +281,70 @@ def test_with_rebase_every_token_is_counted_once(h: int, p: int, tau: int) -> No
         assert next_round >= 4, "the schedule must have published a few rounds"
         for f in range(p):
             assert counted[f] + s.fragments[f].tokens == trained, (delay, left_out, f)
+
+
+# -- phase: a learner that missed a round aligns with the run's rounds --------------------
+
+
+def test_a_learner_that_missed_a_round_publishes_the_next_one_a_gap_after_its_first() -> None:
+    # H = 20, P = 2: gap 10. Learner late by 3 steps: others published round 0 at its
+    # step 7 and the commit (latency 2 of its steps) arrived at its step 9.
+    sch = RoundSchedule(sync_every=20, fragments=2, in_flight=2, overlap_steps=None)
+    s = initial_state(2)
+    for _ in range(9):
+        s = advanced(s, 8)
+    assert due_round(s, sch, 0, 1) is None  # on its own schedule round 0 was due at 10
+    s = applied(s, 0, 0, 1, took_part=False, mixing=0.0, rebase=True, lag_steps=2)
+    assert s.last_publish_step == 7  # the first contributor's publish, in its steps
+    # Before: round 1 went out at step 10, 7 steps before the others'; now it is due
+    # one gap after the first contribution of round 0, with them.
+    due = []
+    for _ in range(10):
+        s = advanced(s, 8)
+        due.append(due_round(s, sch, 0, 1))
+    assert due == [None] * 7 + [1, 1, 1]
+    # Without a latency (a record from an older closer) the schedule is left as it was.
+    t = initial_state(2)
+    for _ in range(9):
+        t = advanced(t, 8)
+    t = applied(t, 0, 0, 1, took_part=False, mixing=0.0, rebase=True, lag_steps=None)
+    assert t.last_publish_step == 0
+
+
+def test_a_participant_or_a_learner_with_a_later_round_in_flight_keeps_its_schedule() -> None:
+    sch = RoundSchedule(sync_every=20, fragments=2, in_flight=2, overlap_steps=None)
+    s = initial_state(2)
+    for _ in range(10):
+        s = advanced(s, 8)
+    s = published(s, 0, sch)
+    for _ in range(4):
+        s = advanced(s, 8)
+    took = applied(s, 0, 0, 1, took_part=True, mixing=0.0, rebase=True, lag_steps=12)
+    assert took.last_publish_step == 10
+    # Its publish of round 0 went out but the round closed without it: it missed.
+    assert missed(s, 0, took_part=False)
+    late = applied(s, 0, 0, 1, took_part=False, mixing=0.0, rebase=True, lag_steps=12)
+    assert late.last_publish_step == 2
+    # A commit of an earlier round while round 1 is in flight moves nothing.
+    for _ in range(6):
+        s = advanced(s, 8)
+    s = published(s, 1, sch)
+    assert not missed(s, 0, took_part=False)
+    assert applied(s, 0, 0, 1, took_part=False, mixing=0.0, rebase=True,
+                   lag_steps=3).last_publish_step == 20
+
+
+def test_no_opportunity_when_the_round_will_wait_for_this_learner() -> None:
+    sch = RoundSchedule(sync_every=20, fragments=2, in_flight=2, overlap_steps=None)  # gap 10
+    s = initial_state(2)
+    for _ in range(6):
+        s = advanced(s, 8)
+    # Another learner published round 0 (quorum 1, 4 live): without a window, due now.
+    assert due_round(s, sch, others=1, effective_quorum=1, live=4) == 0
+    # The round waits 5 of this learner's steps: due in 4, it keeps its schedule ...
+    assert due_round(s, sch, others=1, effective_quorum=1, live=4, wait_steps=5) is None
+    # ... due in 4 but waited for only 3: it would miss the round, so it publishes now.
+    assert due_round(s, sch, others=1, effective_quorum=1, live=4, wait_steps=3) == 0
+    for _ in range(4):
+        s = advanced(s, 8)
+    assert due_round(s, sch, others=0, effective_quorum=1, live=4, wait_steps=5) == 0

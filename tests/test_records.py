@@ -14,6 +14,7 @@ from gradientmail.algorithms.schedule import Estimates
 from gradientmail.errors import LocalProtocolError, RemoteProtocolError
 from gradientmail.records import (
     MAX_RECORD_BYTES,
+    Arrival,
     CreationClaim,
     Dropped,
     Manifest,
@@ -114,6 +115,29 @@ def test_round_record_without_update_or_cosine() -> None:
     assert b'"update":null' in data and b'"mean_cosine":null' in data
     assert b'"all_final":true' in data and b'"dropped":[]' in data
     assert RoundRecord.decode(data, KEY) == record
+
+
+def test_round_record_arrival_and_participant_pace_are_optional() -> None:
+    # Records written before these fields existed keep their bytes (the golden above) and
+    # decode with None; new ones carry them and round-trip.
+    assert ROUND.arrival is None and ROUND.participants[0].step_seconds is None
+    paced = tuple(dataclasses.replace(p, step_seconds=0.25) for p in ROUND.participants)
+    record = dataclasses.replace(ROUND, participants=paced,
+                                 arrival=Arrival(3.0, 4.5, ("node-9", "node-3")))
+    data = record.encode()
+    assert b'"arrival":{"latency":4.5,"missed":["node-3","node-9"],"window":3.0}' in data
+    assert b'"step_seconds":0.25,"steps":50' in data
+    assert RoundRecord.decode(data, KEY) == record
+    with pytest.raises(LocalProtocolError, match="latency=-1"):
+        Arrival(1.0, -1)
+    with pytest.raises(LocalProtocolError, match="step_seconds=nan"):
+        dataclasses.replace(ROUND.participants[0], step_seconds=float("nan"))
+    bad = data.replace(b'"missed":["node-3","node-9"]', b'"missed":[3]')
+    with pytest.raises(RemoteProtocolError, match="missed"):
+        RoundRecord.decode(bad, KEY)
+    extra = data.replace(b'"window":3.0', b'"window":3.0,"x":1')
+    with pytest.raises(RemoteProtocolError, match="unexpected \\['x'\\]"):
+        RoundRecord.decode(extra, KEY)
 
 
 def test_canonical_json_is_utf8_not_escaped() -> None:

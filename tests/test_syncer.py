@@ -34,7 +34,7 @@ from gradientmail.events import (
 from gradientmail.mailbox import Mailbox, MemoryMailbox
 from gradientmail.mailbox.wrappers import FaultPlan, FaultyMailbox
 from gradientmail.protocol import Exchange, round_key
-from gradientmail.records import Manifest, RoundRecord, SnapshotRecord
+from gradientmail.records import Arrival, Manifest, RoundRecord, SnapshotRecord
 from gradientmail.serialization import ParameterSpec, Schema, TensorBytes
 from gradientmail.syncer import Syncer
 from gradientmail.syncer_state import ESTIMATE_DECAY
@@ -118,6 +118,7 @@ class Run:
         tokens: int = 64,
         schema_digest: str | None = None,
         final: bool = False,
+        step_seconds: float | None = None,
     ) -> SnapshotRecord:
         """Publish `learner`'s contribution to round `r`; by default a well-formed one
         against the version the fragment has when every earlier round committed."""
@@ -130,7 +131,7 @@ class Run:
             r, learner, tensors, fragment=fragment, base_version=base_version,
             local_step=(r + 1) * steps, steps=steps, tokens=tokens, final=final,
             schema_digest=SCHEMA.digest() if schema_digest is None else schema_digest,
-            delta_format="F32",
+            delta_format="F32", step_seconds=step_seconds,
         )
 
     def syncer(self, closer_id: str = "s1", mailbox: Mailbox | None = None,
@@ -181,11 +182,16 @@ def test_a_round_closes_once_the_quorum_is_in_and_merges_exactly_it(mailbox: Mai
         assert await r.ex.read_round(0) is None
         assert await r.ex.round_claims(0) == []
         await r.contribute(0, "b")
+        # The quorum is in; c is live and may still come: round 0 (no step estimate
+        # yet) waits 3 polls after its first contribution for it.
+        assert not await s.poll(live=live)
+        fake(r).advance(3.0)
         assert await s.poll(live=live)
         rec = await r.ex.read_round(0)
         assert rec is not None
         assert [p.learner for p in rec.participants] == ["a", "b"]
         assert (rec.round, rec.fragment, rec.version, rec.closer) == (0, 0, 1, "s1")
+        assert rec.arrival == Arrival(window=3.0, latency=3.0, missed=("c",))
         # The committed bytes are the aggregator's on the same inputs.
         theta = await r.ex.fetch_tensors(rec.theta)
         assert theta is not None
@@ -278,14 +284,13 @@ def test_the_grace_window_waits_for_stragglers_after_quorum(mailbox: Mailbox) ->
     async def main() -> None:
         r = Run(mailbox, algorithm(fragments=1, quorum_size=1))
         await r.create()
-        # grace = min(0.5·max(ahead·ξ_step − (ξ_quorum + ξ_sync), 0), gap·ξ_step)
-        #       = min(0.5·max(4·2 − (1 + 1), 0), 4·2) = 3 s
-        await with_estimates(r, Estimates(step=2.0, quorum=1.0, sync=1.0))
+        # window = min(gap·ξ_step, max(5·ξ_step, 3 polls)) = min(4·1, max(5, 3)) = 4 s
+        await with_estimates(r, Estimates(step=1.0, quorum=1.0, sync=1.0))
         s = r.syncer()
         live = frozenset({"a", "b"})
         await r.contribute(1, "a")
-        assert not await s.poll(live=live)  # quorum (1) in at t=100, due at t=103
-        fake(r).advance(2.5)
+        assert not await s.poll(live=live)  # quorum (1) in at t=100, due at t=104
+        fake(r).advance(3.5)
         assert not await s.poll(live=live)
         fake(r).advance(0.5)
         assert await s.poll(live=live)
@@ -300,7 +305,7 @@ def test_a_straggler_inside_the_grace_window_is_merged(mailbox: Mailbox) -> None
     async def main() -> None:
         r = Run(mailbox, algorithm(fragments=1, quorum_size=1))
         await r.create()
-        await with_estimates(r, Estimates(step=2.0, quorum=1.0, sync=1.0))
+        await with_estimates(r, Estimates(step=1.0, quorum=1.0, sync=1.0))  # window 4 s
         s = r.syncer()
         live = frozenset({"a", "b", "c"})
         await r.contribute(1, "a")
@@ -308,7 +313,7 @@ def test_a_straggler_inside_the_grace_window_is_merged(mailbox: Mailbox) -> None
         fake(r).advance(2.0)
         await r.contribute(1, "b")
         assert not await s.poll(live=live)  # c is live and may still come
-        fake(r).advance(1.0)
+        fake(r).advance(2.0)
         assert await s.poll(live=live)
         rec = await r.ex.read_round(1)
         assert rec is not None and [p.learner for p in rec.participants] == ["a", "b"]
@@ -327,9 +332,79 @@ def test_when_every_live_learner_contributed_the_round_closes_at_once(mailbox: M
         assert not await s.poll(live=live)
         fake(r).advance(1.0)
         await r.contribute(1, "b")
-        assert await s.poll(live=live)  # 1 s into a 3 s window: nobody left to wait for
+        assert await s.poll(live=live)  # 1 s into an 8 s window: nobody left to wait for
         rec = await r.ex.read_round(1)
         assert rec is not None and [p.learner for p in rec.participants] == ["a", "b"]
+
+    run(main())
+
+
+def test_a_much_slower_learner_is_not_waited_for(mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=1))
+        await r.create()
+        s = r.syncer()
+        live = frozenset({"a", "b", "slow"})
+        # Round 0: every pace unknown, everyone awaited; the record reports the paces.
+        for who, pace in (("a", 1.0), ("b", 1.1), ("slow", 2.0)):
+            await r.contribute(0, who, step_seconds=pace)
+        assert await s.poll(live=live)
+        rec = await r.ex.read_round(0)
+        assert rec is not None
+        assert [(p.learner, p.step_seconds) for p in rec.participants] == [
+            ("a", 1.0), ("b", 1.1), ("slow", 2.0)]
+        # Round 1: "slow" steps twice the run's pace (> 1.5x): a and b are everyone the
+        # round waits for, and it closes as soon as they are in.
+        await r.contribute(1, "a", step_seconds=1.0)
+        assert not await s.poll(live=live)
+        fake(r).advance(1.0)
+        await r.contribute(1, "b", step_seconds=1.2)
+        assert await s.poll(live=live)
+        rec = await r.ex.read_round(1)
+        assert rec is not None and [p.learner for p in rec.participants] == ["a", "b"]
+        assert rec.arrival is not None and rec.arrival.missed == ()
+        # A learner of the run's pace that is not in keeps the round open for the window.
+        await r.contribute(2, "a", step_seconds=1.0)
+        assert not await s.poll(live=live | {"c"})
+        rec2 = None
+        for _ in range(5):
+            fake(r).advance(1.0)
+            if await s.poll(live=live | {"c"}):
+                rec2 = await r.ex.read_round(2)
+                break
+        assert rec2 is not None and rec2.arrival is not None
+        assert rec2.arrival.missed == ("b", "c")
+        # ξ_step = 1.1 s (the median pace of round 1): window min(gap 4, 5 steps)·1.1 s,
+        # closed at the first poll after it
+        assert (rec2.arrival.window, rec2.arrival.latency) == (pytest.approx(4.4), 5.0)
+
+    run(main())
+
+
+def test_an_early_close_looks_at_the_leases_once_for_joiners(mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=1))
+        await r.create()
+        s = r.syncer()
+        calls = []
+
+        async def refresh() -> frozenset[str]:
+            calls.append(1)
+            return frozenset({"a", "joiner"})  # joined since the caller's last listing
+
+        await r.contribute(0, "a")
+        # Every learner the caller knows of is in: before closing ahead of the window,
+        # the leases are listed again, and the joiner is waited for.
+        assert not await s.poll(live=frozenset({"a"}), refresh_live=refresh)
+        assert calls == [1]
+        # (the caller's view is refreshed with it, as a learner's is)
+        assert not await s.poll(live=frozenset({"a", "joiner"}), refresh_live=refresh)
+        assert calls == [1]  # once a round
+        fake(r).advance(3.0)
+        assert await s.poll(live=frozenset({"a", "joiner"}), refresh_live=refresh)
+        rec = await r.ex.read_round(0)
+        assert rec is not None and rec.arrival is not None
+        assert rec.arrival.missed == ("joiner",)
 
     run(main())
 

@@ -7,6 +7,7 @@ import pytest
 from gradientmail.algorithms.schedule import Estimates
 from gradientmail.syncer_state import (
     RoundWatch,
+    awaited,
     close_time,
     effective_quorum,
     next_claim_attempt,
@@ -26,13 +27,40 @@ def test_no_close_before_quorum() -> None:
     assert close_time(w, live={"a", "b", "c"}, quorum_size=2, grace=5.0) is None
 
 
-def test_grace_window_runs_from_the_quorum_contribution() -> None:
+def test_grace_window_runs_from_the_first_contribution() -> None:
     w = RoundWatch(4, {"a": 10.0, "b": 12.5})
-    assert close_time(w, live={"a", "b", "c"}, quorum_size=2, grace=5.0) == 17.5
-    # quorum 1 closes from the first contribution
+    # the window covers how far apart learners arrive: it runs from the first one
+    assert close_time(w, live={"a", "b", "c"}, quorum_size=2, grace=5.0) == 15.0
     assert close_time(w, live={"a", "b", "c"}, quorum_size=1, grace=5.0) == 15.0
-    # a missing estimate means grace 0
+    # never before the quorum is in
+    assert close_time(w, live={"a", "b", "c"}, quorum_size=2, grace=1.0) == 12.5
     assert close_time(w, live={"a", "b", "c"}, quorum_size=2, grace=0.0) == 12.5
+
+
+def test_the_window_waits_only_for_the_awaited_learners() -> None:
+    w = RoundWatch(4, {"a": 10.0, "b": 12.5})
+    live = {"a", "b", "c"}
+    # c is live but not awaited (much slower): a and b are everyone the round waits for
+    assert close_time(w, live, quorum_size=1, grace=5.0, awaited={"a", "b"}) == 10.0
+    # with quorum 2 the quorum time still comes first
+    assert close_time(w, live, quorum_size=2, grace=5.0, awaited={"a", "b"}) == 12.5
+    # an awaited learner that is not in keeps the round open for the window
+    assert close_time(w, live, quorum_size=1, grace=5.0, awaited={"a", "c"}) == 15.0
+
+
+def test_awaited_leaves_out_much_slower_learners_only() -> None:
+    live = {"a", "b", "c", "d"}
+    paces = {"a": 0.20, "b": 0.21, "c": 0.22, "d": 0.45}
+    assert awaited(live, paces) == {"a", "b", "c"}
+    # within 1.5x of the run's pace (the lower median) is waited for
+    assert awaited(live, {**paces, "d": 0.30}) == live
+    # a learner of unknown pace (a joiner) is waited for
+    assert awaited(live | {"e"}, paces) == {"a", "b", "c", "e"}
+    # of two learners, the faster sets the pace: the slow one is not waited for
+    assert awaited({"a", "d"}, paces) == {"a"}
+    # nothing known: everyone; a learner not live is never awaited
+    assert awaited({"a", "b"}, {}) == {"a", "b"}
+    assert awaited({"a"}, paces) == {"a"}
 
 
 def test_every_live_learner_in_skips_the_grace_window() -> None:

@@ -280,8 +280,12 @@ class Algorithm(Protocol):
         """Version 0 of a fragment from its Θ⁰."""
         ...
 
-    def grace_window(self, estimates: Estimates, schedule: RoundSchedule, round_: int) -> float:
-        """Seconds a closer waits after quorum for stragglers of round `round_`."""
+    def grace_window(
+        self, estimates: Estimates, schedule: RoundSchedule, round_: int,
+        poll_interval: float = 1.0,
+    ) -> float:
+        """Seconds after round `round_`'s first contribution that a closer waits for the
+        learners it expects."""
         ...
 
     def to_json(self) -> dict[str, Any]: ...

@@ -66,6 +66,7 @@ __all__ = [
     "plan",
     "rda",
     "rebuild_theta",
+    "span_scales",
     "weight",
     "weighted_mean",
 ]
@@ -79,20 +80,44 @@ _DEFAULT_MERGE: Merge = Rda(direct_pattern="embed")
 _DEFAULT_PARTITION: Partition = ByBytes()
 
 
-def grace_window(estimates: Estimates, schedule: RoundSchedule, round_: int) -> float:
-    """Seconds to wait after quorum for stragglers of round `round_`.
+#: Steps of a learner's pace a round waits, at least, for learners in phase to arrive.
+ARRIVAL_STEPS = 5
+#: Poll intervals a round waits, at least: learners see a commit up to one poll late and
+#: align their next publish to it, and closers see a contribution up to one poll late.
+ARRIVAL_POLLS = 3
 
-    min(0.5·max(ahead·ξ_step − (ξ_quorum + ξ_sync), 0), gap·ξ_step), where ahead is how
-    far learners may train past their publish (τ·gap, or overlap_steps when smaller): half
-    the slack before the earliest contributor would block, never more than one round's
-    gap. 0 while an estimate is missing.
+
+def grace_window(
+    estimates: Estimates, schedule: RoundSchedule, round_: int, poll_interval: float = 1.0
+) -> float:
+    """Seconds after a round's first contribution that it waits for the learners it
+    expects (see `syncer_state.awaited`).
+
+    min(gap·ξ_step, max(ARRIVAL_STEPS·ξ_step, ARRIVAL_POLLS·poll_interval)): learners in
+    phase arrive within a few of their steps and a poll or two of each other, so that is
+    what the window covers; never more than one round's gap, after which the next round's
+    contributions are due. Before ξ_step is measured (round 0), the poll floor alone.
     """
-    step, quorum, sync = estimates.step, estimates.quorum, estimates.sync
-    if step is None or quorum is None or sync is None:
-        return 0.0
-    ahead = schedule.ahead(round_)
-    gap = schedule.gap(round_)
-    return min(0.5 * max(ahead * step - (quorum + sync), 0.0), gap * step)
+    floor = ARRIVAL_POLLS * poll_interval
+    step = estimates.step
+    if step is None:
+        return floor
+    return min(schedule.gap(round_) * step, max(ARRIVAL_STEPS * step, floor))
+
+
+def span_scales(steps: Sequence[int], sync_every: int) -> list[float]:
+    """What each contribution's delta is multiplied by before merging: 1/k, with its span
+    k = max(1, steps/H) in sync periods.
+
+    A learner on schedule contributes a fragment's H steps every round of that fragment
+    (k = 1, unchanged). One that missed rounds carries k·H steps in one delta; merged as
+    it is, with a weight that already grows with its tokens, it would count k² times a
+    punctual learner's progress. Divided by k it counts as k contributions of its
+    average per-period progress (its weight, ∝ tokens, is the k), as if it had been
+    split across the rounds it missed. A span under one period (published early by
+    opportunity) is not scaled up.
+    """
+    return [float(Fraction(sync_every, s)) if s > sync_every else 1.0 for s in steps]
 
 
 def outliers(norms: Mapping[str, float], factor: float | None) -> dict[str, str]:
@@ -142,9 +167,11 @@ class DiLoCo:
     waits); α = `mixing`; `quorum_size` contributions close a round (Decoupled DiLoCo);
     η = `outer_lr` and β = `outer_momentum` of the Nesterov outer step; `merge` and
     `partition`; `global_batch_size` split over live learners; `delta_dtype` and
-    `commit_dtype` transfer formats (None: full precision); `flush_on_close` publishes
-    what a closing learner trained as final contributions; `outlier_factor` k drops a
-    contribution whose delta norm exceeds k × the round's median (None: off; see
+    `commit_dtype` transfer formats (None: full precision); `flush_on_close` (the
+    default) publishes what a closing learner trained since its last contribution as
+    final contributions, so a run that ends commits every step it trained;
+    `outlier_factor` k drops a contribution whose delta norm exceeds k × the round's
+    median (None: off; see
     `outliers`). Its JSON omits `outlier_factor` when None, so runs created before the
     field existed keep their records.
 
@@ -173,7 +200,7 @@ class DiLoCo:
     global_batch_size: int | None = None
     delta_dtype: str | None = None
     commit_dtype: str | None = None
-    flush_on_close: bool = False
+    flush_on_close: bool = True
     outlier_factor: float | None = None
     rebase: bool | None = None
 
@@ -288,8 +315,11 @@ class DiLoCo:
     def aggregator(self, backend: Backend | None = None) -> DiLoCoAggregator:
         return DiLoCoAggregator(self, NumpyBackend() if backend is None else backend)
 
-    def grace_window(self, estimates: Estimates, schedule: RoundSchedule, round_: int) -> float:
-        return grace_window(estimates, schedule, round_)
+    def grace_window(
+        self, estimates: Estimates, schedule: RoundSchedule, round_: int,
+        poll_interval: float = 1.0,
+    ) -> float:
+        return grace_window(estimates, schedule, round_, poll_interval)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict; `from_json(to_json())` gives an equal configuration."""
@@ -433,6 +463,7 @@ class DiLoCoAggregator:
         _check_deltas(contribs, names, schema)
         exact = [Fraction(c.tokens * c.tokens, c.steps) for c in contribs]
         shares = normalized_weights(exact)
+        spans = span_scales([c.steps for c in contribs], cfg.sync_every)
         participants = tuple(
             Participant(c.learner, c.local_step, c.steps, c.tokens, weight(c.tokens, c.steps))
             for c in contribs
@@ -460,7 +491,7 @@ class DiLoCoAggregator:
             for i in range(m):
                 for j in range(m):
                     frag_gram[i][j] += gram[i][j]
-            coeffs = self._coefficients(name, gram, shares)
+            coeffs = self._coefficients(name, gram, shares, spans)
             base = be.load((state.master or state.theta)[name])
             if all_final:
                 new_master = base - be.lincomb(deltas, coeffs)
@@ -493,14 +524,18 @@ class DiLoCoAggregator:
         )
 
     def _coefficients(
-        self, name: str, gram: list[list[float]], shares: list[float]
+        self, name: str, gram: list[list[float]], shares: list[float], spans: list[float]
     ) -> list[float]:
+        """The coefficient of each raw delta: the merge of the deltas divided by their
+        spans (`span_scales`), folded into one number each."""
         merge = self.config.merge
         if len(shares) == 1:
-            return [1.0]
+            return [spans[0]]
         if isinstance(merge, WeightedMean) or merge.is_direct(name):
-            return shares
-        return rda_coefficients(gram, shares)
+            return [p * s for p, s in zip(shares, spans, strict=True)]
+        m = len(spans)
+        scaled = [[gram[i][j] * spans[i] * spans[j] for j in range(m)] for i in range(m)]
+        return [c * s for c, s in zip(rda_coefficients(scaled, shares), spans, strict=True)]
 
     def _publish(
         self, name: str, new_master: Value, old: TensorBytes, update: dict[str, TensorBytes]
