@@ -1,6 +1,7 @@
 """What the learner costs a training loop.
 
     python benchmarks/learner.py [--quick] [--device cpu|cuda] [--model tiny|124m]
+                                 [--table-out PATH] [--no-append]
 
 Measures, in one run:
 - the median microseconds of `Learner.step()` when no round is due;
@@ -9,7 +10,7 @@ Measures, in one run:
 - steps/s of a GPT-2 training loop with the learner against the same loop without it,
   interleaved in blocks so drift on a shared machine hits both arms (goal >= 0.99x);
 - peak memory the learner adds (host RSS on CPU, allocator peak on CUDA).
-Prints a markdown table and appends it to benchmarks/RESULTS.md.
+Prints a markdown table and appends it to benchmarks/RESULTS.md (unless --no-append).
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def main() -> None:
     ap.add_argument("--sync-every", type=int, default=None)
     ap.add_argument("--fragments", type=int, default=4, help="P of the throughput runs")
     ap.add_argument("--table-out", default=None, help="also write the table to this file")
+    ap.add_argument("--no-append", action="store_true", help="do not touch RESULTS.md")
     args = ap.parse_args()
     dev = args.device
     steps = args.steps or (20 if args.quick else 60)
@@ -271,8 +273,9 @@ def main() -> None:
         f"Command: `python benchmarks/learner.py {' '.join(sys.argv[1:])}`\n\n"
     )
     print(header + table)
-    with RESULTS.open("a") as f:
-        f.write(header + table + "\n")
+    if not args.no_append:
+        with RESULTS.open("a") as f:
+            f.write(header + table + "\n")
     if args.table_out:
         Path(args.table_out).write_text(header + table + "\n")
 

@@ -8,6 +8,8 @@
   kind "memory", "local" or "s3" (its own store / directory / prefix); all are closed at
   teardown.
 - `any_mailbox`: one fresh mailbox per kind, so a test taking it runs three times.
+- `device`: "cpu", then "cuda" (marked `cuda`; skipped "needs a CUDA device" where torch
+  sees none), so a test taking it checks the same outcomes on a GPU's tensors.
 
 Tests drive mailboxes with `asyncio.run(...)`; mailboxes hold no event-loop state.
 """
@@ -27,6 +29,7 @@ import pytest
 from gradientmail.mailbox import LocalMailbox, Mailbox, MemoryMailbox, S3Mailbox
 
 MAILBOX_KINDS = ("memory", "local", "s3")
+DEVICES = ("cpu", pytest.param("cuda", marks=pytest.mark.cuda))
 S3_BUCKET = "gradientmail-test"
 
 
@@ -107,3 +110,14 @@ def mailbox_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[
 @pytest.fixture(params=MAILBOX_KINDS)
 def any_mailbox(request: pytest.FixtureRequest, mailbox_factory: MailboxFactory) -> Mailbox:
     return mailbox_factory(request.param)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    """A torch device name for the test's modules and tensors."""
+    if request.param == "cuda":
+        # Asked here, not at collection: conftest loads for every test, most need no torch.
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA device")
+    return str(request.param)

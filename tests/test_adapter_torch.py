@@ -1,4 +1,8 @@
-"""TorchAdapter: schema from the module, in-place apply, byte-exact conversions."""
+"""TorchAdapter: schema from the module, in-place apply, byte-exact conversions.
+
+Tests taking `device` run on CPU and, where there is one, on a CUDA device; their
+expected values are computed on the host, so a GPU's result must match the CPU's bytes.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +16,13 @@ from gradientmail.errors import ConfigError, SchemaMismatch
 from gradientmail.serialization import ParameterSpec, TensorBytes
 
 
-def model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+def model(device: str = "cpu") -> torch.nn.Module:
+    torch.manual_seed(0)  # built on the host, then moved: the same values on every device
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4)).to(device)
+
+
+def host(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu()
 
 
 def test_schema_from_named_parameters() -> None:
@@ -29,8 +37,8 @@ def test_schema_from_named_parameters() -> None:
     )
 
 
-def test_apply_writes_in_place_and_keeps_parameter_objects() -> None:
-    m = model()
+def test_apply_writes_in_place_and_keeps_parameter_objects(device: str) -> None:
+    m = model(device)
     a = TorchAdapter(m)
     before = a.parameter("0.weight")
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -38,40 +46,45 @@ def test_apply_writes_in_place_and_keeps_parameter_objects() -> None:
     a.apply({"0.weight": TensorBytes.from_numpy(new)})
     assert a.parameter("0.weight") is before
     assert opt.param_groups[0]["params"][0] is before
-    assert np.array_equal(before.detach().numpy(), new)
+    assert before.device.type == device
+    assert np.array_equal(host(before).numpy(), new)
     assert a.read(["0.weight"])["0.weight"] == TensorBytes.from_numpy(new)
 
 
-def test_apply_with_mixing() -> None:
-    m = model()
+def test_apply_with_mixing(device: str) -> None:
+    m = model(device)
     a = TorchAdapter(m)
-    local = a.parameter("0.bias").detach().clone()
+    local = host(a.parameter("0.bias")).clone()
     commit = torch.ones(4)
-    a.apply({"0.bias": commit}, mixing=0.25)
-    assert torch.allclose(a.parameter("0.bias"), 0.25 * local + 0.75 * commit)
+    a.apply({"0.bias": commit.to(device)}, mixing=0.25)
+    assert torch.allclose(host(a.parameter("0.bias")), 0.25 * local + 0.75 * commit)
 
 
-def test_snapshot_is_a_detached_copy() -> None:
-    m = model()
+def test_snapshot_is_a_detached_copy(device: str) -> None:
+    m = model(device)
     a = TorchAdapter(m)
     snap = a.snapshot(["0.bias"])
     with torch.no_grad():
         a.parameter("0.bias").add_(1.0)
+    assert snap["0.bias"].device == a.parameter("0.bias").device  # no host round trip
     assert not torch.equal(snap["0.bias"], a.parameter("0.bias"))
     assert not snap["0.bias"].requires_grad
 
 
-def test_bytes_roundtrip_is_exact_for_every_storage_dtype() -> None:
+def test_bytes_roundtrip_is_exact_for_every_storage_dtype(device: str) -> None:
     torch.manual_seed(1)
     x = torch.randn(5, 7)
+    on = x.to(device)
     for dtype in ("F32", "F16", "BF16"):
-        tb = from_torch(x, dtype)
-        back = to_torch(tb)
+        tb = from_torch(on, dtype)
+        assert tb == from_torch(x, dtype)  # the device casts to the host's bytes
+        back = to_torch(tb, device)
+        assert back.device.type == device
         assert from_torch(back) == tb
-    bf = from_torch(x, "BF16")
+    bf = from_torch(on, "BF16")
     ref = x.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
     assert bf.data == ref
-    assert to_torch(TensorBytes("F32", (0, 3), b"")).shape == (0, 3)
+    assert to_torch(TensorBytes("F32", (0, 3), b""), device).shape == (0, 3)
 
 
 def test_errors_name_the_parameter() -> None:
@@ -87,8 +100,8 @@ def test_errors_name_the_parameter() -> None:
         from_torch(torch.zeros(2, dtype=torch.int64))
 
 
-def test_rebase_moves_the_local_progress_onto_the_commit_in_place() -> None:
-    m = model()
+def test_rebase_moves_the_local_progress_onto_the_commit_in_place(device: str) -> None:
+    m = model(device)
     m[1].to(torch.bfloat16)
     a = TorchAdapter(m)
     names = ["0.weight", "1.bias"]
@@ -98,27 +111,29 @@ def test_rebase_moves_the_local_progress_onto_the_commit_in_place() -> None:
         a.parameter("1.bias").sub_(0.25)
     local = a.snapshot(names)
     objects = [a.parameter(n) for n in names]
-    commit = {"0.weight": torch.full((4, 3), 2.0),
-              "1.bias": TensorBytes.from_numpy(np.full(4, -1.0, np.float32))}
-    a.rebase({"0.weight": commit["0.weight"], "1.bias": to_torch(commit["1.bias"])
+    commit_w = torch.full((4, 3), 2.0)
+    commit_b = TensorBytes.from_numpy(np.full(4, -1.0, np.float32))
+    # A commit on the parameters' device (what `load` returns) and one on the host.
+    a.rebase({"0.weight": commit_w.to(device), "1.bias": to_torch(commit_b)
               .to(torch.bfloat16)}, base)
     assert [a.parameter(n) for n in names] == objects
-    want_w = commit["0.weight"] + (local["0.weight"] - base["0.weight"])
-    assert torch.equal(a.parameter("0.weight"), want_w)
-    want_b = (-1.0 + (local["1.bias"].float() - base["1.bias"].float())).to(torch.bfloat16)
+    want_w = commit_w + (host(local["0.weight"]) - host(base["0.weight"]))
+    assert torch.equal(host(a.parameter("0.weight")), want_w)
+    want_b = (-1.0 + (host(local["1.bias"]).float() - host(base["1.bias"]).float())).to(
+        torch.bfloat16)
     assert a.parameter("1.bias").dtype == torch.bfloat16
-    assert torch.equal(a.parameter("1.bias"), want_b)
+    assert torch.equal(host(a.parameter("1.bias")), want_b)
     # Host bytes are accepted as the commit, like apply's
-    a.rebase({"1.bias": commit["1.bias"]}, {"1.bias": a.snapshot(["1.bias"])["1.bias"]})
-    assert torch.equal(a.parameter("1.bias"), torch.full((4,), -1.0, dtype=torch.bfloat16))
+    a.rebase({"1.bias": commit_b}, {"1.bias": a.snapshot(["1.bias"])["1.bias"]})
+    assert torch.equal(host(a.parameter("1.bias")), torch.full((4,), -1.0, dtype=torch.bfloat16))
 
 
-def test_rebase_with_nothing_trained_since_the_base_is_the_commit() -> None:
-    a = TorchAdapter(model())
+def test_rebase_with_nothing_trained_since_the_base_is_the_commit(device: str) -> None:
+    a = TorchAdapter(model(device))
     base = a.snapshot(["0.weight"])
     commit = torch.randn(4, 3)
-    a.rebase({"0.weight": commit}, base)
-    assert torch.equal(a.parameter("0.weight").detach(), commit)
+    a.rebase({"0.weight": commit.to(device)}, base)
+    assert torch.equal(host(a.parameter("0.weight")), commit)
 
 
 def test_rebase_errors_name_the_parameter() -> None:

@@ -224,42 +224,49 @@ def test_pool_limits() -> None:
 # -- the torch adapter -------------------------------------------------------------------
 
 
-def test_from_torch_copies_a_live_cpu_tensor_once_and_shares_converted_ones() -> None:
-    p = torch.randn(64, 64)
+# Each runs on CPU and, where there is one, on a CUDA device (the `device` fixture); the
+# expected values are computed on the host, so a GPU's bytes must equal the CPU's.
+
+
+def test_from_torch_copies_a_live_tensor_once_and_shares_converted_ones(device: str) -> None:
+    p = torch.randn(64, 64).to(device)
     t = from_torch(p)
     p.zero_()  # the parameter trains on
     assert t.to_numpy().any() and not t.to_numpy().flags.writeable
     q = torch.randn(64, 64, dtype=torch.float64)
-    u = from_torch(q, "F32")
+    u = from_torch(q.to(device), "F32")
     assert np.array_equal(u.to_numpy(), q.to(torch.float32).numpy())
 
 
-def test_to_torch_and_load_never_alias_the_payload() -> None:
+def test_to_torch_and_load_never_alias_the_payload(device: str) -> None:
     blob = pack({"w": TensorBytes.from_numpy(randn((4, 3), 14))})
     w = unpack(blob)["w"]
-    out = to_torch(w)
+    out = to_torch(w, device)
     out.zero_()  # a writable tensor of its own
     assert unpack(blob)["w"] == w and w.to_numpy().any()
-    m = torch.nn.Linear(3, 4, bias=False)
+    m = torch.nn.Linear(3, 4, bias=False).to(device)
     a = TorchAdapter(m)
     loaded = a.load({"weight": w})["weight"]
+    assert loaded.device == m.weight.device and from_torch(loaded) == w
     loaded.add_(1.0)
     assert w == unpack(blob)["w"]
     a.apply({"weight": w})
     with torch.no_grad():
         m.weight.mul_(2.0)
     assert w == unpack(blob)["w"]
-    assert torch.equal(m.weight.detach(), torch.from_numpy(w.to_numpy().copy()) * 2.0)
+    assert torch.equal(m.weight.detach().cpu(), torch.from_numpy(w.to_numpy().copy()) * 2.0)
 
 
-def test_delta_is_host_memory_of_its_own() -> None:
-    m = torch.nn.Linear(3, 4, bias=False)
+def test_delta_is_host_memory_of_its_own(device: str) -> None:
+    m = torch.nn.Linear(3, 4, bias=False).to(device)
     a = TorchAdapter(m)
     anchor = a.snapshot(["weight"])
     with torch.no_grad():
         m.weight.add_(0.5)
-    d = a.delta(anchor, a.snapshot(["weight"]))["weight"]
+    now = a.snapshot(["weight"])
+    d = a.delta(anchor, now)["weight"]
     assert np.allclose(d.to_numpy(), -0.5) and not d.to_numpy().flags.writeable
+    assert d == from_torch(anchor["weight"].cpu() - now["weight"].cpu())  # the host's bytes
 
 
 def test_outer_step_knows_whether_theta_is_finite() -> None:
