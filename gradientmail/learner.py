@@ -278,16 +278,20 @@ class Learner(Mailman):
         self._wait_while_overdue()
         return tuple(sorted(self._touched))
 
-    def close(self) -> None:
+    def close(self, flush: bool | None = None) -> None:
         """Wait for the commits of the rounds in flight, reset the model to the newest
         commits (or flush, with `flush_on_close`), release the lease, stop the thread.
-        Idempotent; never raises for a peer's or the store's failure."""
+        Idempotent; never raises for a peer's or the store's failure.
+
+        `flush` overrides `flush_on_close`: integrations pass False when training failed,
+        since a run resumed from a checkpoint trains those steps again and a flush would
+        count them twice."""
         if self._closed:
             return
         self._closed = True
         if self._thread is None or self._state is None or self._loop is None:
             return
-        flush = self.algorithm.flush_on_close
+        flush = self.algorithm.flush_on_close if flush is None else flush
         pending = self._pending_rounds()
         self.on_event(Closing(self.learner_id, pending, flush))
         if self._dead is None:
@@ -418,7 +422,7 @@ class Learner(Mailman):
         quorum = effective_quorum(self.algorithm.quorum_size, live)
         wait = _wait_steps(self.algorithm, self._estimates, sch, candidate,
                            self.poll_interval, state.step_seconds)
-        r = ls.due_round(state, sch, others, quorum, live, wait)
+        r = ls.due_round(state, sch, others, quorum, live, wait, self._estimates.step)
         if r is None:
             return
         self._hand_over(r, final=final)

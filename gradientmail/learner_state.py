@@ -29,6 +29,7 @@ __all__ = [
     "publishable",
     "published",
     "retracted",
+    "scheduled_gap",
 ]
 
 EMA_DECAY = 0.1
@@ -63,6 +64,9 @@ class LearnerState:
     last_publish_step: int = 0
     publishes: tuple[Publish, ...] = ()
     step_seconds: float | None = None
+    #: The local step the publishing schedule counts from when a missed round moved it
+    #: into phase with the run (None: from the last publish).
+    phase_step: int | None = None
 
 
 def initial_state(
@@ -124,6 +128,27 @@ def publishable(state: LearnerState, schedule: RoundSchedule) -> int | None:
     return r
 
 
+def scheduled_gap(
+    schedule: RoundSchedule, round_: int, step_seconds: float | None, run_step: float | None
+) -> int:
+    """gap(round_) at the run's pace, in this learner's steps: a learner that steps slower
+    than the run (`run_step`, the records' ξ_step) publishes after proportionally fewer
+    of its steps, so it keeps the run's rhythm in wall-clock time and its contributions
+    meet the others' in the same rounds. A learner at the run's pace or faster counts the
+    plain gap. (`due_round` applies it to a learner out of phase only: one on schedule
+    keeps its plain gap, so noise in the step times moves nobody's schedule.)"""
+    gap = schedule.gap(round_)
+    if step_seconds and run_step and step_seconds > run_step:
+        return max(1, int(gap * run_step / step_seconds))
+    return gap
+
+
+#: A learner publishes at the latest this many gaps of its own steps after its last
+#: publish, whatever its phase says: a schedule moved into phase each round must not
+#: postpone a learner's publishes for ever.
+MAX_GAPS = 2
+
+
 def due_round(
     state: LearnerState,
     schedule: RoundSchedule,
@@ -131,12 +156,14 @@ def due_round(
     effective_quorum: int,
     live: int | None = None,
     wait_steps: int | None = None,
+    run_step: float | None = None,
 ) -> int | None:
     """The round to publish now, or None.
 
-    Due on schedule (gap steps since the last publish) or by opportunity: `others` learners
-    have published the candidate and they are at most one short of the effective quorum,
-    so the round is about to close and this learner's steps would otherwise miss it.
+    Due on schedule (a gap at the run's pace, `scheduled_gap`, since the last publish or
+    since the phase a missed round set) or by opportunity: `others` learners have
+    published the candidate and they are at most one short of the effective quorum, so
+    the round is about to close and this learner's steps would otherwise miss it.
 
     With `live` (the live learners, this one included) the opportunity is real only when
     the round can close without this learner: the quorum is in already, or some other
@@ -149,12 +176,21 @@ def due_round(
     r = publishable(state, schedule)
     if r is None:
         return None
-    since = state.local_step - state.last_publish_step
-    if r < state.last_published or since >= schedule.gap(r):
+    if state.phase_step is None:
+        since, gap = state.local_step - state.last_publish_step, schedule.gap(r)
+    else:
+        # Out of phase (it missed a round): a gap of the run's pace from the phase the
+        # round's first contributor set. Without the pace, a learner slower than the run
+        # moved into phase at every commit and never reached its next publish.
+        since = state.local_step - state.phase_step
+        gap = scheduled_gap(schedule, r, state.step_seconds, run_step)
+    if r < state.last_published or since >= gap:
         return r  # a hole is due at once: its round may be waiting for this learner
+    if state.local_step - state.last_publish_step >= MAX_GAPS * schedule.gap(r):
+        return r
     about_to_close = others >= max(effective_quorum - 1, 1)
     closes_without_us = live is None or others >= effective_quorum or others < live - 1
-    waited_for = wait_steps is not None and schedule.gap(r) - since <= wait_steps
+    waited_for = wait_steps is not None and gap - since <= wait_steps
     return r if about_to_close and closes_without_us and not waited_for else None
 
 
@@ -166,6 +202,7 @@ def published(state: LearnerState, round_: int, schedule: RoundSchedule) -> Lear
         state,
         last_published=max(state.last_published, round_),
         last_publish_step=state.local_step,
+        phase_step=None,
         publishes=(*state.publishes, entry)[-schedule.in_flight :],
     )
 
@@ -235,14 +272,14 @@ def applied(
         )
     frags = list(state.fragments)
     frags[fragment] = kept
-    reference = state.last_publish_step
+    phase = state.phase_step
     if missed(state, round_, took_part) and lag_steps is not None:
-        reference = state.local_step - max(lag_steps, 0)
+        phase = state.local_step - max(lag_steps, 0)
     return dataclasses.replace(
         state,
         fragments=tuple(frags),
         rounds_seen=max(state.rounds_seen, round_),
-        last_publish_step=reference,
+        phase_step=phase,
         publishes=tuple(p for p in state.publishes if p.round > round_),
     )
 

@@ -166,7 +166,7 @@ class DiLoCo:
             self._start()
         except BaseException:
             if self._learner is not None:
-                self._learner.close()
+                self._learner.close(flush=False)
             self._closed = True
             raise
         self._hook = self._inner.register_step_post_hook(self._after_step)
@@ -211,7 +211,9 @@ class DiLoCo:
         failure: BaseException | None = None
         if self._learner is not None:
             try:
-                self._learner.close()
+                # After a failure nothing is flushed: a run resumed from a checkpoint
+                # trains those steps again.
+                self._learner.close(flush=False if failed else None)
                 self._rounds_seen = self._learner.rounds_seen
             except BaseException as exc:
                 failure = exc

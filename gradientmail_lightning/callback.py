@@ -484,7 +484,9 @@ class DiLoCoCallback(Callback):
 
         def close() -> None:
             try:
-                learner.close()
+                # Training failed: a run resumed from a checkpoint trains these steps
+                # again, so flushing them now would count them twice.
+                learner.close(flush=False)
             except Exception:
                 _log.exception("closing learner %s after a failure", learner.learner_id)
 

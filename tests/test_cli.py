@@ -46,7 +46,7 @@ def train(url: str) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
     """Two learners, standard DiLoCo over two fragments; their final state dicts and the
     last round each saw."""
     alg = DiLoCo(H, FRAGMENTS, in_flight=1, overlap_steps=0, quorum_size=LEARNERS,
-                 merge=WeightedMean())
+                 merge=WeightedMean(), flush_on_close=False)  # a round every H/P steps
     finals: list[dict[str, torch.Tensor]] = [{} for _ in range(LEARNERS)]
     seen = [-1] * LEARNERS
     errors: list[BaseException] = []

@@ -20,6 +20,7 @@ from gradientmail.learner_state import (
     publishable,
     published,
     retracted,
+    scheduled_gap,
 )
 
 
@@ -295,7 +296,7 @@ def test_a_learner_that_missed_a_round_publishes_the_next_one_a_gap_after_its_fi
         s = advanced(s, 8)
     assert due_round(s, sch, 0, 1) is None  # on its own schedule round 0 was due at 10
     s = applied(s, 0, 0, 1, took_part=False, mixing=0.0, rebase=True, lag_steps=2)
-    assert s.last_publish_step == 7  # the first contributor's publish, in its steps
+    assert s.phase_step == 7  # the first contributor's publish, in its steps
     # Before: round 1 went out at step 10, 7 steps before the others'; now it is due
     # one gap after the first contribution of round 0, with them.
     due = []
@@ -308,7 +309,7 @@ def test_a_learner_that_missed_a_round_publishes_the_next_one_a_gap_after_its_fi
     for _ in range(9):
         t = advanced(t, 8)
     t = applied(t, 0, 0, 1, took_part=False, mixing=0.0, rebase=True, lag_steps=None)
-    assert t.last_publish_step == 0
+    assert t.phase_step is None and t.last_publish_step == 0
 
 
 def test_a_participant_or_a_learner_with_a_later_round_in_flight_keeps_its_schedule() -> None:
@@ -320,18 +321,20 @@ def test_a_participant_or_a_learner_with_a_later_round_in_flight_keeps_its_sched
     for _ in range(4):
         s = advanced(s, 8)
     took = applied(s, 0, 0, 1, took_part=True, mixing=0.0, rebase=True, lag_steps=12)
-    assert took.last_publish_step == 10
+    assert took.phase_step is None and took.last_publish_step == 10
     # Its publish of round 0 went out but the round closed without it: it missed.
     assert missed(s, 0, took_part=False)
     late = applied(s, 0, 0, 1, took_part=False, mixing=0.0, rebase=True, lag_steps=12)
-    assert late.last_publish_step == 2
+    assert late.phase_step == 2
     # A commit of an earlier round while round 1 is in flight moves nothing.
     for _ in range(6):
         s = advanced(s, 8)
     s = published(s, 1, sch)
     assert not missed(s, 0, took_part=False)
     assert applied(s, 0, 0, 1, took_part=False, mixing=0.0, rebase=True,
-                   lag_steps=3).last_publish_step == 20
+                   lag_steps=3).phase_step is None
+    # A publish counts the schedule from itself again.
+    assert published(late, 1, sch).phase_step is None
 
 
 def test_no_opportunity_when_the_round_will_wait_for_this_learner() -> None:
@@ -348,3 +351,47 @@ def test_no_opportunity_when_the_round_will_wait_for_this_learner() -> None:
     for _ in range(4):
         s = advanced(s, 8)
     assert due_round(s, sch, others=0, effective_quorum=1, live=4, wait_steps=5) == 0
+
+
+def test_a_slower_learner_keeps_the_runs_rhythm_in_wall_clock_time() -> None:
+    sch = RoundSchedule(sync_every=20, fragments=2, in_flight=2, overlap_steps=None)  # gap 10
+    assert scheduled_gap(sch, 0, step_seconds=0.2, run_step=0.1) == 5
+    assert scheduled_gap(sch, 0, step_seconds=0.1, run_step=0.1) == 10
+    assert scheduled_gap(sch, 0, step_seconds=0.05, run_step=0.1) == 10  # faster: plain gap
+    assert scheduled_gap(sch, 0, step_seconds=None, run_step=0.1) == 10
+    assert scheduled_gap(sch, 0, step_seconds=0.3, run_step=None) == 10
+    assert scheduled_gap(sch, 0, step_seconds=5.0, run_step=0.1) == 1
+    s = initial_state(2)
+    for _ in range(5):
+        s = advanced(s, 8, seconds=0.2)
+    # On schedule, the plain gap: noise in step times must move nobody's schedule.
+    assert due_round(s, sch, 0, 1, run_step=0.1) is None
+    # Out of phase (it missed round 0, whose first contribution was 1 step ago): a gap at
+    # the run's pace, 5 of its steps, from there.
+    s = applied(s, 0, 0, 1, took_part=False, mixing=0.0, rebase=True, lag_steps=1)
+    assert s.phase_step == 4
+    for _ in range(3):
+        s = advanced(s, 8, seconds=0.2)
+    assert due_round(s, sch, 0, 1) is None  # the pace unknown: the plain gap
+    assert due_round(s, sch, 0, 1, run_step=0.12) is None  # 8 of its steps
+    assert due_round(s, sch, 0, 1, run_step=0.1) is None  # 5 of its steps, 4 trained
+    s = advanced(s, 8, seconds=0.2)
+    assert due_round(s, sch, 0, 1, run_step=0.1) == 1
+
+
+def test_a_schedule_moved_into_phase_never_postpones_a_publish_past_two_gaps() -> None:
+    # A slow learner: every commit arrives before it is due and moves its phase to now.
+    sch = RoundSchedule(sync_every=20, fragments=2, in_flight=2, overlap_steps=None)  # gap 10
+    s = initial_state(2)
+    published_at = []
+    for step in range(1, 41):
+        s = advanced(s, 8)
+        if step % 6 == 0:  # a round closes without it every 6 of its steps
+            r = s.rounds_seen + 1
+            s = applied(s, r, sch.fragment_of(r), r // 2 + 1, took_part=False, mixing=0.0,
+                        rebase=True, lag_steps=0)
+        due = due_round(s, sch, 0, 1)
+        if due is not None:
+            s = published(s, due, sch)
+            published_at.append(s.local_step)
+    assert published_at == [20, 40]  # MAX_GAPS = 2 gaps of its own steps

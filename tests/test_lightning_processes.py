@@ -170,7 +170,8 @@ def test_ddp_learner_keeps_its_ranks_identical_after_every_apply(tmp_path: Path)
     from workers.lightning_toy import ToyModule, toy_loader
 
     box = tmp_path / "run"
-    algorithm = DiLoCo(sync_every=4, fragments=2, in_flight=1, overlap_steps=0)
+    algorithm = DiLoCo(sync_every=4, fragments=2, in_flight=1, overlap_steps=0,
+                       flush_on_close=False)
     # Another learner creates the run and commits a few rounds, so joining moves the DDP
     # learner away from its own initialisation.
     model = ToyModule(seed=0)

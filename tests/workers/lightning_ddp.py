@@ -64,7 +64,8 @@ def main() -> None:
         if isinstance(e, ev.FragmentAligned):
             aligned.append(e.fragment)
 
-    algorithm = DiLoCo(sync_every=4, fragments=2, in_flight=1, overlap_steps=0)
+    algorithm = DiLoCo(sync_every=4, fragments=2, in_flight=1, overlap_steps=0,
+                       flush_on_close=False)
     diloco = DiLoCoCallback(
         args.mailbox,
         algorithm,
