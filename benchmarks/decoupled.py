@@ -22,6 +22,8 @@ contribution carries / H: a fragment is synced every H steps, so 1.0 is a learne
 takes part in every round of its fragments), the wall time, and for `slow` the first
 wall-clock second at which the committed model reaches the standard arm's final loss.
 Commits are timed by worker 0's `RoundRecorded` events (one machine, one clock).
+`GM_DECOUPLED_OVERRIDES='{"quorum_size": 2}'` (JSON) changes fields of the decoupled arm
+from the defaults, to try other settings.
 Prints a markdown table, appends it to RESULTS.md and plots loss against tokens and time.
 """
 
@@ -73,7 +75,7 @@ def algorithm(case: Case) -> Any:
     s = case.settings
     if case.arm == "standard":
         return DiLoCo.standard(s.sync_every, s.learners)
-    extra = json.loads(os.environ.get("GM_DECOUPLED_OVERRIDES", "{}"))  # experiments
+    extra = json.loads(os.environ.get("GM_DECOUPLED_OVERRIDES", "{}"))
     return DiLoCo(sync_every=s.sync_every, fragments=s.fragments, **extra)
 
 
