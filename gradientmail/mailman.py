@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import math
 import queue
+from collections.abc import Sequence
 from typing import Any
 
 from gradientmail import learner_state as ls
@@ -48,7 +49,7 @@ from gradientmail.records import RoundRecord, SnapshotRecord
 from gradientmail.serialization import TensorBytes
 from gradientmail.syncer import theta_digest
 
-__all__ = ["BACKUP_EVERY", "Mailman"]
+__all__ = ["BACKUP_EVERY", "Mailman", "delta_format"]
 
 #: Polls between a learner's own looks at who published the next round, when its
 #: embedded syncer is not watching that round already.
@@ -78,6 +79,15 @@ class _Commit:
     record: RoundRecord
     loaded: Any
     nbytes: int
+
+
+def delta_format(configured: str | None, dtypes: Sequence[str]) -> str:
+    """The format a fragment's delta travels in: `delta_dtype` when set, else the model's
+    own precision: BF16 when every tensor of the fragment is held in BF16 (its F32 delta
+    would be twice the bytes of anything the model can represent), F32 otherwise."""
+    if configured is not None:
+        return configured
+    return "BF16" if dtypes and all(d == "BF16" for d in dtypes) else "F32"
 
 
 class Mailman:
@@ -439,7 +449,8 @@ class Mailman:
         if job.round <= self._newest_seen and not job.final:
             self.on_event(PublishCancelled(self.learner_id, job.round, "round already closed"))
             return
-        fmt = self.algorithm.delta_dtype
+        fmt = delta_format(self.algorithm.delta_dtype,
+                           [self.adapter.schema[n].dtype for n in self._plan[job.fragment]])
         tensors = await asyncio.to_thread(self._encode_delta, job, fmt)
         record = await ex.publish(
             job.round,
@@ -452,14 +463,14 @@ class Mailman:
             tokens=job.tokens,
             final=job.final,
             schema_digest=self.adapter.schema.digest(),
-            delta_format=fmt or "F32",
+            delta_format=fmt,
             step_seconds=job.step_seconds,
         )
         self._published(job, record, t0)
 
-    def _encode_delta(self, job: _Job, fmt: str | None) -> dict[str, TensorBytes]:
+    def _encode_delta(self, job: _Job, fmt: str) -> dict[str, TensorBytes]:
         delta = self.adapter.delta(job.anchor, job.snapshot)
-        if fmt is None or fmt == "F32":
+        if fmt == "F32":
             return delta
         out: dict[str, TensorBytes] = {}
         for name, tensor in delta.items():

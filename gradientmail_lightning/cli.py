@@ -44,7 +44,7 @@ def diloco_callback(
     partition: Literal["bytes", "strided"] = "bytes",
     block_pattern: str = r"\.(\d+)\.",
     global_batch_size: int | None = None,
-    delta_dtype: Literal["BF16", "F8_E4M3", "F4"] | None = None,
+    delta_dtype: Literal["F32", "BF16", "F8_E4M3", "F4"] | None = None,
     commit_dtype: Literal["BF16", "F8_E4M3", "F4"] | None = None,
     flush_on_close: bool = True,
     rebase: bool | None = None,

@@ -51,7 +51,7 @@ from gradientmail.serialization import ParameterSpec, Schema
         (dict(global_batch_size=0), "global_batch_size=0 is below 1; "
          "need global_batch_size >= 1"),
         (dict(delta_dtype="F16"), "delta_dtype='F16' is not a transfer format; use None, "
-         "'BF16', 'F8_E4M3', 'F4'"),
+         "'F32', 'BF16', 'F8_E4M3', 'F4'"),
         (dict(commit_dtype="int8"), "commit_dtype='int8' is not a transfer format"),
         (dict(merge="rda"), "merge='rda' must be WeightedMean() or Rda(...)"),
         (dict(partition=None), "partition=None must be ByBytes() or Strided(...)"),

@@ -632,3 +632,37 @@ def test_a_commit_keeps_what_was_trained_after_the_snapshot(rebase: bool) -> Non
         else:
             # overwriting threw away what was trained between the snapshot and the commit
             assert sum(p.steps for p in mine) < mine[-1].local_step, who
+
+
+@pytest.mark.parametrize(("dtype", "delta_dtype", "want"), [
+    (torch.bfloat16, None, "BF16"),  # the model's own precision by default
+    (torch.bfloat16, "F32", "F32"),  # full precision on request
+    (torch.float32, None, "F32"),
+])
+def test_deltas_travel_in_the_models_precision_by_default(
+    dtype: torch.dtype, delta_dtype: str | None, want: str
+) -> None:
+    mailbox = MemoryMailbox()
+    alg = DiLoCo(sync_every=4, fragments=1, in_flight=1, overlap_steps=0,
+                 delta_dtype=delta_dtype, flush_on_close=False)
+    model = make_model(width=64).to(dtype)
+    rec = Recorder()
+    learner = Learner(TorchAdapter(model), alg, mailbox, "solo", on_event=rec, **FAST)
+    learner.start()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(8):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 2, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y).backward()
+        opt.step()
+        learner.step(4)
+    learner.close()
+    records = all_records(mailbox)
+    assert [len(r.participants) for r in records] == [1, 1]
+    published = rec.of(ev.SnapshotPublished)
+    n = sum(p.numel() for p in model.parameters())
+    size = {"BF16": 2, "F32": 4}[want]
+    # the payload is the tensors in that format plus a small safetensors header
+    assert len(published) == 2
+    assert all(size * n < e.bytes < size * n + 1024 for e in published)

@@ -166,8 +166,9 @@ class DiLoCo:
     bounds how far it trains past its own publish (0: DiLoCo's barrier, None: never
     waits); α = `mixing`; `quorum_size` contributions close a round (Decoupled DiLoCo);
     η = `outer_lr` and β = `outer_momentum` of the Nesterov outer step; `merge` and
-    `partition`; `global_batch_size` split over live learners; `delta_dtype` and
-    `commit_dtype` transfer formats (None: full precision); `flush_on_close` (the
+    `partition`; `global_batch_size` split over live learners; `delta_dtype` (None: the
+    model's own precision — BF16 deltas from a fragment held in BF16, else F32; "F32"
+    forces full precision) and `commit_dtype` (None: full theta) transfer formats; `flush_on_close` (the
     default) publishes what a closing learner trained since its last contribution as
     final contributions, so a run that ends commits every step it trained;
     `outlier_factor` k drops a contribution whose delta norm exceeds k × the round's
@@ -236,10 +237,12 @@ class DiLoCo:
         _int("global_batch_size", self.global_batch_size, 1, optional=True)
         for name in ("delta_dtype", "commit_dtype"):
             v = getattr(self, name)
-            if v is not None and v not in _FORMATS:
+            # Deltas may be forced to F32 (their default is the model's own precision).
+            allowed = ("F32", *_FORMATS) if name == "delta_dtype" else _FORMATS
+            if v is not None and v not in allowed:
                 raise ConfigError(
                     f"{name}={v!r} is not a transfer format; use None, "
-                    + ", ".join(repr(f) for f in _FORMATS)
+                    + ", ".join(repr(f) for f in allowed)
                 )
         if not isinstance(self.flush_on_close, bool):
             raise ConfigError(f"flush_on_close={self.flush_on_close!r} must be a bool")
