@@ -168,9 +168,10 @@ class DiLoCo:
     η = `outer_lr` and β = `outer_momentum` of the Nesterov outer step; `merge` and
     `partition`; `global_batch_size` split over live learners; `delta_dtype` (None: the
     model's own precision — BF16 deltas from a fragment held in BF16, else F32; "F32"
-    forces full precision) and `commit_dtype` (None: full theta) transfer formats; `flush_on_close` (the
-    default) publishes what a closing learner trained since its last contribution as
-    final contributions, so a run that ends commits every step it trained;
+    forces full precision) and `commit_dtype` (None: full theta) transfer formats;
+    `flush_on_close` (the default) publishes what a closing learner trained since its
+    last contribution as final contributions, so a run that ends commits every step it
+    trained;
     `outlier_factor` k drops a contribution whose delta norm exceeds k × the round's
     median (None: off; see
     `outliers`). Its JSON omits `outlier_factor` when None, so runs created before the
