@@ -22,6 +22,7 @@ __all__ = [
     "ProtocolError",
     "RemoteProtocolError",
     "RunConfigMismatch",
+    "RunVanished",
     "SchemaMismatch",
 ]
 
@@ -69,6 +70,11 @@ class RemoteProtocolError(ProtocolError):
 class AuthenticationError(RemoteProtocolError):
     """A record of an authenticated run failed its check (unsealed, altered, forged or
     sealed with another run key), or this process's run key does not match the run's."""
+
+
+class RunVanished(RemoteProtocolError):
+    """The run a learner joined is gone from its mailbox (its manifest was deleted: the
+    directory removed, the bucket or prefix emptied): nothing it trains can be merged."""
 
 
 class CorruptPayload(RemoteProtocolError):

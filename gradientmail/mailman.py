@@ -32,7 +32,7 @@ from gradientmail.algorithms.diloco import rebuild_theta
 from gradientmail.algorithms.schedule import RoundSchedule
 from gradientmail.auth import HmacSeal
 from gradientmail.clock import Clock
-from gradientmail.errors import LocalProtocolError
+from gradientmail.errors import LocalProtocolError, RunVanished
 from gradientmail.events import (
     EventSink,
     PollFailed,
@@ -49,11 +49,14 @@ from gradientmail.records import RoundRecord, SnapshotRecord
 from gradientmail.serialization import TensorBytes
 from gradientmail.syncer import theta_digest
 
-__all__ = ["BACKUP_EVERY", "Mailman", "delta_format"]
+__all__ = ["BACKUP_EVERY", "MANIFEST_EVERY", "Mailman", "delta_format"]
 
 #: Polls between a learner's own looks at who published the next round, when its
 #: embedded syncer is not watching that round already.
 BACKUP_EVERY = 30
+#: Polls between a learner's looks at the run's manifest (one GET): a run removed under
+#: it must stop it with an error, not leave it training into a directory it recreates.
+MANIFEST_EVERY = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,8 +243,12 @@ class Mailman:
         next_beat = self.clock.now() + self.lease_every  # join_run beat already
         next_leases = -math.inf
         self._cursor = joined.rounds_seen
+        polls = 0
         while True:
             now = self.clock.now()
+            polls += 1
+            if polls % MANIFEST_EVERY == 0:
+                await self._check_run_exists()
             try:
                 if now >= next_beat:
                     await ex.beat(self.learner_id)
@@ -260,6 +267,27 @@ class Mailman:
             except Exception as exc:
                 self.on_event(PollFailed(self.learner_id, repr(exc)))
             await self.clock.sleep(self.poll_interval)
+
+    async def _check_run_exists(self) -> None:
+        """Raise `RunVanished` (ending the thread, so `step()` raises it) when the run's
+        manifest is gone; a store that fails to answer is only a failed poll."""
+        ex = self._exchange
+        assert ex is not None
+        try:
+            manifest = await ex.read_manifest()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.on_event(PollFailed(self.learner_id, repr(exc)))
+            return
+        if manifest is None:
+            where = ex.mailbox.url + (f" (prefix {self.prefix!r})" if self.prefix else "")
+            raise RunVanished(
+                f"the run learner {self.learner_id!r} joined is gone: its manifest "
+                f"{'manifest.json'!r} is missing from {where} (the directory was removed, or "
+                "the bucket or prefix emptied); nothing trained now can be merged. Stop "
+                "this learner, or start a new run"
+            )
 
     async def _catch_up(self) -> list[RoundRecord]:
         # Runs on the loop only; the final catch-up of close() may interleave with the

@@ -666,3 +666,33 @@ def test_deltas_travel_in_the_models_precision_by_default(
     # the payload is the tensors in that format plus a small safetensors header
     assert len(published) == 2
     assert all(size * n < e.bytes < size * n + 1024 for e in published)
+
+
+def test_a_learner_whose_run_vanished_stops_with_an_error_naming_it(tmp_path: Any) -> None:
+    import shutil
+
+    from gradientmail.errors import RunVanished
+
+    box = tmp_path / "run"
+    model = make_model()
+    learner = Learner(TorchAdapter(model), DiLoCo(sync_every=4, fragments=2), str(box),
+                      "orphan", **FAST)
+    learner.start()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(3):
+        train_step(model, opt, step)
+        learner.step(4)
+    # The run directory removed mid-run (renamed away first: the learner's writes would
+    # race a recursive delete).
+    box.rename(tmp_path / "gone")
+    shutil.rmtree(tmp_path / "gone")
+    deadline = time.monotonic() + 20
+    with pytest.raises(GradientmailError, match="communication thread") as info:
+        while time.monotonic() < deadline:
+            train_step(model, opt, 0)
+            learner.step(4)
+            time.sleep(0.01)
+    assert isinstance(info.value.__cause__, RunVanished)
+    assert "the run learner 'orphan' joined is gone" in str(info.value.__cause__)
+    assert "'manifest.json' is missing from" in str(info.value.__cause__)
+    learner.close()  # never raises for the store's failure
