@@ -7,7 +7,8 @@ DiLoCo(sync_every=500, fragments=4), quorum 1, 1 s per step, poll 1 s, leases ev
 and counts only that learner's requests, through a CountingMailbox:
 
 - its receive loop as `Learner._receive_loop` runs it: one GET of the next round's known
-  key per poll (rounds are gap-free, so no LIST), a lease beat (PUT + free DELETE) and one
+  key per poll (rounds are gap-free, so no LIST), one GET of the manifest every
+  `MANIFEST_EVERY` polls (a run removed under it stops it), a lease beat (PUT + free DELETE) and one
   LIST of the leases per lease period, one LIST of the next round's contributions every
   `BACKUP_EVERY` polls unless its closer already watches that round, the theta of each
   commit (GET);
@@ -15,6 +16,10 @@ and counts only that learner's requests, through a CountingMailbox:
   only when it is the round's preferred closer (1 in N rounds) and closes those rounds
   (claim, contributions, theta/outer, record, sweep);
 - its publishes: one per round of its schedule (payload + record).
+
+Every learner publishes once a gap (H/P steps), the N of them within 2 s of each other:
+the phase a decoupled run keeps (learners that miss a round align with its first
+contributor), so a round closes once everyone is in and there are P/H rounds per step.
 
 The other N−1 learners write their leases and contributions through an uncounted view of
 the same store, and a closer of theirs closes the rounds the observed learner does not.
@@ -37,6 +42,7 @@ import numpy as np
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.clock import FakeClock
 from gradientmail.learner import BACKUP_EVERY
+from gradientmail.mailman import MANIFEST_EVERY
 from gradientmail.lease import LeaseTracker
 from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox, RequestCounts
@@ -48,7 +54,9 @@ from gradientmail.syncer_state import preferred_closer
 
 HOUR = 3600.0
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
-ME = "observed"
+# Last in id order: the preferred closer of rounds N-1, 2N-1, ... (its share, 1 in N),
+# not of round 0, which the first quarter-hour of a simulation would overweight.
+ME = "zz-observed"
 
 
 def _tensors(names: tuple[str, ...], value: float) -> dict[str, TensorBytes]:
@@ -82,18 +90,22 @@ async def simulate(learners: int, seconds: float, step: float = 1.0, poll: float
     tracker = LeaseTracker(2 * lease_every)
     live = await me.observe_leases(tracker)
     cursor, next_watch, next_beat = -1, -math.inf, lease_every
-    # Each learner publishes round r after gap(r) steps; learners are spread evenly over
-    # the gap, so contributions arrive through the whole round.
+    # Each learner publishes once a gap, to the open round, in phase with the others (as
+    # learners that missed a round align with its first contributor, benchmarks/
+    # decoupled.py): learner i a fraction i/N of `spread` seconds into the gap.
     published: set[tuple[str, int]] = set()
+    cycle = dict.fromkeys(ids, -1)
+    spread = 2.0
     digest = schema.digest()
-    t = 0.0
+    t, polls = 0.0, 0
     while t < seconds:
         r_open = cursor + 1
         gap_s = sched.gap(r_open) * step
-        # The others' contributions to the open round, spread over its gap.
-        due_by = int(learners * min(1.0, (t % gap_s + poll) / gap_s))
-        for peer in ids[1 : max(2, due_by)]:
-            if (peer, r_open) not in published:
+        k, into = int(t // gap_s), t % gap_s
+        due_by = 1 + int((learners - 1) * min(1.0, (into + poll) / spread))
+        for peer in ids[1:due_by]:
+            if cycle[peer] < k and (peer, r_open) not in published:
+                cycle[peer] = k
                 published.add((peer, r_open))
                 frag = sched.fragment_of(r_open)
                 await them.publish(r_open, peer, _tensors(plan[frag], 0.01), fragment=frag,
@@ -107,6 +119,9 @@ async def simulate(learners: int, seconds: float, step: float = 1.0, poll: float
             next_beat = t + lease_every
             for peer in ids[1:]:  # the others beat too (uncounted)
                 await them.beat(peer)
+        polls += 1
+        if polls % MANIFEST_EVERY == 0:  # the run still exists
+            await me.read_manifest()
         fresh = await me.rounds_after(cursor)
         for rec in fresh:
             await me.fetch_tensors(rec.theta)
@@ -116,7 +131,8 @@ async def simulate(learners: int, seconds: float, step: float = 1.0, poll: float
         if mine.publishers_seen(r_open) is None and t >= next_watch:
             await me.publishers(r_open)
             next_watch = t + (BACKUP_EVERY - 1) * poll * 0.999
-        if (ME, r_open) not in published and t % gap_s >= gap_s / 2:
+        if cycle[ME] < k and (ME, r_open) not in published and into >= spread / 2:
+            cycle[ME] = k
             published.add((ME, r_open))
             frag = sched.fragment_of(r_open)
             await me.publish(r_open, ME, _tensors(plan[frag], 0.02), fragment=frag,
