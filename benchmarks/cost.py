@@ -42,10 +42,10 @@ import numpy as np
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.clock import FakeClock
 from gradientmail.learner import BACKUP_EVERY
-from gradientmail.mailman import MANIFEST_EVERY
 from gradientmail.lease import LeaseTracker
 from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox, RequestCounts
+from gradientmail.mailman import MANIFEST_EVERY
 from gradientmail.protocol import Exchange
 from gradientmail.records import Manifest
 from gradientmail.serialization import Schema, TensorBytes

@@ -12,16 +12,21 @@ another as users start them (no `wait_for_learners` for the decoupled arm):
   started together with `wait_for_learners(M)`;
 - `decoupled`: `DiLoCo(sync_every=H, fragments=2)`, the library's defaults.
 
-Scenarios: `healthy` (every learner at full speed) and `slow` (learner 0 sleeps after
-each step as long as the step took: half the speed of the others).
+Scenarios: `healthy` (every learner at full speed, S steps each: equal tokens) and
+`slow` (learner 0 sleeps after each step as long as the step took: half the speed of the
+others). In `slow` the standard arm's barrier makes every learner wait for the slow one,
+S steps each; the decoupled learners train for the same wall-clock time as each other:
+S steps, and S/2 for the slow one, which is what it trains while the others do S. The
+question there is time to a loss: the first second at which the decoupled arm's
+committed model reaches the standard arm's final held-out loss.
 
-Reported per arm: the held-out loss of the committed model at the end (equal tokens for
-`healthy`: every learner trains S steps; the slow learner of `slow` trains S steps too,
-so the arm ends when it does), participants per round, contribution span (steps a
+Reported per arm: the held-out loss of the committed model at the end, participants per
+round, contribution span (steps a
 contribution carries / H: a fragment is synced every H steps, so 1.0 is a learner that
 takes part in every round of its fragments), the wall time, and for `slow` the first
 wall-clock second at which the committed model reaches the standard arm's final loss.
-Commits are timed by worker 0's `RoundRecorded` events (one machine, one clock).
+A commit is timed by the first `RoundRecorded` event of any worker (one machine, one
+clock).
 `GM_DECOUPLED_OVERRIDES='{"quorum_size": 2}'` (JSON) changes fields of the decoupled arm
 from the defaults, to try other settings.
 Prints a markdown table, appends it to RESULTS.md and plots loss against tokens and time.
@@ -33,6 +38,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -104,9 +110,10 @@ def _worker(case: Case) -> None:
     if case.arm == "standard":
         learner.wait_for_learners(s.learners, timeout=600)
     slow = case.scenario == "slow" and case.rank == 0
+    steps = s.steps // 2 if slow and case.arm == "decoupled" else s.steps
     g = torch.Generator().manual_seed(s.seed + 1 + case.rank)
     started = time.time()
-    for _ in range(s.steps):
+    for _ in range(steps):
         t = time.perf_counter()
         ids = rows[torch.randint(0, rows.shape[0], (s.batch,), generator=g)]
         model(input_ids=ids, labels=ids).loss.backward()
@@ -147,7 +154,10 @@ def run_case(case: Case, vocab: int, val: Any) -> dict[str, Any]:
     wall = launch(case)
     outs = [json.loads((wd / f"{case.name}-{r}.json").read_text()) for r in range(s.learners)]
     t_start = min(o["started"] for o in outs)
-    when = {rnd: t - t_start for rnd, t in outs[0]["commits"]}
+    when: dict[int, float] = {}
+    for o in outs:  # the first learner to read (or write) a commit times it
+        for rnd, t in o["commits"]:
+            when[rnd] = min(when.get(rnd, math.inf), t - t_start)
     box = wd / case.name
     records = conv.records_of(box)
     frags = max((rec.fragment for rec in records), default=0) + 1

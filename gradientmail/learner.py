@@ -57,11 +57,14 @@ def default_learner_id() -> str:
     return clean[:64]
 
 
-def _lag_steps(rec: RoundRecord, step_seconds: float | None) -> int | None:
+def _lag_steps(rec: RoundRecord, step_seconds: float | None,
+               overlap_steps: int | None) -> int | None:
     """How many of this learner's steps ago the round's first contribution came in:
     the record's latency (first contribution to record) over the learner's step time.
-    None when either is unknown (a record from before the latency was recorded)."""
-    if rec.arrival is None or not step_seconds:
+    None when either is unknown (a record from before the latency was recorded), and
+    behind a barrier (overlap_steps=0), which keeps learners in step by itself: there a
+    learner waits instead of stepping, and its steps would not measure the latency."""
+    if rec.arrival is None or not step_seconds or overlap_steps == 0:
         return None
     return int(rec.arrival.latency / step_seconds)
 
@@ -162,6 +165,8 @@ class Learner(Mailman):
         self._cursor = -1  # the newest record fetched (communication thread)
         self._next_watch = -math.inf
         self._want_live = 0  # wait_for_learners: list leases every poll until this many
+        # True while the training thread waits for a commit: the mailman polls faster.
+        self._blocked = False
         # Host bytes of each fragment's newest commit, to rebuild the next from its update.
         self._host: dict[int, tuple[int, dict[str, TensorBytes]]] = {}
         # Publishes handed over and finished: each counter has a single writer thread.
@@ -381,7 +386,9 @@ class Learner(Mailman):
         self._estimates = rec.estimates
         self._state = ls.applied(
             state, rec.round, rec.fragment, rec.version, took_part, mixing,
-            rebase=base is not None, lag_steps=_lag_steps(rec, state.step_seconds),
+            rebase=base is not None,
+            lag_steps=_lag_steps(rec, state.step_seconds, self.algorithm.overlap_steps),
+            led=rec.arrival is not None and rec.arrival.first == self.learner_id,
         )
         self.on_event(
             FragmentAligned(
@@ -454,13 +461,19 @@ class Learner(Mailman):
 
     def _wait_while_overdue(self) -> None:
         overlap = self.algorithm.overlap_steps
-        while ls.overdue(self._state_now(), overlap):
-            self._check_alive()
-            try:
-                commit = self._inbox.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            self._apply(commit)
+        if not ls.overdue(self._state_now(), overlap):
+            return
+        self._blocked = True
+        try:
+            while ls.overdue(self._state_now(), overlap):
+                self._check_alive()
+                try:
+                    commit = self._inbox.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                self._apply(commit)
+        finally:
+            self._blocked = False
 
     def _pending_rounds(self) -> tuple[int, ...]:
         state = self._state_now()
@@ -471,15 +484,19 @@ class Learner(Mailman):
         # the lease timeout plus a takeover, nobody is going to.
         limit = self.lease_timeout + 10 * self.poll_interval
         t0 = time.monotonic()
-        while self._pending_rounds() and self._dead is None:
-            if time.monotonic() - t0 > limit:
-                self.on_event(GaveUp(self.learner_id, self._pending_rounds(), limit))
-                return
-            try:
-                commit = self._inbox.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            self._apply(commit)
+        self._blocked = True
+        try:
+            while self._pending_rounds() and self._dead is None:
+                if time.monotonic() - t0 > limit:
+                    self.on_event(GaveUp(self.learner_id, self._pending_rounds(), limit))
+                    return
+                try:
+                    commit = self._inbox.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                self._apply(commit)
+        finally:
+            self._blocked = False
 
     def _final_catch_up(self) -> None:
         """Fetch every commit recorded so far, so the model ends on the newest ones."""

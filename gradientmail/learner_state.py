@@ -128,6 +128,11 @@ def publishable(state: LearnerState, schedule: RoundSchedule) -> int | None:
     return r
 
 
+#: Step-time noise a schedule ignores: within this factor of the run's pace a learner
+#: counts the plain gap.
+PACE_TOLERANCE = 1.1
+
+
 def scheduled_gap(
     schedule: RoundSchedule, round_: int, step_seconds: float | None, run_step: float | None
 ) -> int:
@@ -135,10 +140,11 @@ def scheduled_gap(
     than the run (`run_step`, the records' ξ_step) publishes after proportionally fewer
     of its steps, so it keeps the run's rhythm in wall-clock time and its contributions
     meet the others' in the same rounds. A learner at the run's pace or faster counts the
-    plain gap. (`due_round` applies it to a learner out of phase only: one on schedule
-    keeps its plain gap, so noise in the step times moves nobody's schedule.)"""
+    plain gap, and so does one within PACE_TOLERANCE of the run's pace (noise). (`due_round`
+    applies it to a learner moved into phase only: one on its own schedule keeps its
+    plain gap.)"""
     gap = schedule.gap(round_)
-    if step_seconds and run_step and step_seconds > run_step:
+    if step_seconds and run_step and step_seconds > PACE_TOLERANCE * run_step:
         return max(1, int(gap * run_step / step_seconds))
     return gap
 
@@ -240,6 +246,7 @@ def applied(
     mixing: float,
     rebase: bool = False,
     lag_steps: int | None = None,
+    led: bool = False,
 ) -> LearnerState:
     """Align with the commit of `round_` (fragment `fragment`, now at `version`).
 
@@ -254,7 +261,11 @@ def applied(
     published `lag_steps` of this learner's steps before the commit arrived (the record's
     latency over its step time): its next round is due one gap after that. Without it, a
     learner that was a little late published the next round at once, a gap early for
-    it, and the run split into phase groups that each filled half of the rounds.
+    it, and the run split into phase groups that each filled half of the rounds. A
+    participant that did not lead the round (`led`: its contribution was the first)
+    moves its schedule back to the first one's publish when it published later: learners
+    stepping a little slower (8 processes time-sliced on 2 cores differ by 20%) would
+    otherwise drift a few steps further behind each round until they missed one.
     """
     if rebase and mixing:
         raise ValueError(f"rebase=True and mixing={mixing} exclude each other")
@@ -273,8 +284,12 @@ def applied(
     frags = list(state.fragments)
     frags[fragment] = kept
     phase = state.phase_step
-    if missed(state, round_, took_part) and lag_steps is not None:
-        phase = state.local_step - max(lag_steps, 0)
+    if lag_steps is not None:
+        first_at = state.local_step - max(lag_steps, 0)
+        later = any(p.round > round_ for p in state.publishes)
+        behind = own is not None and not led and not later and first_at < own.at
+        if behind or missed(state, round_, took_part):
+            phase = first_at
     return dataclasses.replace(
         state,
         fragments=tuple(frags),

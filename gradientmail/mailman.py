@@ -49,7 +49,8 @@ from gradientmail.records import RoundRecord, SnapshotRecord
 from gradientmail.serialization import TensorBytes
 from gradientmail.syncer import theta_digest
 
-__all__ = ["BACKUP_EVERY", "MANIFEST_EVERY", "Mailman", "delta_format"]
+__all__ = ["BACKUP_EVERY", "MANIFEST_EVERY", "WAITING_POLL", "Mailman", "delta_format",
+           "poll_delay"]
 
 #: Polls between a learner's own looks at who published the next round, when its
 #: embedded syncer is not watching that round already.
@@ -57,6 +58,18 @@ BACKUP_EVERY = 30
 #: Polls between a learner's looks at the run's manifest (one GET): a run removed under
 #: it must stop it with an error, not leave it training into a directory it recreates.
 MANIFEST_EVERY = 10
+#: Seconds between a learner's looks at the next record while its training thread is
+#: blocked on a commit (a barrier, or `overlap_steps`), doubling up to the poll
+#: interval: a GET of a known key is cheap, and a poll interval is what a barrier costs.
+WAITING_POLL = 0.02
+
+
+def poll_delay(poll_interval: float, blocked_polls: int) -> float:
+    """The receive loop's sleep: the poll interval, or, `blocked_polls` polls into a wait
+    of the training thread, WAITING_POLL doubling per poll up to the poll interval."""
+    if blocked_polls <= 0:
+        return poll_interval
+    return min(poll_interval, WAITING_POLL * (1 << min(blocked_polls - 1, 30)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +137,7 @@ class Mailman:
     _cursor: int
     _next_watch: float
     _want_live: int
+    _blocked: bool
     _host: dict[int, tuple[int, dict[str, TensorBytes]]]
     _finished: int
     _failed: queue.SimpleQueue[int]
@@ -243,12 +257,13 @@ class Mailman:
         next_beat = self.clock.now() + self.lease_every  # join_run beat already
         next_leases = -math.inf
         self._cursor = joined.rounds_seen
-        polls = 0
+        next_manifest = self.clock.now() + MANIFEST_EVERY * self.poll_interval
+        blocked = 0
         while True:
             now = self.clock.now()
-            polls += 1
-            if polls % MANIFEST_EVERY == 0:
+            if now >= next_manifest:
                 await self._check_run_exists()
+                next_manifest = now + MANIFEST_EVERY * self.poll_interval
             try:
                 if now >= next_beat:
                     await ex.beat(self.learner_id)
@@ -259,14 +274,19 @@ class Mailman:
                     # cost a LIST per poll per learner for nothing.
                     next_leases = now + self.lease_every
                 fresh = await self._catch_up()
-                if syncer is not None:
-                    await syncer.poll(live=self._live, refresh_live=refresh, records=fresh)
+                if syncer is not None and await syncer.poll(
+                    live=self._live, refresh_live=refresh, records=fresh
+                ):
+                    # It committed a round: its own learner takes the commit now, not a
+                    # poll later.
+                    await self._catch_up()
                 await self._watch_next_round(syncer, now)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 self.on_event(PollFailed(self.learner_id, repr(exc)))
-            await self.clock.sleep(self.poll_interval)
+            blocked = blocked + 1 if self._blocked else 0
+            await self.clock.sleep(poll_delay(self.poll_interval, blocked))
 
     async def _check_run_exists(self) -> None:
         """Raise `RunVanished` (ending the thread, so `step()` raises it) when the run's

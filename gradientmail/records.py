@@ -364,32 +364,36 @@ class Participant:
 class Arrival:
     """How a round waited for its learners, as its closer saw it: the `window` (seconds
     after the first contribution it would wait for the learners it expected), `latency`
-    (seconds from the first contribution it saw to the record: a learner that missed
-    the round aligns its next publish with the first one by it), and `missed` (expected
-    learners not in when it closed)."""
+    (seconds from the first contribution it saw to the record), `first` (whose
+    contribution that was; None when the closer saw none before it claimed) and `missed`
+    (expected learners not in when it closed). Every other learner aligns its next
+    publish with the first one's by the latency."""
 
     window: float
     latency: float
+    first: str | None = None
     missed: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "window", _seconds("window", self.window))
         object.__setattr__(self, "latency", _seconds("latency", self.latency))
         object.__setattr__(self, "missed", tuple(sorted(self.missed)))
-        for learner in self.missed:
+        for learner in (*self.missed, *([] if self.first is None else [self.first])):
             check_learner_id(learner)
 
     def to_json(self) -> dict[str, Any]:
-        return {"latency": self.latency, "missed": list(self.missed), "window": self.window}
+        return {"first": self.first, "latency": self.latency, "missed": list(self.missed),
+                "window": self.window}
 
     @classmethod
     def from_json(cls, obj: Any, key: str, path: str) -> Arrival:
-        f = _Fields(obj, key, path, ("latency", "missed", "window"))
+        f = _Fields(obj, key, path, ("first", "latency", "missed", "window"))
         missed = f.get_list("missed")
         if not all(isinstance(m, str) for m in missed):
             f.fail("missed", "must be a list of learner ids", missed)
         return _build(cls, key, path, window=f.get_float("window"),
-                      latency=f.get_float("latency"), missed=tuple(missed))
+                      latency=f.get_float("latency"), first=f.get_str("first", null=True),
+                      missed=tuple(missed))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,6 +57,7 @@ from gradientmail.syncer_state import (
     next_claim_attempt,
     preferred_closer,
     updated_estimates,
+    watch_polls,
 )
 
 __all__ = ["Syncer", "theta_digest"]
@@ -83,6 +84,7 @@ class _Open:
     first_seen: dict[str, float] = dataclasses.field(default_factory=dict)
     claims: dict[int, float] = dataclasses.field(default_factory=dict)
     refreshed: bool = False  # the leases were listed again before an early close
+    idle: int = 0  # listings in a row that found no new contribution
 
 
 class Syncer:
@@ -199,9 +201,13 @@ class Syncer:
         now = self.clock.now()
         close = not self.embedded or preferred_closer(r, live) == self.closer_id
         if now >= self._next_watch:
+            before = len(self._open.first_seen)
             for learner in await ex.publishers(r):
                 self._open.first_seen.setdefault(learner, now)
-            polls = self.watch_every if close else self.backup_every
+            seen = len(self._open.first_seen)
+            self._open.idle = 0 if seen > before else self._open.idle + 1
+            polls = watch_polls(close, seen, self._open.idle, self.watch_every,
+                                self.backup_every)
             self._next_watch = now + (polls - 1) * self.poll_interval * 0.999
         alg, sch = self._alg(), self._sch()
         grace = alg.grace_window(self._estimates(), sch, r, self.poll_interval)
@@ -257,7 +263,7 @@ class Syncer:
             await self._catch_up()
             return False
         t_quorum = watch.quorum_time(effective_quorum(alg.quorum_size, len(live)))
-        return await self._close(r, attempt, watch.first_time(), t_quorum, grace, expected)
+        return await self._close(r, attempt, watch, t_quorum, grace, expected)
 
     async def _observe_leases(self) -> frozenset[str]:
         return await self.exchange.observe_leases(self._tracker)
@@ -345,12 +351,13 @@ class Syncer:
     # -- closing ------------------------------------------------------------------------
 
     async def _close(
-        self, r: int, attempt: int, t_first: float | None, t_quorum: float | None,
+        self, r: int, attempt: int, watch: RoundWatch, t_quorum: float | None,
         window: float, expected: frozenset[str],
     ) -> bool:
         ex, manifest = self.exchange, self._manifest
         assert manifest is not None
         t_claim = self.clock.now()
+        t_first = watch.first_time()
         schema = manifest.schema
         fragment = self._sch().fragment_of(r)
         names = manifest.plan[fragment]
@@ -417,10 +424,9 @@ class Syncer:
             None if t_first is None or t_quorum is None else t_quorum - t_first,
             now - (t_claim if t_quorum is None else t_quorum),
         )
-        t_first = t_claim if t_first is None else t_first
         arrival = Arrival(
-            window, max(now - t_first, 0.0),
-            tuple(sorted(expected - {s.learner for s in found.records})),
+            window, max(now - (t_claim if t_first is None else t_first), 0.0),
+            watch.first_learner(), tuple(sorted(expected - {s.learner for s in found.records})),
         )
         record = RoundRecord(
             round=r,

@@ -22,6 +22,7 @@ __all__ = [
     "next_claim_attempt",
     "preferred_closer",
     "updated_estimates",
+    "watch_polls",
 ]
 
 #: Weight of the newest measurement in the estimates each record carries. A single slow
@@ -48,6 +49,10 @@ class RoundWatch:
 
     def first_time(self) -> float | None:
         return min(self.first_seen.values(), default=None)
+
+    def first_learner(self) -> str | None:
+        """Whose contribution was seen first (ties: the lowest id), or None."""
+        return min(self.first_seen, key=lambda x: (self.first_seen[x], x), default=None)
 
 
 def close_time(
@@ -115,6 +120,24 @@ def next_claim_attempt(
     if now - claims[newest] >= takeover_timeout:
         return newest + 1
     return None
+
+
+def watch_polls(
+    preferred: bool, seen: int, idle: int, watch_every: int, backup_every: int
+) -> int:
+    """Polls until a closer lists the open round's contributions again.
+
+    A backup closer looks every `backup_every` polls. The preferred one looks every
+    `watch_every` polls until a contribution is in; then at the next poll, backing off
+    (1, 2, 4, ... polls, up to `watch_every`) while `idle` listings in a row find nothing
+    new: the contribution that completes a round is seen within a poll or two, not up to
+    `watch_every` later, and a round stalled on a slow learner costs no LIST a poll.
+    """
+    if not preferred:
+        return backup_every
+    if seen == 0:
+        return watch_every
+    return max(1, min(1 << min(idle, 30), watch_every))
 
 
 def preferred_closer(round_: int, live: Collection[str]) -> str | None:

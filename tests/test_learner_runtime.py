@@ -696,3 +696,12 @@ def test_a_learner_whose_run_vanished_stops_with_an_error_naming_it(tmp_path: An
     assert "the run learner 'orphan' joined is gone" in str(info.value.__cause__)
     assert "'manifest.json' is missing from" in str(info.value.__cause__)
     learner.close()  # never raises for the store's failure
+
+
+def test_a_blocked_learner_looks_for_its_commit_sooner_backing_off() -> None:
+    from gradientmail.mailman import poll_delay
+
+    assert poll_delay(1.0, 0) == 1.0  # training: the poll interval
+    assert [poll_delay(1.0, k) for k in range(1, 8)] == [0.02, 0.04, 0.08, 0.16, 0.32, 0.64,
+                                                         1.0]
+    assert poll_delay(0.005, 3) == 0.005  # never slower than the poll interval

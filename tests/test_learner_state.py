@@ -320,8 +320,17 @@ def test_a_participant_or_a_learner_with_a_later_round_in_flight_keeps_its_sched
     s = published(s, 0, sch)
     for _ in range(4):
         s = advanced(s, 8)
-    took = applied(s, 0, 0, 1, took_part=True, mixing=0.0, rebase=True, lag_steps=12)
+    # It led the round (its contribution came first): its schedule stands.
+    took = applied(s, 0, 0, 1, took_part=True, mixing=0.0, rebase=True, lag_steps=12,
+                   led=True)
     assert took.phase_step is None and took.last_publish_step == 10
+    # It took part after another learner, who published 12 of its steps ago (step 2,
+    # before its own at 10): it moves back to that one's phase.
+    behind = applied(s, 0, 0, 1, took_part=True, mixing=0.0, rebase=True, lag_steps=12)
+    assert behind.phase_step == 2
+    # ... but never later than its own publish (the lag estimate is a poll coarse).
+    ahead = applied(s, 0, 0, 1, took_part=True, mixing=0.0, rebase=True, lag_steps=2)
+    assert ahead.phase_step is None
     # Its publish of round 0 went out but the round closed without it: it missed.
     assert missed(s, 0, took_part=False)
     late = applied(s, 0, 0, 1, took_part=False, mixing=0.0, rebase=True, lag_steps=12)

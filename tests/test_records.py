@@ -123,9 +123,10 @@ def test_round_record_arrival_and_participant_pace_are_optional() -> None:
     assert ROUND.arrival is None and ROUND.participants[0].step_seconds is None
     paced = tuple(dataclasses.replace(p, step_seconds=0.25) for p in ROUND.participants)
     record = dataclasses.replace(ROUND, participants=paced,
-                                 arrival=Arrival(3.0, 4.5, ("node-9", "node-3")))
+                                 arrival=Arrival(3.0, 4.5, "node-1", ("node-9", "node-3")))
     data = record.encode()
-    assert b'"arrival":{"latency":4.5,"missed":["node-3","node-9"],"window":3.0}' in data
+    assert (b'"arrival":{"first":"node-1","latency":4.5,"missed":["node-3","node-9"],'
+            b'"window":3.0}') in data
     assert b'"step_seconds":0.25,"steps":50' in data
     assert RoundRecord.decode(data, KEY) == record
     with pytest.raises(LocalProtocolError, match="latency=-1"):
@@ -135,6 +136,8 @@ def test_round_record_arrival_and_participant_pace_are_optional() -> None:
     bad = data.replace(b'"missed":["node-3","node-9"]', b'"missed":[3]')
     with pytest.raises(RemoteProtocolError, match="missed"):
         RoundRecord.decode(bad, KEY)
+    assert RoundRecord.decode(data.replace(b'"first":"node-1"', b'"first":null'), KEY) \
+        == dataclasses.replace(record, arrival=Arrival(3.0, 4.5, None, ("node-9", "node-3")))
     extra = data.replace(b'"window":3.0', b'"window":3.0,"x":1')
     with pytest.raises(RemoteProtocolError, match="unexpected \\['x'\\]"):
         RoundRecord.decode(extra, KEY)

@@ -191,7 +191,7 @@ def test_a_round_closes_once_the_quorum_is_in_and_merges_exactly_it(mailbox: Mai
         assert rec is not None
         assert [p.learner for p in rec.participants] == ["a", "b"]
         assert (rec.round, rec.fragment, rec.version, rec.closer) == (0, 0, 1, "s1")
-        assert rec.arrival == Arrival(window=3.0, latency=3.0, missed=("c",))
+        assert rec.arrival == Arrival(window=3.0, latency=3.0, first="a", missed=("c",))
         # The committed bytes are the aggregator's on the same inputs.
         theta = await r.ex.fetch_tensors(rec.theta)
         assert theta is not None
@@ -405,6 +405,30 @@ def test_an_early_close_looks_at_the_leases_once_for_joiners(mailbox: Mailbox) -
         rec = await r.ex.read_round(0)
         assert rec is not None and rec.arrival is not None
         assert rec.arrival.missed == ("joiner",)
+
+    run(main())
+
+
+def test_the_contribution_that_completes_a_round_is_closed_at_the_next_poll(
+    mailbox: Mailbox,
+) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=2))
+        await r.create()
+        s = r.syncer("a", embedded=True)  # round 0's preferred closer among a, b
+        live = frozenset({"a", "b"})
+        assert not await s.poll(live=live)  # t=100: listed, nothing in
+        await r.contribute(0, "a")
+        for _ in range(5):  # an embedded closer looks every 5 polls while nothing is in
+            fake(r).advance(1.0)
+            assert not await s.poll(live=live)
+        await r.contribute(0, "b")  # completes the round
+        fake(r).advance(1.0)
+        assert await s.poll(live=live)  # seen and closed at the very next poll
+        rec = await r.ex.read_round(0)
+        assert rec is not None and [p.learner for p in rec.participants] == ["a", "b"]
+        # a was first seen at t=104 (the listing 4 polls after t=100), b at t=106
+        assert rec.arrival is not None and rec.arrival.latency == 2.0
 
     run(main())
 

@@ -12,6 +12,7 @@ from gradientmail.syncer_state import (
     effective_quorum,
     next_claim_attempt,
     updated_estimates,
+    watch_polls,
 )
 
 
@@ -96,3 +97,13 @@ def test_estimates_fold_in() -> None:
     assert e.sync == 1.0
     same = updated_estimates(e, [float("nan")], quorum_seconds=float("inf"), sync_seconds=-1)
     assert same == e
+
+
+def test_the_preferred_closer_watches_an_active_round_every_poll_then_backs_off() -> None:
+    # nothing in yet: every watch_every polls; a backup: every backup_every polls
+    assert watch_polls(True, seen=0, idle=0, watch_every=5, backup_every=30) == 5
+    assert watch_polls(False, seen=3, idle=0, watch_every=5, backup_every=30) == 30
+    # a contribution came in: look again at the next poll, backing off while idle
+    assert [watch_polls(True, 1, idle, 5, 30) for idle in range(5)] == [1, 2, 4, 5, 5]
+    assert watch_polls(True, 1, 1000, 5, 30) == 5
+    assert watch_polls(True, 2, 0, 1, 30) == 1  # a standalone syncer looks every poll
