@@ -20,6 +20,7 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from gradientmail import learner_state as ls
@@ -461,19 +462,13 @@ class Learner(Mailman):
 
     def _wait_while_overdue(self) -> None:
         overlap = self.algorithm.overlap_steps
-        if not ls.overdue(self._state_now(), overlap):
-            return
-        self._blocked = True
-        try:
-            while ls.overdue(self._state_now(), overlap):
-                self._check_alive()
-                try:
-                    commit = self._inbox.get(timeout=0.05)
-                except queue.Empty:
-                    continue
-                self._apply(commit)
-        finally:
-            self._blocked = False
+
+        def overdue() -> bool:
+            self._check_alive()
+            return ls.overdue(self._state_now(), overlap)
+
+        if overdue():
+            self._wait_applying(overdue)
 
     def _pending_rounds(self) -> tuple[int, ...]:
         state = self._state_now()
@@ -483,18 +478,26 @@ class Learner(Mailman):
         # The commits of our rounds in flight: a closer may still be merging them. Past
         # the lease timeout plus a takeover, nobody is going to.
         limit = self.lease_timeout + 10 * self.poll_interval
+        if not self._wait_applying(
+            lambda: bool(self._pending_rounds()) and self._dead is None, limit
+        ):
+            self.on_event(GaveUp(self.learner_id, self._pending_rounds(), limit))
+
+    def _wait_applying(self, waiting: Callable[[], bool], limit: float | None = None) -> bool:
+        """Apply commits as they arrive while `waiting()` holds, the mailman polling faster
+        meanwhile; False when `limit` seconds passed first."""
         t0 = time.monotonic()
         self._blocked = True
         try:
-            while self._pending_rounds() and self._dead is None:
-                if time.monotonic() - t0 > limit:
-                    self.on_event(GaveUp(self.learner_id, self._pending_rounds(), limit))
-                    return
+            while waiting():
+                if limit is not None and time.monotonic() - t0 > limit:
+                    return False
                 try:
                     commit = self._inbox.get(timeout=0.05)
                 except queue.Empty:
                     continue
                 self._apply(commit)
+            return True
         finally:
             self._blocked = False
 
