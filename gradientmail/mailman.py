@@ -43,7 +43,7 @@ from gradientmail.events import (
 )
 from gradientmail.join import JoinResult, join_run
 from gradientmail.lease import LeaseTracker
-from gradientmail.protocol import Exchange, payload_bound
+from gradientmail.protocol import MANIFEST_KEY, Exchange, payload_bound
 from gradientmail.quantization import quantize
 from gradientmail.records import RoundRecord, SnapshotRecord
 from gradientmail.serialization import TensorBytes
@@ -304,7 +304,7 @@ class Mailman:
             where = ex.mailbox.url + (f" (prefix {self.prefix!r})" if self.prefix else "")
             raise RunVanished(
                 f"the run learner {self.learner_id!r} joined is gone: its manifest "
-                f"{'manifest.json'!r} is missing from {where} (the directory was removed, or "
+                f"{MANIFEST_KEY!r} is missing from {where} (the directory was removed, or "
                 "the bucket or prefix emptied); nothing trained now can be merged. Stop "
                 "this learner, or start a new run"
             )
