@@ -243,8 +243,8 @@ class Syncer:
             due += self.backup_every * self.poll_interval
         if due is None or now < due:
             return False
-        for seen in await ex.round_claims(r):
-            self._open.claims.setdefault(seen, now)
+        for claim in await ex.round_claims(r):
+            self._open.claims.setdefault(claim, now)
         timeout = self._estimates().takeover_timeout(self.poll_interval)
         attempt = next_claim_attempt(self._open.claims, now, timeout)
         if attempt is None:
