@@ -49,8 +49,8 @@ from typing import Any
 
 __all__ = [
     "ARMS", "PRESETS", "Arm", "Job", "Settings", "algorithm", "build_model", "committed_state",
-    "evaluate", "jobs_of", "launch", "load_into", "main", "plot", "prepare_data", "records_of",
-    "run_arm", "table", "worker_context",
+    "evaluate", "image_link", "jobs_of", "launch", "load_into", "main", "plot", "prepare_data",
+    "records_of", "run_arm", "table", "worker_context",
 ]
 
 HERE = Path(__file__).resolve().parent
@@ -532,6 +532,14 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     return True
 
 
+def image_link(png: Path, results: Path) -> str:
+    """How the markdown file `results` links to `png`: relative when it can."""
+    try:
+        return png.resolve().relative_to(results.resolve().parent).as_posix()
+    except ValueError:
+        return str(png)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     size = ap.add_mutually_exclusive_group()
@@ -602,10 +610,7 @@ def main(argv: list[str] | None = None) -> None:
     have_plot = plot(rows, png)
     tokens = s.learners * s.steps * s.batch * s.block
     command = sys.argv[1:] if argv is None else argv
-    try:
-        link = png.resolve().relative_to(Path(args.results).resolve().parent).as_posix()
-    except ValueError:
-        link = str(png)
+    link = image_link(png, Path(args.results))
     warm_note = (f"every arm starts from one shared pretraining of {s.warm_start} steps "
                  f"(batch B, not counted below); " if s.warm_start else "")
     header = (

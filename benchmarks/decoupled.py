@@ -305,10 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     text = header + body + "\n\n" + "\n".join(f"- {g}" for g in goals)
     if have_plot:
-        try:
-            link = png.resolve().relative_to(Path(args.results).resolve().parent).as_posix()
-        except ValueError:
-            link = str(png)
+        link = conv.image_link(png, Path(args.results))
         text += f"\n\n![held-out loss against tokens and wall-clock time]({link})"
     print(text)
     with open(args.results, "a") as f:

@@ -428,8 +428,10 @@ class Learner(Mailman):
         others = others if seen_round == candidate else 0
         live = max(len(self._live), 1)
         quorum = effective_quorum(self.algorithm.quorum_size, live)
+        # Only a publish by opportunity (others in the round) asks how long it is waited
+        # for: step() computes nothing more while no one has published.
         wait = _wait_steps(self.algorithm, self._estimates, sch, candidate,
-                           self.poll_interval, state.step_seconds)
+                           self.poll_interval, state.step_seconds) if others else None
         r = ls.due_round(state, sch, others, quorum, live, wait, self._estimates.step)
         if r is None:
             return

@@ -64,8 +64,9 @@ class LearnerState:
     last_publish_step: int = 0
     publishes: tuple[Publish, ...] = ()
     step_seconds: float | None = None
-    #: The local step the publishing schedule counts from when a missed round moved it
-    #: into phase with the run (None: from the last publish).
+    #: The local step the publishing schedule counts from when a commit moved it into
+    #: phase with the round's first contributor (it missed the round, or published after
+    #: that one); None: from its own last publish.
     phase_step: int | None = None
 
 
@@ -185,8 +186,8 @@ def due_round(
     if state.phase_step is None:
         since, gap = state.local_step - state.last_publish_step, schedule.gap(r)
     else:
-        # Out of phase (it missed a round): a gap of the run's pace from the phase the
-        # round's first contributor set. Without the pace, a learner slower than the run
+        # Moved into phase by a commit: a gap of the run's pace from the phase the round's
+        # first contributor set. Without the pace, a learner slower than the run
         # moved into phase at every commit and never reached its next publish.
         since = state.local_step - state.phase_step
         gap = scheduled_gap(schedule, r, state.step_seconds, run_step)
@@ -302,8 +303,8 @@ def applied(
 def missed(state: LearnerState, round_: int, took_part: bool) -> bool:
     """Whether the commit of `round_` closed without this learner while it had nothing
     newer in flight: its schedule is out of phase with the run's (late, or a joiner)."""
-    return not took_part and all(p.round <= round_ for p in state.publishes) \
-        and state.last_published <= round_
+    # Every own publish is of a round <= last_published: nothing newer is in flight.
+    return not took_part and state.last_published <= round_
 
 
 def _floor_scaled(alpha: float, n: int) -> int:

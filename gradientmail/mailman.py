@@ -301,10 +301,9 @@ class Mailman:
             self.on_event(PollFailed(self.learner_id, repr(exc)))
             return
         if manifest is None:
-            where = ex.mailbox.url + (f" (prefix {self.prefix!r})" if self.prefix else "")
             raise RunVanished(
                 f"the run learner {self.learner_id!r} joined is gone: its manifest "
-                f"{MANIFEST_KEY!r} is missing from {where} (the directory was removed, or "
+                f"{MANIFEST_KEY!r} is missing from {ex.where} (the directory was removed, or "
                 "the bucket or prefix emptied); nothing trained now can be merged. Stop "
                 "this learner, or start a new run"
             )

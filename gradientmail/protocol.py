@@ -266,8 +266,13 @@ class Exchange:
         """The manifest, checked to name this Exchange's run key (`AuthenticationError`
         naming both fingerprints otherwise); None while the run does not exist."""
         data = await self.mailbox.get(self.prefix + MANIFEST_KEY)
-        where = self.mailbox.url + (f" (prefix {self.prefix!r})" if self.prefix else "")
-        return None if data is None else open_manifest(self.seal, data, MANIFEST_KEY, where)
+        return None if data is None else open_manifest(self.seal, data, MANIFEST_KEY,
+                                                       self.where)
+
+    @property
+    def where(self) -> str:
+        """The run's place, for messages: the mailbox URL and the prefix, if any."""
+        return self.mailbox.url + (f" (prefix {self.prefix!r})" if self.prefix else "")
 
     # -- leases ----------------------------------------------------------------------
 
