@@ -140,10 +140,9 @@ def scheduled_gap(
     """gap(round_) at the run's pace, in this learner's steps: a learner that steps slower
     than the run (`run_step`, the records' ξ_step) publishes after proportionally fewer
     of its steps, so it keeps the run's rhythm in wall-clock time and its contributions
-    meet the others' in the same rounds. A learner at the run's pace or faster counts the
-    plain gap, and so does one within PACE_TOLERANCE of the run's pace (noise). (`due_round`
-    applies it to a learner moved into phase only: one on its own schedule keeps its
-    plain gap.)"""
+    meet the others' in the same rounds, every fragment in turn. A learner at the run's
+    pace or faster counts the plain gap, and so does one within PACE_TOLERANCE of the
+    run's pace (noise)."""
     gap = schedule.gap(round_)
     if step_seconds and run_step and step_seconds > PACE_TOLERANCE * run_step:
         return max(1, int(gap * run_step / step_seconds))
@@ -183,14 +182,14 @@ def due_round(
     r = publishable(state, schedule)
     if r is None:
         return None
-    if state.phase_step is None:
-        since, gap = state.local_step - state.last_publish_step, schedule.gap(r)
-    else:
-        # Moved into phase by a commit: a gap of the run's pace from the phase the round's
-        # first contributor set. Without the pace, a learner slower than the run
-        # moved into phase at every commit and never reached its next publish.
-        since = state.local_step - state.phase_step
-        gap = scheduled_gap(schedule, r, state.step_seconds, run_step)
+    # A gap at the run's pace, from the own last publish or from the phase the round's
+    # first contributor set. Without the pace, a learner slower than the run moved into
+    # phase at every commit and never reached its next publish; counting its plain gap
+    # on its own schedule, a learner 2x slower published every second round, always
+    # the same fragment at P = 2, and the other one's progress went out stale at the end.
+    start = state.last_publish_step if state.phase_step is None else state.phase_step
+    since = state.local_step - start
+    gap = scheduled_gap(schedule, r, state.step_seconds, run_step)
     if r < state.last_published or since >= gap:
         return r  # a hole is due at once: its round may be waiting for this learner
     if state.local_step - state.last_publish_step >= MAX_GAPS * schedule.gap(r):

@@ -370,11 +370,22 @@ def test_a_slower_learner_keeps_the_runs_rhythm_in_wall_clock_time() -> None:
     assert scheduled_gap(sch, 0, step_seconds=None, run_step=0.1) == 10
     assert scheduled_gap(sch, 0, step_seconds=0.3, run_step=None) == 10
     assert scheduled_gap(sch, 0, step_seconds=5.0, run_step=0.1) == 1
+    t = initial_state(2)
+    for _ in range(4):
+        t = advanced(t, 8, seconds=0.2)
+    # On its own schedule too a gap at the run's pace: 5 of its steps, not 10, so a
+    # learner 2x slower publishes every round (both fragments), not every second one.
+    assert due_round(t, sch, 0, 1, run_step=0.1) is None
+    t = advanced(t, 8, seconds=0.2)
+    assert due_round(t, sch, 0, 1, run_step=0.1) == 0
+    assert due_round(t, sch, 0, 1, run_step=0.19) is None  # within 1.1x: the plain gap
+    t = published(t, 0, sch)
+    for _ in range(5):
+        t = advanced(t, 8, seconds=0.2)
+    assert due_round(t, sch, 0, 1, run_step=0.1) == 1  # the other fragment's round
     s = initial_state(2)
     for _ in range(5):
         s = advanced(s, 8, seconds=0.2)
-    # On schedule, the plain gap: noise in step times must move nobody's schedule.
-    assert due_round(s, sch, 0, 1, run_step=0.1) is None
     # Out of phase (it missed round 0, whose first contribution was 1 step ago): a gap at
     # the run's pace, 5 of its steps, from there.
     s = applied(s, 0, 0, 1, took_part=False, mixing=0.0, rebase=True, lag_steps=1)
