@@ -187,9 +187,14 @@ def due_round(
     # phase at every commit and never reached its next publish; counting its plain gap
     # on its own schedule, a learner 2x slower published every second round, always
     # the same fragment at P = 2, and the other one's progress went out stale at the end.
+    # Behind a barrier (overlap_steps=0) every learner waits for the others anyway, and a
+    # contribution must carry the gap's steps: the plain gap.
     start = state.last_publish_step if state.phase_step is None else state.phase_step
     since = state.local_step - start
-    gap = scheduled_gap(schedule, r, state.step_seconds, run_step)
+    if schedule.overlap_steps == 0:
+        gap = schedule.gap(r)
+    else:
+        gap = scheduled_gap(schedule, r, state.step_seconds, run_step)
     if r < state.last_published or since >= gap:
         return r  # a hole is due at once: its round may be waiting for this learner
     if state.local_step - state.last_publish_step >= MAX_GAPS * schedule.gap(r):

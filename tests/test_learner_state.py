@@ -383,6 +383,14 @@ def test_a_slower_learner_keeps_the_runs_rhythm_in_wall_clock_time() -> None:
     for _ in range(5):
         t = advanced(t, 8, seconds=0.2)
     assert due_round(t, sch, 0, 1, run_step=0.1) == 1  # the other fragment's round
+    # Behind a barrier a contribution carries the whole gap, however slow the learner.
+    barrier = RoundSchedule(sync_every=10, fragments=1, in_flight=1, overlap_steps=0)
+    b = initial_state(1)
+    for _ in range(9):
+        b = advanced(b, 8, seconds=0.2)
+    assert due_round(b, barrier, 0, 2, run_step=0.1) is None
+    b = advanced(b, 8, seconds=0.2)
+    assert due_round(b, barrier, 0, 2, run_step=0.1) == 0
     s = initial_state(2)
     for _ in range(5):
         s = advanced(s, 8, seconds=0.2)
