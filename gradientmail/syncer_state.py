@@ -158,14 +158,16 @@ def updated_estimates(
 ) -> Estimates:
     """Fold one round's measurements into the estimates the next record carries.
 
-    ξ_step is the median of the participants' own step-time EMAs (robust to one slow
-    learner); ξ_quorum and ξ_sync are EMAs of the observed seconds.
+    ξ_step is the lower median of the participants' own step-time EMAs, as `awaited`
+    judges the run's pace (of two learners the faster: the mean of a learner and one twice
+    as slow set a pace 1.5x the run's, and the slow one, scheduling its publishes at that
+    pace, kept missing every second round); ξ_quorum and ξ_sync are EMAs of the observed
+    seconds.
     """
     finite = sorted(s for s in step_seconds if math.isfinite(s) and s >= 0)
     step = previous.step
     if finite:
-        mid = len(finite) // 2
-        step = finite[mid] if len(finite) % 2 else (finite[mid - 1] + finite[mid]) / 2
+        step = finite[(len(finite) - 1) // 2]
     return Estimates(
         step=step,
         quorum=_ema(previous.quorum, quorum_seconds),

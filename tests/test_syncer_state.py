@@ -91,8 +91,9 @@ def test_claim_attempts_and_takeover() -> None:
 def test_estimates_fold_in() -> None:
     e = updated_estimates(Estimates(), [0.5, 0.1, 9.0], quorum_seconds=2.0, sync_seconds=None)
     assert e == Estimates(step=0.5, quorum=2.0, sync=None)
-    e = updated_estimates(e, [0.2, 0.4], quorum_seconds=4.0, sync_seconds=1.0)
-    assert e.step == pytest.approx(0.3)
+    e = updated_estimates(e, [0.4, 0.2], quorum_seconds=4.0, sync_seconds=1.0)
+    assert e.step == 0.2  # the lower median: of two learners the faster sets the pace
+    assert updated_estimates(e, [0.3, 0.1, 0.2, 0.9], None, None).step == 0.2
     assert e.quorum == pytest.approx(0.7 * 2.0 + 0.3 * 4.0)
     assert e.sync == 1.0
     same = updated_estimates(e, [float("nan")], quorum_seconds=float("inf"), sync_seconds=-1)
