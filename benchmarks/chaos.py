@@ -1,7 +1,7 @@
 """Goodput under failures: a chaos monkey SIGKILLs learners of a running job.
 
-    python benchmarks/chaos.py [--quick | --smoke] [--steps N] [--kill-every T] [--down D]
-                               [--seed K] [--results PATH]
+    python benchmarks/chaos.py [--quick | --smoke] [--learners M] [--steps N] [--kill-every T]
+                               [--down D] [--seed K] [--results PATH]
 
 M learner processes (Decoupled DiLoCo defaults: RDA merge, quorum 1, grace window, never
 waiting; `flush_on_close`) train the small GPT-2 of benchmarks/convergence.py on a
@@ -25,7 +25,8 @@ per publish, failed or cancelled publish and dropped contribution to an events l
   one that closed: its final flush did not make it), and the rest, trained before a
   committed contribution yet counted in none (overwritten by a commit, or dropped).
 - stall: the longest `step()` of any learner (goal: at most the largest grace window the
-  records predict plus one poll).
+  records predict plus one poll), and against one step: the median training time of a
+  step, without `step()` (Decoupled DiLoCo's goal: no surviving step stalls beyond one).
 - commits lost: records not gap-free or out of order, a fragment's versions not
   consecutive, or a payload a record references (theta, outer state, update) missing, not
   matching its size and SHA-256, or not finite. Must be 0.
@@ -44,6 +45,7 @@ import math
 import os
 import platform
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -136,6 +138,7 @@ def _slot_worker(job: SlotJob) -> None:
     g = torch.Generator().manual_seed(s.seed + 1000 * job.incarnation + job.slot)
     fd = os.open(_log(job, "log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     for _ in range(job.start_step, cs.steps):
+        t_train = time.perf_counter()
         ids = rows[torch.randint(0, rows.shape[0], (s.batch,), generator=g)]
         model(input_ids=ids, labels=ids).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -143,7 +146,8 @@ def _slot_worker(job: SlotJob) -> None:
         opt.zero_grad(set_to_none=True)
         t = time.perf_counter()
         learner.step(int(ids.numel()))
-        os.write(fd, f"{ids.numel()} {time.perf_counter() - t:.6f}\n".encode())
+        os.write(fd, f"{ids.numel()} {time.perf_counter() - t:.6f} {t - t_train:.6f}\n"
+                 .encode())
         if cs.step_sleep:
             time.sleep(cs.step_sleep)
     os.close(fd)
@@ -214,13 +218,14 @@ def losses(workdir: Path, run: str, box: Path, fragments: int) -> dict[str, Any]
     return out
 
 
-def _steps_logged(workdir: Path, run: str, slot: int) -> list[tuple[int, float]]:
+def _steps_logged(workdir: Path, run: str, slot: int) -> list[tuple[int, float, float]]:
+    """(tokens, seconds in step(), seconds training) per step of the slot."""
     out = []
     for path in sorted(workdir.glob(f"{run}-{slot}-*.log")):
         for line in path.read_text().splitlines():
             parts = line.split()
-            if len(parts) == 2:  # a line cut short by a kill is not a step
-                out.append((int(parts[0]), float(parts[1])))
+            if len(parts) == 3:  # a line cut short by a kill is not a step
+                out.append((int(parts[0]), float(parts[1]), float(parts[2])))
     return out
 
 
@@ -294,10 +299,13 @@ def run_job(cs: ChaosSettings, workdir: Path, faults: bool) -> dict[str, Any]:
         time.sleep(0.05)
     wall = time.monotonic() - t0
     steps = [_steps_logged(workdir, run, i) for i in range(cs.learners)]
-    trained = sum(tok for log in steps for tok, _ in log)
-    stall = max((sec for log in steps for _, sec in log), default=0.0)
+    trained = sum(tok for log in steps for tok, _, _ in log)
+    stall = max((sec for log in steps for _, sec, _ in log), default=0.0)
+    # One step: the median training time of a step (without step()).
+    one_step = statistics.median([t for log in steps for _, _, t in log] or [0.0])
     figures = audit(box, cs)
     return {"run": run, "wall": wall, "kills": kills, "trained": trained, "stall": stall,
+            "one_step": one_step,
             "goodput": figures["committed"] / max(trained, 1),
             "losses": losses(workdir, run, box, cs.fragments), **figures}
 
@@ -365,6 +373,7 @@ def main(argv: list[str] | None = None) -> None:
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="N=150, a kill every 8 s")
     size.add_argument("--smoke", action="store_true", help="tiny sizes for CI (seconds)")
+    ap.add_argument("--learners", type=int, default=None, help="learner slots (M)")
     ap.add_argument("--steps", type=int, default=None, help="steps per learner slot")
     ap.add_argument("--kill-every", type=float, default=None, help="seconds between kills")
     ap.add_argument("--down", type=float, default=None, help="seconds before a restart")
@@ -373,7 +382,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     preset = "smoke" if args.smoke else "quick" if args.quick else "full"
     cs = dataclasses.replace(PRESETS[preset], seed=args.seed)
-    for field, value in (("steps", args.steps), ("kill_every", args.kill_every),
+    for field, value in (("learners", args.learners), ("steps", args.steps),
+                         ("kill_every", args.kill_every),
                          ("down", args.down)):
         if value is not None:
             cs = dataclasses.replace(cs, **{field: value})
@@ -434,6 +444,9 @@ def report(cs: ChaosSettings, runs: list[dict[str, Any]], preset: str, command: 
         *(f"where the {r['run']} run's lost tokens went: {_loss_words(r)}" for r in runs),
         f"no step() stall longer than the grace window plus one poll ({limit:.2f} s): "
         f"longest {faulty['stall']:.3f} s ({'met' if faulty['stall'] <= limit else 'NOT met'})",
+        f"no surviving step stalls beyond one step (the median training step, "
+        f"{faulty['one_step'] * 1e3:.0f} ms): longest step() {faulty['stall'] * 1e3:.0f} ms "
+        f"({'met' if faulty['stall'] <= faulty['one_step'] else 'NOT met'})",
         f"commits lost: {len(faulty['problems'])} "
         f"({'met' if not faulty['problems'] else 'NOT met: ' + '; '.join(faulty['problems'][:3])})",
         f"final eval loss with faults / without: {faulty['eval'] / clean['eval']:.4f} "
