@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from gradientmail.algorithms.schedule import RoundSchedule
+from gradientmail.syncer_state import SLOW_FACTOR
 
 __all__ = [
     "FragmentCounters",
@@ -182,16 +183,22 @@ def due_round(
     r = publishable(state, schedule)
     if r is None:
         return None
-    # A gap at the run's pace, from the own last publish or from the phase the round's
-    # first contributor set. Without the pace, a learner slower than the run moved into
-    # phase at every commit and never reached its next publish; counting its plain gap
-    # on its own schedule, a learner 2x slower published every second round, always
-    # the same fragment at P = 2, and the other one's progress went out stale at the end.
-    # Behind a barrier (overlap_steps=0) every learner waits for the others anyway, and a
-    # contribution must carry the gap's steps: the plain gap.
-    start = state.last_publish_step if state.phase_step is None else state.phase_step
-    since = state.local_step - start
-    if schedule.overlap_steps == 0:
+    # Moved into phase by a commit: a gap at the run's pace from the phase the round's
+    # first contributor set (without the pace, a learner slower than the run moved into
+    # phase at every commit and never reached its next publish). On its own schedule, a
+    # gap at the run's pace too if the rounds do not wait for it (over SLOW_FACTOR x the
+    # run's pace): counting its plain gap, a learner 2x slower published every second
+    # round, always the same fragment at P = 2, and the other's progress went out stale.
+    # One the rounds wait for keeps its plain gap: shortened by the noise of time-sliced
+    # processes, gaps broke the phase of equal-speed learners (1.024x standard's loss at
+    # M = 4). Behind a barrier (overlap_steps=0) a contribution carries the plain gap.
+    if state.phase_step is None:
+        since = state.local_step - state.last_publish_step
+        waited = not (state.step_seconds and run_step) or (
+            state.step_seconds <= SLOW_FACTOR * run_step)
+    else:
+        since, waited = state.local_step - state.phase_step, False
+    if schedule.overlap_steps == 0 or waited:
         gap = schedule.gap(r)
     else:
         gap = scheduled_gap(schedule, r, state.step_seconds, run_step)
