@@ -298,6 +298,10 @@ class Syncer:
         if round_ > self._cursor:
             self._noted.setdefault(round_, {}).setdefault(learner, self.clock.now())
         self._noted = {k: v for k, v in self._noted.items() if k > self._cursor}
+        if round_ == self._open.round and self._open.preferred:
+            # A contribution is in: the preferred closer looks at the next poll (as
+            # `watch_polls` has it), not up to `watch_every` polls later.
+            self._next_watch = -math.inf
 
     # -- state --------------------------------------------------------------------------
 
