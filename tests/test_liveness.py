@@ -281,18 +281,18 @@ def train(learner: Learner, model: torch.nn.Module, steps: int, seed: int) -> Ca
     return go
 
 
-def pair(clock: SimClock, rec: Stamped, ids: tuple[str, str]
+def pair(clock: SimClock, rec: Stamped, ids: tuple[str, ...]
          ) -> tuple[MemoryMailbox, list[Learner], list[torch.nn.Module]]:
-    """Two learners of standard DiLoCo (H=4), library defaults, joined and in round 0's
+    """Learners of standard DiLoCo (H=4), library defaults, joined and through round 0's
     barrier together, as `wait_for_learners` starts them."""
     mailbox = MemoryMailbox()
-    alg = DiLoCo.standard(4, 2)
-    models = [make_model(seed=w) for w in range(2)]
+    alg = DiLoCo.standard(4, len(ids))
+    models = [make_model(seed=w) for w in range(len(ids))]
     learners = [Learner(TorchAdapter(m), alg, mailbox, x, clock=clock, on_event=rec)
                 for m, x in zip(models, ids, strict=True)]
     for learner in learners:
         learner.start()
-    clock.run_until(background(*(lambda x=x: x.wait_for_learners(2, timeout=60)
+    clock.run_until(background(*(lambda x=x: x.wait_for_learners(len(ids), timeout=60)
                                  for x in learners)), limit=30, pause=0.01)
     clock.run_until(background(*(train(x, m, 4, 0) for x, m in zip(learners, models,
                                                                   strict=True))), limit=30,
@@ -370,3 +370,26 @@ def test_a_slow_learner_answers_and_is_not_dropped() -> None:
         assert not rec.of(ev.LearnersGone)
     finally:
         shut(clock, fast, slow)
+
+
+def test_the_verdict_reaches_the_learners_that_did_not_judge() -> None:
+    # Three learners: one survivor calls and judges; the other learns the verdict from
+    # the call key, so that both drop the victim and whichever is preferred closes.
+    clock = SimClock()
+    rec = Stamped(clock)
+    mailbox, (a, b, victim), (model_a, model_b, _) = pair(clock, rec, ("a", "b", "c"))
+    try:
+        kill(victim)  # "c": round 1's preferred closer is "b", round 2's is "c"
+        for round_, seed in ((1, 100), (2, 200)):
+            done = background(train(a, model_a, 4, seed), train(b, model_b, 4, seed + 50))
+            clock.run_until(done, limit=30)
+            t0 = max(t for t, e in rec.of(ev.SnapshotPublished) if e.round == round_)
+            [(t1, closed)] = [(t, e) for t, e in rec.of(ev.RoundClosed) if e.round == round_]
+            assert closed.participants == ("a", "b")
+            assert t1 - t0 <= 10.0, (round_, t1 - t0)
+        [(_, gone)] = rec.of(ev.LearnersGone)
+        assert gone.learners == ("c",)
+        assert a.live_learners == b.live_learners == {"a", "b"}
+        assert asyncio.run(Exchange(mailbox).leases()).keys() == {"a", "b"}
+    finally:
+        shut(clock, a, b, victim)

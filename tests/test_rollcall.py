@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
 
-from gradientmail.errors import LocalProtocolError, RemoteProtocolError
+from gradientmail.errors import AuthenticationError, LocalProtocolError, RemoteProtocolError
 from gradientmail.lease import LeaseTracker
+from gradientmail.mailbox import MemoryMailbox
+from gradientmail.protocol import Exchange
 from gradientmail.rollcall import (
     CALL_KEY,
     Call,
@@ -155,3 +158,20 @@ def test_tracker_ignores_a_verdict_older_than_what_it_saw() -> None:
     t.observe({"b": 11}, now=0.0)
     t.drop("b", 10)  # b answered after the caller's listing; this observer saw it
     assert t.live(1.0) == {"b"}
+
+
+def test_the_call_is_sealed_in_an_authenticated_run() -> None:
+    async def main() -> None:
+        box = MemoryMailbox()
+        key = "k" * 32
+        ex = Exchange(box, run_key=key, prefix="run/")
+        assert await ex.read_call() is None
+        call = Call(3, 0, "a").with_verdict({"b": 2})
+        await ex.post_call(call)
+        assert await Exchange(box, run_key=key, prefix="run/").read_call() == call
+        # Written without the key (or forged): refused, naming the key.
+        await Exchange(box, prefix="run/").post_call(Call(3, 1, "mallory"))
+        with pytest.raises(AuthenticationError, match=r"rollcall\.json"):
+            await ex.read_call()
+
+    asyncio.run(main())
