@@ -53,23 +53,34 @@ class RollCaller:
     async def maybe_call(self, r: int, seen: dict[str, float], quorum_size: int,
                          live: frozenset[str],
                          refresh_live: Callable[[], Awaitable[frozenset[str]]],
-                         now: float) -> None:
-        """Call the roll when round `r`, short of its quorum, has waited long enough.
+                         now: float, held: float | None = None,
+                         backup: bool = False) -> None:
+        """Call the roll when round `r` has waited long enough: short of its quorum, or,
+        for a `backup` closer whose learner waits for the round, unclaimed since it could
+        have closed (`held`, when known).
 
         `seen` maps the round's contributors to when this closer first saw them; a look
         at the round just before calling adds to it.
         """
         self._for_round(r)
         when = next_call(min(seen.values(), default=None), self._calls, self._last,
-                         self.poll_interval)
+                         self.poll_interval, held)
         if self._judging is not None or when is None or now < when:
             return
         ex = self.exchange
-        # This closer's last look at the round may be 30 polls old (a backup's): a
-        # learner that is in already must not be called for nothing.
-        for learner in await ex.publishers(r):
-            seen.setdefault(learner, now)
-        if len(seen) >= effective_quorum(quorum_size, len(live)):
+        full = held is not None
+        if not full:
+            # This closer's last look at the round may be 30 polls old (a backup's): a
+            # learner that is in already must not be called for nothing.
+            for learner in await ex.publishers(r):
+                seen.setdefault(learner, now)
+            full = len(seen) >= effective_quorum(quorum_size, len(live))
+            if full and not backup:
+                return  # ours to close, at the next poll
+        if full and await ex.round_claims(r):
+            # A closer is at it (one that dies is superseded by the takeover timeout):
+            # look again after the next call's wait.
+            self._calls, self._last = self._calls + 1, now
             return
         try:
             call = await ex.read_call()

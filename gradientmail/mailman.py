@@ -279,7 +279,7 @@ class Mailman:
                     next_leases = now + self.lease_every
                 fresh = await self._catch_up()
                 if syncer is not None and await syncer.poll(
-                    live=self._live, refresh_live=refresh, records=fresh
+                    live=self._live, refresh_live=refresh, records=fresh, waiting=self._blocked
                 ):
                     # It committed a round: its own learner takes the commit now, not a
                     # poll later.

@@ -9,8 +9,11 @@ beat only when one is needed:
 - A closer whose open round has been *short of its quorum* for `call_after` (2 polls,
   at least 1 s) since its first contribution lists the leases and *calls the roll*: it
   writes a `Call` to `CALL_KEY` (`rollcall.json`, one key for the whole run, overwritten
-  by each call). A round that has its quorum and waits only for a grace window is never
-  called: the window bounds that wait (decoupled DiLoCo closes its rounds that way).
+  by each call). So does a backup closer whose learner waits for the round (a barrier)
+  when the round could have closed (its quorum in) and nobody has claimed it: the round's
+  preferred closer may be the learner that died. A round that has its quorum and waits
+  only for a grace window is never called: the window bounds that wait (decoupled DiLoCo
+  closes its rounds that way, and its learners never wait for a commit).
 - Every learner GETs that key every `READ_EVERY` polls (a missing key is the normal case)
   and answers a call it has not answered with one lease beat.
 - The caller lists the leases every poll while its call is open. A called learner whose
@@ -21,8 +24,10 @@ beat only when one is needed:
   effective quorum shrinks and the round closes without them. Once everyone answers, the
   verdict (nobody gone) is written at once.
 - A learner judged gone that beats again (it was alive after all, or restarted) is live
-  again at an observer's next lease listing; one that reads a verdict naming it at its
-  current counter beats at once.
+  again at an observer's next lease listing; a live one beats as soon as it reads the
+  verdict naming it at its current counter (its lease loop shares the thread its
+  publishes run on). A contribution it makes meanwhile counts like any other: towards
+  the round's quorum, and merged.
 - A round still short after a call is called again after `call_after` × 2, 4, 8, ... (at
   most × 32) from the previous call's end, so a slow but live learner costs a few calls
   per round, not one per poll; a call someone else posted for the round counts as one.
@@ -39,6 +44,7 @@ over plain values and observer-clock times.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Collection, Mapping
 from typing import Any, Self
 
@@ -143,15 +149,18 @@ class Call(Record):
 
 
 def next_call(first: float | None, calls: int, last: float | None,
-              poll_interval: float) -> float | None:
-    """When a round short of its quorum is called next (observer time), or None: nothing
-    contributed yet (no one could say who is missing). `first` is its first contribution,
-    `calls` the calls of the round so far, `last` when the latest of them ended."""
+              poll_interval: float, held: float | None = None) -> float | None:
+    """When a waiting round is called next (observer time), or None: nothing contributed
+    yet (no one could say who is missing). `first` is its first contribution, `calls` the
+    calls of the round so far, `last` when the latest of them ended. `held`: the round
+    has its quorum and could have closed from then, but this closer is a backup giving
+    the preferred closer a head start: not called before then (the preferred closer may
+    be the one that is gone)."""
     if first is None:
         return None
     wait = call_after(poll_interval)
     if calls <= 0 or last is None:
-        return first + wait
+        return max(first + wait, -math.inf if held is None else held)
     return last + wait * min(1 << min(calls, 30), RECALL_MAX)
 
 

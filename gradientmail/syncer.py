@@ -184,13 +184,16 @@ class Syncer:
         live: frozenset[str] | None = None,
         refresh_live: Callable[[], Awaitable[frozenset[str]]] | None = None,
         records: Sequence[RoundRecord] | None = None,
+        waiting: bool = False,
     ) -> bool:
         """One pass: catch up with the records, watch the open round, close it if due.
 
         `live` is the set of live learners when the caller tracks leases itself, and
         `refresh_live` lists them anew into the tracker given as `leases` (without it, a
         given `live` is final, and the syncer never calls the roll); with neither, the
-        syncer lists the leases itself. Returns True when this call committed a round.
+        syncer lists the leases itself. `waiting`: the embedding learner's training waits
+        for a commit (a barrier), so a backup closer calls the roll when the round it could
+        close is left unclaimed. Returns True when this call committed a round.
         """
         ex = self.exchange
         if self._manifest is None and not await self._load_manifest():
@@ -228,7 +231,7 @@ class Syncer:
                                 self.backup_every)
             self._next_watch = now + (polls - 1) * self.poll_interval * 0.999
         for learner, t in self._noted.pop(r, {}).items():
-            self._open.first_seen.setdefault(learner, t)
+            self._open.first_seen[learner] = min(self._open.first_seen.get(learner, t), t)
         alg, sch = self._alg(), self._sch()
         grace = alg.grace_window(self._estimates(), sch, r, self.poll_interval)
         watch = RoundWatch(r, dict(self._open.first_seen))
@@ -257,13 +260,14 @@ class Syncer:
             # The window is open: look every poll, so the round closes as soon as the
             # last learner it waits for is in (one LIST a poll, for one closer a round).
             self._next_watch = -math.inf
+        held = None
         if due is not None and not close:
             # A backup closer gives the preferred one a head start before it claims (and
             # before it lists claims every poll): rounds close once, at no extra cost.
-            due += self.backup_every * self.poll_interval
-        if due is None and calling:
+            held, due = due, due + self.backup_every * self.poll_interval
+        if calling and (due is None or (waiting and held is not None and now < due)):
             await self._caller.maybe_call(r, self._open.first_seen, alg.quorum_size, live,
-                                          refresh_live, now)
+                                          refresh_live, now, held, waiting and not close)
         if due is None or now < due:
             return False
         for claim in await ex.round_claims(r):

@@ -23,6 +23,7 @@ from gradientmail import events as ev
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.learner import Learner
+from gradientmail.lease import LeaseTracker
 from gradientmail.mailbox import Mailbox, MemoryMailbox
 from gradientmail.protocol import Exchange
 from gradientmail.rollcall import Call, reply
@@ -131,6 +132,77 @@ def test_a_slow_learner_answers_the_call_and_is_waited_for(mailbox: Mailbox) -> 
         assert await tick(r, s, [a, slow])
         rec = await r.ex.read_round(0)
         assert rec is not None and [p.learner for p in rec.participants] == ["a", "slow"]
+
+    asyncio.run(main())
+
+
+def test_a_dead_preferred_closer_of_a_full_round_is_called_by_a_waiting_backup(
+        mailbox: Mailbox) -> None:
+    # Round 0's preferred closer is "a" (live learners take turns in id order). It
+    # contributed, then died before closing; "b", whose learner waits at the barrier, is
+    # a backup with a 30-poll head start to give: it calls instead, and closes.
+    async def main() -> None:
+        r = Run(mailbox, DiLoCo.standard(4, 2))
+        await r.create()
+        dead = Peer(mailbox, "a")
+        await dead.beat()
+        tracker = LeaseTracker(120.0)
+        await r.ex.beat("b")
+        s = r.syncer("b", embedded=True, leases=tracker)
+
+        async def refresh() -> frozenset[str]:
+            return await r.ex.observe_leases(tracker)
+
+        async def poll() -> bool:
+            fake(r).advance(1.0)
+            return bool(await s.poll(live=tracker.live(fake(r).now()), refresh_live=refresh,
+                                     waiting=True))
+
+        await refresh()
+        await r.contribute(0, "a")
+        await r.contribute(0, "b")
+        s.note_contribution(0, "b")
+        t0 = fake(r).now()
+        while not await poll():
+            assert fake(r).now() - t0 <= 10.0, "the backup still gives a dead closer its turn"
+        # Its first look (1 s) finds the round in; called 2 s after its own contribution
+        # (nobody had claimed the round), judged 5 s later, closed at once.
+        assert fake(r).now() - t0 == 7.0
+        rec = await r.ex.read_round(0)
+        assert rec is not None and rec.closer == "b"
+        assert [p.learner for p in rec.participants] == ["a", "b"]
+        assert [g.learners for g in r.of(ev.LearnersGone)] == [("a",)]
+
+    asyncio.run(main())
+
+
+def test_a_learner_wrongly_judged_gone_is_merged_and_live_again_once_it_beats(
+        mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, DiLoCo.standard(4, 2))
+        await r.create()
+        a, mute = Peer(mailbox, "a"), Peer(mailbox, "mute")
+        await a.beat()
+        await mute.beat()  # alive, but deaf to the call for a while
+        s = r.syncer()
+        assert not await s.poll()
+        await r.contribute(0, "a")
+        while not await tick(r, s, [a]):
+            pass
+        assert [g.learners for g in r.of(ev.LearnersGone)] == [("mute",)]
+        # Its contribution counts like any other: round 1 merges it.
+        await r.contribute(1, "mute")
+        await r.contribute(1, "a")
+        assert await tick(r, s, [a])
+        rec = await r.ex.read_round(1)
+        assert rec is not None and [p.learner for p in rec.participants] == ["a", "mute"]
+        # It reads the verdict naming it and beats at once: live again, waited for again.
+        await mute.answer()
+        await r.contribute(2, "a")
+        for _ in range(3):
+            assert not await tick(r, s, [a, mute])
+        await r.contribute(2, "mute")
+        assert await tick(r, s, [a, mute])
 
     asyncio.run(main())
 
@@ -393,3 +465,33 @@ def test_the_verdict_reaches_the_learners_that_did_not_judge() -> None:
         assert asyncio.run(Exchange(mailbox).leases()).keys() == {"a", "b"}
     finally:
         shut(clock, a, b, victim)
+
+
+def test_a_preferred_closer_killed_after_its_contribution_holds_its_peer_for_seconds(
+        ) -> None:
+    # Round 1's preferred closer, "b-victim", contributes and dies before it closes the
+    # round: the survivor, a backup waiting at the barrier, calls rather than give a dead
+    # closer its 30-poll head start.
+    clock = SimClock()
+    rec = Stamped(clock)
+    _, (survivor, victim), (model_s, model_v) = pair(
+        clock, rec, ("a-survivor", "b-victim"))
+    try:
+        # The victim's training thread blocks at the barrier once it published; no tick
+        # runs its loops meanwhile, so it never lists the round.
+        background(train(victim, model_v, 4, 100))
+        deadline = time.monotonic() + 20
+        while not any(e.round == 1 for _, e in rec.of(ev.SnapshotPublished)):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        kill(victim)
+        clock.run_until(background(train(survivor, model_s, 4, 100)), limit=30)
+        t0 = max(t for t, e in rec.of(ev.SnapshotPublished) if e.round == 1)
+        [(t1, closed)] = [(t, e) for t, e in rec.of(ev.RoundClosed) if e.round == 1]
+        assert closed.closer == "a-survivor"
+        assert closed.participants == ("a-survivor", "b-victim")  # its contribution merged
+        assert t1 - t0 <= 10.0, f"the round closed {t1 - t0:.1f} fake s after its quorum"
+        [(_, gone)] = rec.of(ev.LearnersGone)
+        assert gone.learners == ("b-victim",)
+    finally:
+        shut(clock, survivor, victim)

@@ -47,6 +47,14 @@ def test_later_calls_of_a_round_back_off() -> None:
     assert next_call(100.0, 10**6, 200.0, POLL) == 264.0
 
 
+def test_a_backup_closer_waits_out_the_round_it_could_close() -> None:
+    # Its quorum in since `held`; the preferred closer has until then and 2 s after the
+    # first contribution, whichever is later.
+    assert next_call(100.0, 0, None, POLL, held=100.5) == 102.0
+    assert next_call(100.0, 0, None, POLL, held=104.0) == 104.0
+    assert next_call(100.0, 1, 104.0, POLL, held=104.0) == 108.0
+
+
 def test_a_call_someone_else_posted_for_the_round_is_not_called_over() -> None:
     theirs = Call(7, 3, "b")
     assert should_post(None, 7, set())
