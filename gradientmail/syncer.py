@@ -96,6 +96,8 @@ class Syncer:
 
     Construction does no I/O; the manifest is read on the first poll. `run_key` makes
     it read and write the sealed records of an authenticated run (see `gradientmail.auth`).
+    `leases` is the lease tracker the caller's `refresh_live` feeds (an embedded syncer
+    shares its learner's); a standalone syncer keeps its own.
     """
 
     def __init__(
