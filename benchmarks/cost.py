@@ -8,13 +8,17 @@ and counts only that learner's requests, through a CountingMailbox:
 
 - its receive loop as `Learner._receive_loop` runs it: one GET of the next round's known
   key per poll (rounds are gap-free, so no LIST), one GET of the manifest every
-  `MANIFEST_EVERY` polls (a run removed under it stops it), a lease beat (PUT + free DELETE) and one
-  LIST of the leases per lease period, one LIST of the next round's contributions every
-  `BACKUP_EVERY` polls unless its closer already watches that round, the theta of each
-  commit (GET);
+  `MANIFEST_EVERY` polls (a run removed under it stops it), one LIST of the leases per
+  lease period, one LIST of the next round's contributions every `BACKUP_EVERY` polls
+  unless its closer already watches that round, the theta of each commit (GET);
+- its lease loop as `Mailman._lease_loop` runs it: a beat (PUT + free DELETE) per lease
+  period, one GET of the roll call (`rollcall.json`) every `READ_EVERY` polls, and a beat
+  for each call it answers (`gradientmail.rollcall.reply`);
 - its embedded closer: the real `Syncer(embedded=True)`, which watches a round closely
   only when it is the round's preferred closer (1 in N rounds) and closes those rounds
-  (claim, contributions, theta/outer, record, sweep);
+  (claim, contributions, theta/outer, record, sweep), and calls the roll when a round
+  waits short of its quorum (never here: quorum 1; the `calls/h` column counts the calls
+  it answered or made);
 - its publishes: one per round of its schedule (payload + record).
 
 Every learner publishes once a gap (H/P steps), the N of them within 2 s of each other:
@@ -22,7 +26,8 @@ the phase a decoupled run keeps (learners that miss a round align with its first
 contributor), so a round closes once everyone is in and there are P/H rounds per step.
 
 The other N−1 learners write their leases and contributions through an uncounted view of
-the same store, and a closer of theirs closes the rounds the observed learner does not.
+the same store, answer roll calls, and a closer of theirs closes the rounds the observed
+learner does not.
 S3 Standard prices: PUT/LIST $5 per million, GET $0.40 per million, DELETE free.
 """
 
@@ -39,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gradientmail import events as ev
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.clock import FakeClock
 from gradientmail.learner import BACKUP_EVERY
@@ -48,6 +54,7 @@ from gradientmail.mailbox.wrappers import CountingMailbox, RequestCounts
 from gradientmail.mailman import MANIFEST_EVERY
 from gradientmail.protocol import Exchange
 from gradientmail.records import Manifest
+from gradientmail.rollcall import READ_EVERY, Call, reply
 from gradientmail.serialization import Schema, TensorBytes
 from gradientmail.syncer import Syncer
 from gradientmail.syncer_state import preferred_closer
@@ -64,8 +71,9 @@ def _tensors(names: tuple[str, ...], value: float) -> dict[str, TensorBytes]:
 
 
 async def simulate(learners: int, seconds: float, step: float = 1.0, poll: float = 1.0,
-                   lease_every: float = 60.0) -> tuple[RequestCounts, int]:
-    """The observed learner's requests over `seconds` of simulated time; rounds closed."""
+                   lease_every: float = 60.0) -> tuple[RequestCounts, int, int]:
+    """The observed learner's requests over `seconds` of simulated time; rounds closed;
+    roll calls it answered or made."""
     store = MemoryMailbox()
     counted = CountingMailbox(store)
     clock = FakeClock()
@@ -83,12 +91,21 @@ async def simulate(learners: int, seconds: float, step: float = 1.0, poll: float
     for peer in ids[1:]:
         await them.beat(peer)
     await me.beat(ME)
+    tracker = LeaseTracker(2 * lease_every)
+    made: list[ev.Event] = []  # roll calls its closer made
     mine = Syncer(counted, closer_id=ME, clock=clock, poll_interval=poll, embedded=True,
-                  exchange=me)
+                  exchange=me, leases=tracker,
+                  on_event=lambda e: made.append(e) if isinstance(e, ev.RollCalled) else None)
     theirs = Syncer(store, closer_id="peer-1", clock=clock, poll_interval=poll,
                     exchange=them)
-    tracker = LeaseTracker(2 * lease_every)
     live = await me.observe_leases(tracker)
+
+    async def refresh() -> frozenset[str]:
+        return await me.observe_leases(tracker)
+
+    handled: Call | None = None  # the last call the observed learner handled
+    answered: Call | None = None  # the last call the others answered
+    answers = 0  # calls the observed learner answered
     cursor, next_watch, next_beat = -1, -math.inf, lease_every
     # Each learner publishes once a gap, to the open round, in phase with the others (as
     # learners that missed a round align with its first contributor, benchmarks/
@@ -112,13 +129,30 @@ async def simulate(learners: int, seconds: float, step: float = 1.0, poll: float
                                    base_version=r_open // len(plan), local_step=r_open,
                                    steps=1, tokens=1, final=False, schema_digest=digest,
                                    delta_format="F32", step_seconds=step)
-        # The observed learner: one receive-loop iteration, as Learner._receive_loop.
+        # The observed learner: one receive-loop iteration, as Learner._receive_loop, and
+        # its lease loop's (Mailman._lease_loop).
         if t >= next_beat:
             await me.beat(ME)
             live = await me.observe_leases(tracker)
             next_beat = t + lease_every
             for peer in ids[1:]:  # the others beat too (uncounted)
                 await them.beat(peer)
+        if polls % READ_EVERY == 0:
+            call = await me.read_call()
+            if call is not None and call != handled:
+                handled = call
+                answer = reply(call, ME, me.lease_counter(ME))
+                for who, counter in answer.drop.items():
+                    tracker.drop(who, counter)
+                if answer.beat:
+                    answers += 1
+                    await me.beat(ME)
+            call = await them.read_call()
+            if call is not None and call.gone is None and call != answered:
+                answered = call
+                for peer in ids[1:]:
+                    if peer != call.caller:
+                        await them.beat(peer)
         polls += 1
         if polls % MANIFEST_EVERY == 0:  # the run still exists
             await me.read_manifest()
@@ -126,7 +160,8 @@ async def simulate(learners: int, seconds: float, step: float = 1.0, poll: float
         for rec in fresh:
             await me.fetch_tensors(rec.theta)
             cursor = rec.round
-        await mine.poll(live=live, records=fresh)
+        await mine.poll(live=live, refresh_live=refresh, records=fresh)
+        live = tracker.live(clock.now())
         r_open = cursor + 1
         if mine.publishers_seen(r_open) is None and t >= next_watch:
             await me.publishers(r_open)
@@ -139,12 +174,13 @@ async def simulate(learners: int, seconds: float, step: float = 1.0, poll: float
                              base_version=r_open // len(plan), local_step=r_open, steps=1,
                              tokens=1, final=False, schema_digest=digest,
                              delta_format="F32", step_seconds=step)
+            mine.note_contribution(r_open, ME)
         # The others' closer takes the rounds the observed learner is not preferred for.
         if preferred_closer(cursor + 1, live) != ME:
             await theirs.poll(live=live)
         t += poll
         clock.advance(poll)
-    return counted.snapshot(), cursor + 1
+    return counted.snapshot(), cursor + 1, len(made) + answers
 
 
 def run(learners_list: list[int], quick: bool) -> str:
@@ -152,18 +188,18 @@ def run(learners_list: list[int], quick: bool) -> str:
     scale = HOUR / seconds
     rows = [
         "| learners | LIST | GET | PUT | DELETE | requests | rounds/h | $/learner-hour "
-        "| $/run-hour |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| $/run-hour | calls/h |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n in learners_list:
         t0 = time.perf_counter()
-        c, rounds = asyncio.run(simulate(n, seconds))
+        c, rounds, calls = asyncio.run(simulate(n, seconds))
         per = RequestCounts(*(round(getattr(c, f) * scale) for f in
                               ("list", "get", "put", "delete", "bytes_up", "bytes_down")))
         usd = per.cost_usd()
         rows.append(
             f"| {n} | {per.list} | {per.get} | {per.put} | {per.delete} | {per.requests} "
-            f"| {rounds * scale:.0f} | {usd:.5f} | {usd * n:.3f} |"
+            f"| {rounds * scale:.0f} | {usd:.5f} | {usd * n:.3f} | {calls * scale:.0f} |"
         )
         print(f"  simulated {n} learners in {time.perf_counter() - t0:.1f}s", flush=True)
     return "\n".join(rows)
@@ -181,8 +217,8 @@ def main() -> None:
         f"Machine: {platform.machine()}, {os.cpu_count()} cores (a fake clock: the numbers "
         "are counts, not timings). One observed learner among N, decoupled defaults "
         "(H=500, P=4, quorum 1), 1 s steps, poll 1 s, leases 60 s; its own receive loop, "
-        "embedded closer and publishes; S3 Standard prices. Goal: <= $0.005 per "
-        "learner-hour, flat in N.\n"
+        "lease loop (roll call read every 2 polls), embedded closer and publishes; S3 "
+        "Standard prices. Goal: <= $0.005 per learner-hour, flat in N.\n"
         f"Command: `python benchmarks/cost.py{' --quick' if args.quick else ''} "
         f"--learners {args.learners}`\n\n"
     )

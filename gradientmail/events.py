@@ -24,11 +24,13 @@ __all__ = [
     "FragmentAligned",
     "GaveUp",
     "Joined",
+    "LearnersGone",
     "LeaseReleased",
     "PollFailed",
     "PublishCancelled",
     "PublishFailed",
     "ReleaseFailed",
+    "RollCalled",
     "RoundClaimed",
     "RoundClosed",
     "RoundRecorded",
@@ -269,3 +271,25 @@ class CommitLost(Event):
 class Swept(Event):
     deleted: int
     keys_kept: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RollCalled(Event):
+    """`round` waited short of its quorum, so this closer called the roll (call `number`):
+    the `called` live learners must beat their leases within the answer deadline."""
+
+    closer: str
+    round: int
+    number: int
+    called: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnersGone(WarningEvent):
+    """These learners did not answer the roll call within `seconds`: their leases are
+    deleted and the rounds close without them until they beat again."""
+
+    closer: str
+    round: int
+    learners: tuple[str, ...]
+    seconds: float

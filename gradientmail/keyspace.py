@@ -3,6 +3,9 @@ which contributions a round may use, what a sweep deletes.
 
 Kept apart from `gradientmail.protocol`, whose `Exchange` carries these out on a mailbox
 (and re-exports every public name here), so they are read and tested without any I/O.
+The whole layout is in `gradientmail.protocol`'s docstring. Two keys are fixed: the
+manifest, and `rollcall.json`, the roll call (`gradientmail.rollcall`): one object for the
+run, overwritten by each call and its verdict, read by every learner every few polls.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from gradientmail.errors import ConfigError, LocalProtocolError
 from gradientmail.records import Dropped, RoundRecord, SnapshotRecord
 
 __all__ = [
+    "CALL_KEY",
     "MANIFEST_KEY",
     "Contributions",
     "Rejected",
@@ -26,6 +30,7 @@ __all__ = [
 ]
 
 MANIFEST_KEY = "manifest.json"
+CALL_KEY = "rollcall.json"
 _ROUND_LIMIT = 10**10
 _ARTIFACT_KINDS = ("theta", "outer", "updates")
 _ROUND_AREAS = ("payloads/", "snapshots/", "claims/round/")

@@ -162,6 +162,8 @@ class Learner(Mailman):
         # Written by the mailman, read by the training thread (plain attribute swaps).
         self._others: tuple[int, int] = (-1, 0)  # (round, learners other than us in it)
         self._live: frozenset[str] = frozenset()
+        self._syncer = None  # the embedded closer, once the receive loop runs
+        self._bad_call: str | None = None  # the last damaged roll call reported
         self._newest_seen = -1
         self._cursor = -1  # the newest record fetched (communication thread)
         self._next_watch = -math.inf

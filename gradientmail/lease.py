@@ -5,7 +5,9 @@ holding a counter that it bumps every `lease_every` seconds; an observer LISTs t
 now and then and notes, on *its own* clock, when each counter last changed. A learner is
 live while its counter changed less than `timeout` seconds ago (or it was first seen less
 than `timeout` ago: a new observer cannot tell a fresh lease from a stale one and gives it
-the benefit of the doubt). A released lease (absent from the listing) is not live.
+the benefit of the doubt). A released lease (absent from the listing) is not live, and
+neither is a learner a roll call judged gone (`drop`, see `gradientmail.rollcall`) until a
+listing shows its counter moved.
 
 Keys: `leases/<learner>/<counter>` (12 digits). A beat creates the next key and then
 deletes the previous one, so one LIST of `leases/` (one page per 1,000 learners) returns
@@ -65,30 +67,46 @@ class LeaseTracker:
         self.timeout = float(timeout)
         self._counter: dict[str, int] = {}
         self._changed: dict[str, float] = {}
+        self._gone: set[str] = set()
 
     def observe(self, counters: Mapping[str, int], now: float) -> None:
         """Take one listing of every lease: learner id -> counter, seen at `now`.
 
         A learner seen for the first time, or whose counter differs from the last
         observation (in either direction: a restarted learner may count from anywhere), is
-        stamped `now`. A learner missing from `counters` has released its lease (or it was
-        swept) and is forgotten; if it comes back it counts as first seen.
+        stamped `now`, and is no longer gone. A learner missing from `counters` has
+        released its lease (or it was swept, or judged gone) and is forgotten; if it comes
+        back it counts as first seen.
         """
         for learner in list(self._counter):
             if learner not in counters:
                 del self._counter[learner]
                 del self._changed[learner]
+                self._gone.discard(learner)
         for learner, counter in counters.items():
             if self._counter.get(learner) != counter:
                 self._counter[learner] = counter
                 self._changed[learner] = now
+                self._gone.discard(learner)
+
+    def drop(self, learner: str, counter: int) -> None:
+        """A roll call judged `learner` gone at lease `counter`: not live until a listing
+        shows another counter (it beat, or restarted) or none (its lease was deleted).
+        Ignored when this observer already saw a newer counter: it beat since."""
+        known = self._counter.get(learner)
+        if known is not None and known > counter:
+            return
+        self._counter[learner] = counter
+        self._changed.setdefault(learner, -math.inf)
+        self._gone.add(learner)
 
     def live(self, now: float) -> frozenset[str]:
-        """Learners whose counter changed (or who appeared) less than `timeout` ago."""
+        """Learners whose counter changed (or who appeared) less than `timeout` ago, less
+        those judged gone since."""
         return frozenset(
             learner
             for learner, changed in self._changed.items()
-            if now - changed < self.timeout
+            if now - changed < self.timeout and learner not in self._gone
         )
 
     def last_change(self, learner: str) -> float | None:

@@ -1,9 +1,10 @@
 """The learner's communication thread: one asyncio loop that mails and fetches.
 
 `Mailman` is the half of `Learner` that runs on the communication thread: the receive loop
-(lease, new commits, who published the next round, the embedded syncer) and the publish
-loop (anchor − θ, quantize, encode, upload). It shares nothing with the training thread but
-two queues and a few attributes it overwrites whole; `Learner` holds the other half.
+(lease listings, new commits, who published the next round, the embedded syncer), the
+lease loop (beats, roll calls: `gradientmail.rollcall`) and the publish loop (anchor − θ,
+quantize, encode, upload). It shares nothing with the training thread but two queues and a
+few attributes it overwrites whole; `Learner` holds the other half.
 
 Copies of a fragment's bytes (F32, codec off; "+1 GPU" where a device adds one). Publish:
 the snapshot clone (training thread), anchor − θ (a new tensor), its device-to-host copy
@@ -32,7 +33,7 @@ from gradientmail.algorithms.diloco import rebuild_theta
 from gradientmail.algorithms.schedule import RoundSchedule
 from gradientmail.auth import HmacSeal
 from gradientmail.clock import Clock
-from gradientmail.errors import LocalProtocolError, RunVanished
+from gradientmail.errors import LocalProtocolError, RemoteProtocolError, RunVanished
 from gradientmail.events import (
     EventSink,
     PollFailed,
@@ -46,8 +47,9 @@ from gradientmail.lease import LeaseTracker
 from gradientmail.protocol import MANIFEST_KEY, Exchange, payload_bound
 from gradientmail.quantization import quantize
 from gradientmail.records import RoundRecord, SnapshotRecord
+from gradientmail.rollcall import READ_EVERY, Call, reply
 from gradientmail.serialization import TensorBytes
-from gradientmail.syncer import theta_digest
+from gradientmail.syncer import Syncer, theta_digest
 
 __all__ = ["BACKUP_EVERY", "MANIFEST_EVERY", "WAITING_POLL", "Mailman", "delta_format",
            "poll_delay"]
@@ -133,6 +135,9 @@ class Mailman:
     _stop: asyncio.Event | None
     _others: tuple[int, int]
     _live: frozenset[str]
+    _tracker: LeaseTracker
+    _syncer: Syncer | None
+    _bad_call: str | None
     _newest_seen: int
     _cursor: int
     _next_watch: float
@@ -187,8 +192,10 @@ class Mailman:
     def _begin_loops(self, result: JoinResult) -> None:
         loop = self._loop
         assert loop is not None
+        self._tracker = LeaseTracker(self.lease_timeout)
         self._tasks = [
             loop.create_task(self._receive_loop(result)),
+            loop.create_task(self._lease_loop()),
             loop.create_task(self._publish_loop()),
         ]
         for task in self._tasks:
@@ -227,11 +234,10 @@ class Mailman:
     async def _receive_loop(self, joined: JoinResult) -> None:
         ex = self._exchange
         assert ex is not None
-        tracker = LeaseTracker(self.lease_timeout)
+        tracker = self._tracker
         syncer = None
         if self.sync:
             from gradientmail.backends.numpy_backend import NumpyBackend
-            from gradientmail.syncer import Syncer
 
             # The closer inside a learner merges on one thread: the machine's other cores
             # belong to training. A standalone `gradientmail sync` uses several.
@@ -248,13 +254,14 @@ class Mailman:
                 exchange=ex,
                 keep_versions=self.keep_versions,
                 embedded=True,
+                leases=tracker,
             )
+            self._syncer = syncer
 
         async def refresh() -> frozenset[str]:
             self._live = await ex.observe_leases(tracker)
             return self._live
 
-        next_beat = self.clock.now() + self.lease_every  # join_run beat already
         next_leases = -math.inf
         self._cursor = joined.rounds_seen
         next_manifest = self.clock.now() + MANIFEST_EVERY * self.poll_interval
@@ -265,9 +272,6 @@ class Mailman:
                 await self._check_run_exists()
                 next_manifest = now + MANIFEST_EVERY * self.poll_interval
             try:
-                if now >= next_beat:
-                    await ex.beat(self.learner_id)
-                    next_beat = now + self.lease_every
                 if now >= next_leases or len(self._live) < self._want_live:
                     self._live = await ex.observe_leases(tracker)
                     # Leases change once per lease period; listing them every poll would
@@ -275,11 +279,13 @@ class Mailman:
                     next_leases = now + self.lease_every
                 fresh = await self._catch_up()
                 if syncer is not None and await syncer.poll(
-                    live=self._live, refresh_live=refresh, records=fresh
+                    live=self._live, refresh_live=refresh, records=fresh, waiting=self._blocked
                 ):
                     # It committed a round: its own learner takes the commit now, not a
                     # poll later.
                     await self._catch_up()
+                # A roll call's verdict may have dropped learners from the tracker.
+                self._live = tracker.live(self.clock.now())
                 await self._watch_next_round(syncer, now)
             except asyncio.CancelledError:
                 raise
@@ -287,6 +293,54 @@ class Mailman:
                 self.on_event(PollFailed(self.learner_id, repr(exc)))
             blocked = blocked + 1 if self._blocked else 0
             await self.clock.sleep(poll_delay(self.poll_interval, blocked))
+
+    async def _lease_loop(self) -> None:
+        """Beat the lease every `lease_every`, and answer roll calls: the call key is read
+        every READ_EVERY polls. A task of its own, so that a receive loop busy for seconds
+        (a large commit arriving, its closer merging a round) never makes a live learner
+        look gone."""
+        ex = self._exchange
+        assert ex is not None
+        next_beat = self.clock.now() + self.lease_every  # join_run beat already
+        next_read = -math.inf
+        handled: Call | None = None
+        while True:
+            now = self.clock.now()
+            try:
+                beat, answering = now >= next_beat, None
+                if now >= next_read:
+                    next_read = now + READ_EVERY * self.poll_interval * 0.999
+                    call = await self._read_call()
+                    if call is not None and call != handled:
+                        answer = reply(call, self.learner_id, ex.lease_counter(self.learner_id))
+                        for learner, counter in answer.drop.items():
+                            self._tracker.drop(learner, counter)
+                        if answer.drop:
+                            self._live = self._tracker.live(now)
+                        beat, answering = beat or answer.beat, call
+                if beat:
+                    await ex.beat(self.learner_id)
+                    next_beat = now + self.lease_every
+                if answering is not None:
+                    handled = answering  # only once answered: a failed beat answers again
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.on_event(PollFailed(self.learner_id, repr(exc)))
+            await self.clock.sleep(self.poll_interval)
+
+    async def _read_call(self) -> Call | None:
+        """The roll call, or None; a damaged (or, in an authenticated run, forged) call
+        is reported once and ignored until a closer overwrites it with a call of its own."""
+        ex = self._exchange
+        assert ex is not None
+        try:
+            return await ex.read_call()
+        except RemoteProtocolError as exc:
+            if str(exc) != self._bad_call:
+                self._bad_call = str(exc)
+                self.on_event(PollFailed(self.learner_id, repr(exc)))
+            return None
 
     async def _check_run_exists(self) -> None:
         """Raise `RunVanished` (ending the thread, so `step()` raises it) when the run's
@@ -478,6 +532,8 @@ class Mailman:
         return "closed", None
 
     def _published(self, job: _Job, record: SnapshotRecord, t0: float) -> None:
+        if self._syncer is not None:
+            self._syncer.note_contribution(job.round, self.learner_id)
         self.on_event(
             SnapshotPublished(
                 self.learner_id,

@@ -7,6 +7,8 @@ order)::
     claims/create/<attempt>                    creation election
     init/<attempt>/<fragment><ext>             Θ⁰ of each fragment, by creation attempt
     leases/<learner>/<counter>                 liveness: one key per learner, bumped
+    rollcall.json                              the roll call: the open call, or its verdict
+                                               (overwritten by each; see gradientmail.rollcall)
     snapshots/<round>/<learner>.json           a contribution record
     payloads/<round>/<learner><ext>            its delta
     claims/round/<round>/<attempt>             closer election
@@ -45,6 +47,7 @@ from gradientmail.keyspace import (
     _ARTIFACT_KINDS,
     _ROUND_AREAS,
     _ROUND_LIMIT,
+    CALL_KEY,
     MANIFEST_KEY,
     Contributions,
     Rejected,
@@ -70,9 +73,11 @@ from gradientmail.records import (
     SnapshotRecord,
     check_learner_id,
 )
+from gradientmail.rollcall import Call
 from gradientmail.serialization import Schema, TensorBytes, validate
 
 __all__ = [
+    "CALL_KEY",
     "MANIFEST_KEY",
     "Contributions",
     "Exchange",
@@ -289,9 +294,11 @@ class Exchange:
         else:
             stale = [lease_key(learner, counter)]
         await self.mailbox.put(self.prefix + lease_key(learner, counter + 1), b"")
+        # Counted before the deletes: a beat cancelled between them (a learner closing)
+        # leaves `release` both keys to delete, never the new one behind.
+        self._lease_counter[learner] = counter + 1
         for key in stale:
             await self.mailbox.delete(self.prefix + key)
-        self._lease_counter[learner] = counter + 1
         return counter + 1
 
     async def leases(self) -> dict[str, int]:
@@ -305,12 +312,32 @@ class Exchange:
         tracker.observe(counters, now)
         return tracker.live(now)
 
+    def lease_counter(self, learner: str) -> int | None:
+        """`learner`'s lease counter as this Exchange last beat it (None: never)."""
+        return self._lease_counter.get(learner)
+
+    async def drop_lease(self, learner: str, counter: int) -> None:
+        """Delete the lease key of `learner` at `counter`, judged gone by a roll call:
+        exactly that key, so a beat that landed since (counter + 1) stays."""
+        await self.mailbox.delete(self.prefix + lease_key(learner, counter))
+
+    async def read_call(self) -> Call | None:
+        """The roll call in `rollcall.json` (open, or closed with its verdict); None when
+        no call was ever made (one GET)."""
+        data = await self.mailbox.get(self.prefix + CALL_KEY)
+        return None if data is None else Call.decode(self.seal.open(CALL_KEY, data), CALL_KEY)
+
+    async def post_call(self, call: Call) -> None:
+        """Write `call` (a new call, or the verdict of one) over `rollcall.json`."""
+        await self.mailbox.put(self.prefix + CALL_KEY, self.seal.seal(CALL_KEY, call.encode()))
+
     async def release(self, learner: str) -> None:
         """Delete `learner`'s lease: observers stop counting it at their next listing."""
         check_learner_id(learner)
         counter = self._lease_counter.pop(learner, None)
         if counter is not None:
-            keys = [lease_key(learner, counter)]
+            # Its predecessor too, in case a beat was cancelled before deleting it.
+            keys = [lease_key(learner, c) for c in (counter, counter - 1) if c >= 0]
         else:
             keys = await self._list(f"leases/{learner}/")
         for key in keys:

@@ -4,7 +4,9 @@ Closing a round is a role, not a server. Every learner runs one on its communica
 thread by default, and `gradientmail sync URL` runs one alone on any CPU machine; several
 at once are safe because a round's closer is elected with create-if-absent claims and its
 record is itself created only if absent. The decisions (quorum, grace window, takeover)
-are the pure functions of `syncer_state`; this module carries them out.
+are the pure functions of `syncer_state`; this module carries them out. A syncer that
+lists the leases also calls the roll when its open round waits short of its quorum, and
+judges who answered (the decisions in `gradientmail.rollcall`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from gradientmail.algorithms.diloco import outliers
 from gradientmail.algorithms.schedule import Estimates, RoundSchedule
 from gradientmail.backends.base import Backend
 from gradientmail.backends.numpy_backend import NumpyBackend
+from gradientmail.caller import RollCaller
 from gradientmail.clock import Clock, MonotonicClock
 from gradientmail.errors import ConfigError, GradientmailError, NonFiniteError, SchemaMismatch
 from gradientmail.events import (
@@ -85,6 +88,7 @@ class _Open:
     claims: dict[int, float] = dataclasses.field(default_factory=dict)
     refreshed: bool = False  # the leases were listed again before an early close
     idle: int = 0  # listings in a row that found no new contribution
+    preferred: bool = False  # this closer was the round's preferred one at the last poll
 
 
 class Syncer:
@@ -92,6 +96,8 @@ class Syncer:
 
     Construction does no I/O; the manifest is read on the first poll. `run_key` makes
     it read and write the sealed records of an authenticated run (see `gradientmail.auth`).
+    `leases` is the lease tracker the caller's `refresh_live` feeds (an embedded syncer
+    shares its learner's); a standalone syncer keeps its own.
     """
 
     def __init__(
@@ -112,6 +118,7 @@ class Syncer:
         watch_every: int | None = None,
         backup_every: int = 30,
         embedded: bool = False,
+        leases: LeaseTracker | None = None,
     ) -> None:
         from gradientmail.records import check_learner_id
 
@@ -140,7 +147,11 @@ class Syncer:
         self.backup_every = max(1, int(backup_every))
         self.embedded = embedded
         self._next_watch = -math.inf
-        self._tracker = LeaseTracker(lease_timeout)
+        # The tracker `refresh_live` feeds: an embedded syncer shares its learner's.
+        self._tracker = leases if leases is not None else LeaseTracker(lease_timeout)
+        self._caller = RollCaller(exchange, self._tracker, self.closer_id, self.poll_interval,
+                                  on_event)
+        self._noted: dict[int, dict[str, float]] = {}  # note_contribution, by round
         self._manifest: Manifest | None = None
         self._algorithm: Algorithm | None = None
         self._schedule: RoundSchedule | None = None
@@ -175,13 +186,16 @@ class Syncer:
         live: frozenset[str] | None = None,
         refresh_live: Callable[[], Awaitable[frozenset[str]]] | None = None,
         records: Sequence[RoundRecord] | None = None,
+        waiting: bool = False,
     ) -> bool:
         """One pass: catch up with the records, watch the open round, close it if due.
 
         `live` is the set of live learners when the caller tracks leases itself, and
-        `refresh_live` lists them anew (without it, a given `live` is final); with
-        neither, the syncer lists the leases itself. Returns True when this call
-        committed a round.
+        `refresh_live` lists them anew into the tracker given as `leases` (without it, a
+        given `live` is final, and the syncer never calls the roll); with neither, the
+        syncer lists the leases itself. `waiting`: the embedding learner's training waits
+        for a commit (a barrier), so a backup closer calls the roll when the round it could
+        close is left unclaimed. Returns True when this call committed a round.
         """
         ex = self.exchange
         if self._manifest is None and not await self._load_manifest():
@@ -193,13 +207,22 @@ class Syncer:
             for rec in records:
                 if rec.round == self._cursor + 1:
                     self._accept(rec)
+        calling = live is None or refresh_live is not None
         if refresh_live is None:
             refresh_live = self._observe_leases if live is None else _constant(live)
+        listed = live is None
         if live is None:
             live = await refresh_live()
         r = self._cursor + 1
         now = self.clock.now()
+        if calling and self._caller.judging:
+            # A call of ours is open: the leases every poll, until the verdict.
+            live = await self._caller.judge(now, live if listed else await refresh_live())
         close = not self.embedded or preferred_closer(r, live) == self.closer_id
+        if close and not self._open.preferred:
+            # Preferred now (its predecessor judged gone, say): look at the round at once.
+            self._next_watch = -math.inf
+        self._open.preferred = close
         if now >= self._next_watch:
             before = len(self._open.first_seen)
             for learner in await ex.publishers(r):
@@ -209,6 +232,8 @@ class Syncer:
             polls = watch_polls(close, seen, self._open.idle, self.watch_every,
                                 self.backup_every)
             self._next_watch = now + (polls - 1) * self.poll_interval * 0.999
+        for learner, t in self._noted.pop(r, {}).items():
+            self._open.first_seen[learner] = min(self._open.first_seen.get(learner, t), t)
         alg, sch = self._alg(), self._sch()
         grace = alg.grace_window(self._estimates(), sch, r, self.poll_interval)
         watch = RoundWatch(r, dict(self._open.first_seen))
@@ -237,10 +262,14 @@ class Syncer:
             # The window is open: look every poll, so the round closes as soon as the
             # last learner it waits for is in (one LIST a poll, for one closer a round).
             self._next_watch = -math.inf
+        held = None
         if due is not None and not close:
             # A backup closer gives the preferred one a head start before it claims (and
             # before it lists claims every poll): rounds close once, at no extra cost.
-            due += self.backup_every * self.poll_interval
+            held, due = due, due + self.backup_every * self.poll_interval
+        if calling and (due is None or (waiting and held is not None and now < due)):
+            await self._caller.maybe_call(r, self._open.first_seen, alg.quorum_size, live,
+                                          refresh_live, now, held, waiting and not close)
         if due is None or now < due:
             return False
         for claim in await ex.round_claims(r):
@@ -267,6 +296,18 @@ class Syncer:
 
     async def _observe_leases(self) -> frozenset[str]:
         return await self.exchange.observe_leases(self._tracker)
+
+    def note_contribution(self, round_: int, learner: str) -> None:
+        """`learner` (the embedding learner) published to `round_`: seen now, without
+        waiting for a listing (a backup closer lists every `backup_every` polls), so that
+        a round short of its quorum is called on time."""
+        if round_ > self._cursor:
+            self._noted.setdefault(round_, {}).setdefault(learner, self.clock.now())
+        self._noted = {k: v for k, v in self._noted.items() if k > self._cursor}
+        if round_ == self._open.round and self._open.preferred:
+            # A contribution is in: the preferred closer looks at the next poll (as
+            # `watch_polls` has it), not up to `watch_every` polls later.
+            self._next_watch = -math.inf
 
     # -- state --------------------------------------------------------------------------
 

@@ -96,3 +96,23 @@ def test_chaos_smoke_kills_learners_and_loses_no_commit(tmp_path: Path) -> None:
         assert int(cells[2]) >= 1  # rounds committed
         assert 0.0 < float(cells[4].rstrip("%")) <= 100.0
     assert "- commits lost: 0 (met)" in text
+
+
+@pytest.mark.timeout(900)
+def test_liveness_smoke_kills_a_learner_and_the_roll_call_lets_its_peer_go_on(
+        tmp_path: Path) -> None:
+    # --smoke prints its table and appends nothing.
+    results = tmp_path / "RESULTS.md"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "liveness.py"), "--smoke", "--results",
+         str(results)], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not results.exists()
+    table = rows(proc.stdout)
+    assert set(table) == {"run-0", "run-1"}, table
+    # Seconds on a loaded machine are not asserted (the fake-clock tests in
+    # tests/test_liveness.py bound them); who was judged gone, and that the run went on, are.
+    for cells in table.values():
+        assert cells[8] == "learner-1"  # judged gone by the roll call
+        assert int(cells[7]) >= 1 and cells[2] != "—"  # called; a round closed without it

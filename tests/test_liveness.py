@@ -1,0 +1,497 @@
+"""Liveness in seconds: the roll call on a fake clock, for a syncer and for learners.
+
+A syncer (tests/test_syncer.py's `Run`, on a FakeClock) and learners (real threads on a
+`SimClock`, whose time moves only when the test ticks it and only once every loop has
+done what was due) are driven with the library's defaults: poll 1 s, leases 60 s / 120 s.
+A SIGKILLed learner is one whose loops stop where they are, its lease left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from test_learner_runtime import make_model, train_step
+from test_syncer import Run, algorithm, fake
+
+from gradientmail import events as ev
+from gradientmail.adapters import TorchAdapter
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.learner import Learner
+from gradientmail.lease import LeaseTracker
+from gradientmail.mailbox import Mailbox, MemoryMailbox
+from gradientmail.protocol import Exchange
+from gradientmail.rollcall import Call, reply
+
+# -- a syncer, learners simulated by hand ----------------------------------------------
+
+
+class Peer:
+    """A learner as far as liveness goes: its lease, and its lease loop's answer to a
+    roll call (what `Mailman._lease_loop` does when it reads the call)."""
+
+    def __init__(self, mailbox: Mailbox, learner: str) -> None:
+        self.ex = Exchange(mailbox)
+        self.id = learner
+        self.handled: Call | None = None
+
+    async def beat(self) -> None:
+        await self.ex.beat(self.id)
+
+    async def answer(self) -> None:
+        call = await self.ex.read_call()
+        if call is None or call == self.handled:
+            return
+        if reply(call, self.id, self.ex.lease_counter(self.id)).beat:
+            await self.ex.beat(self.id)
+        self.handled = call
+
+
+@pytest.fixture
+def mailbox() -> Any:
+    name = "liveness-test"
+    MemoryMailbox.forget(name)
+    yield MemoryMailbox(name)
+    MemoryMailbox.forget(name)
+
+
+async def tick(r: Run, syncer: Any, peers: list[Peer], seconds: float = 1.0) -> bool:
+    """One poll interval: the live peers answer the call, the syncer polls."""
+    fake(r).advance(seconds)
+    for peer in peers:
+        await peer.answer()
+    return bool(await syncer.poll())
+
+
+def test_a_dead_learner_is_judged_gone_and_the_barrier_closes_without_it(
+        mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, DiLoCo.standard(4, 2))
+        await r.create()
+        a, dead = Peer(mailbox, "a"), Peer(mailbox, "dead")
+        await a.beat()
+        await dead.beat()  # then SIGKILLed: it never beats again
+        s = r.syncer()  # a standalone syncer: it lists the leases every poll
+        assert not await s.poll()
+        await r.contribute(0, "a")
+        t0 = fake(r).now()
+        while not await tick(r, s, [a]):
+            assert fake(r).now() - t0 <= 10.0, "the barrier still waits for the dead"
+        # Seen at the next poll, called 2 s later, judged 5 s after that, closed at once.
+        assert fake(r).now() - t0 == 8.0
+        rec = await r.ex.read_round(0)
+        assert rec is not None and [p.learner for p in rec.participants] == ["a"]
+        [called] = r.of(ev.RollCalled)
+        assert (called.closer, called.round, called.number, called.called) == ("s1", 0, 0, 2)
+        [gone] = r.of(ev.LearnersGone)
+        assert (gone.round, gone.learners, gone.seconds) == (0, ("dead",), 5.0)
+        assert await r.ex.read_call() == Call(0, 0, "s1", (("dead", 0),))
+        assert await r.ex.leases() == {"a": 1}  # its lease deleted; a answered once
+        # Round 1: the quorum of 2 is out of reach while "dead" is gone; a closes alone.
+        await r.contribute(1, "a")
+        assert await tick(r, s, [a])
+        # A judged-gone learner that comes back (a restart is a join: it beats) is waited
+        # for again.
+        back = Peer(mailbox, "dead")
+        await back.beat()
+        await r.contribute(2, "a")
+        for _ in range(3):
+            assert not await tick(r, s, [a, back])  # both answer the calls
+        await r.contribute(2, "dead")
+        assert await tick(r, s, [a, back])
+        rec = await r.ex.read_round(2)
+        assert rec is not None and [p.learner for p in rec.participants] == ["a", "dead"]
+        assert len(r.of(ev.LearnersGone)) == 1
+
+    asyncio.run(main())
+
+
+def test_a_slow_learner_answers_the_call_and_is_waited_for(mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, DiLoCo.standard(4, 2))
+        await r.create()
+        a, slow = Peer(mailbox, "a"), Peer(mailbox, "slow")
+        await a.beat()
+        await slow.beat()
+        s = r.syncer()
+        assert not await s.poll()
+        await r.contribute(0, "a")
+        for _ in range(30):
+            assert not await tick(r, s, [a, slow])
+        # Calls at 2 s, then 4, 8 and 16 s after each verdict: everyone answered within
+        # a poll, nobody is gone, and the round still waits.
+        assert [c.number for c in r.of(ev.RollCalled)] == [0, 1, 2]
+        assert r.of(ev.LearnersGone) == []
+        assert (await r.ex.leases())["slow"] == 3
+        await r.contribute(0, "slow")
+        assert await tick(r, s, [a, slow])
+        rec = await r.ex.read_round(0)
+        assert rec is not None and [p.learner for p in rec.participants] == ["a", "slow"]
+
+    asyncio.run(main())
+
+
+def test_a_dead_preferred_closer_of_a_full_round_is_called_by_a_waiting_backup(
+        mailbox: Mailbox) -> None:
+    # Round 0's preferred closer is "a" (live learners take turns in id order). It
+    # contributed, then died before closing; "b", whose learner waits at the barrier, is
+    # a backup with a 30-poll head start to give: it calls instead, and closes.
+    async def main() -> None:
+        r = Run(mailbox, DiLoCo.standard(4, 2))
+        await r.create()
+        dead = Peer(mailbox, "a")
+        await dead.beat()
+        tracker = LeaseTracker(120.0)
+        await r.ex.beat("b")
+        s = r.syncer("b", embedded=True, leases=tracker)
+
+        async def refresh() -> frozenset[str]:
+            return await r.ex.observe_leases(tracker)
+
+        async def poll() -> bool:
+            fake(r).advance(1.0)
+            return bool(await s.poll(live=tracker.live(fake(r).now()), refresh_live=refresh,
+                                     waiting=True))
+
+        await refresh()
+        await r.contribute(0, "a")
+        await r.contribute(0, "b")
+        s.note_contribution(0, "b")
+        t0 = fake(r).now()
+        while not await poll():
+            assert fake(r).now() - t0 <= 10.0, "the backup still gives a dead closer its turn"
+        # Its first look (1 s) finds the round in; called 2 s after its own contribution
+        # (nobody had claimed the round), judged 5 s later, closed at once.
+        assert fake(r).now() - t0 == 7.0
+        rec = await r.ex.read_round(0)
+        assert rec is not None and rec.closer == "b"
+        assert [p.learner for p in rec.participants] == ["a", "b"]
+        assert [g.learners for g in r.of(ev.LearnersGone)] == [("a",)]
+
+    asyncio.run(main())
+
+
+def test_a_learner_wrongly_judged_gone_is_merged_and_live_again_once_it_beats(
+        mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, DiLoCo.standard(4, 2))
+        await r.create()
+        a, mute = Peer(mailbox, "a"), Peer(mailbox, "mute")
+        await a.beat()
+        await mute.beat()  # alive, but deaf to the call for a while
+        s = r.syncer()
+        assert not await s.poll()
+        await r.contribute(0, "a")
+        while not await tick(r, s, [a]):
+            pass
+        assert [g.learners for g in r.of(ev.LearnersGone)] == [("mute",)]
+        # Its contribution counts like any other: round 1 merges it.
+        await r.contribute(1, "mute")
+        await r.contribute(1, "a")
+        assert await tick(r, s, [a])
+        rec = await r.ex.read_round(1)
+        assert rec is not None and [p.learner for p in rec.participants] == ["a", "mute"]
+        # It reads the verdict naming it and beats at once: live again, waited for again.
+        await mute.answer()
+        await r.contribute(2, "a")
+        for _ in range(3):
+            assert not await tick(r, s, [a, mute])
+        await r.contribute(2, "mute")
+        assert await tick(r, s, [a, mute])
+
+    asyncio.run(main())
+
+
+def test_a_round_with_its_quorum_is_never_called(mailbox: Mailbox) -> None:
+    # Decoupled: quorum 1, the grace window bounds the wait for a missing live learner.
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=2, quorum_size=1))
+        await r.create()
+        a, b = Peer(mailbox, "a"), Peer(mailbox, "b")
+        await a.beat()
+        await b.beat()
+        s = r.syncer()
+        for round_ in range(3):
+            await r.contribute(round_, "a")
+            while not await tick(r, s, [a, b]):
+                pass
+        assert r.of(ev.RollCalled) == []
+        assert await r.ex.read_call() is None
+
+    asyncio.run(main())
+
+
+def test_a_call_someone_else_posted_counts_and_an_abandoned_one_is_taken_over(
+        mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, DiLoCo.standard(4, 2))
+        await r.create()
+        a, dead = Peer(mailbox, "a"), Peer(mailbox, "dead")
+        await a.beat()
+        await dead.beat()
+        s = r.syncer()
+        assert not await s.poll()
+        await r.contribute(0, "a")
+        await tick(r, s, [a])  # seen at 101
+        theirs = Call(0, 4, "other")  # another closer called, then died
+        await r.ex.post_call(theirs)
+        await tick(r, s, [a])
+        await tick(r, s, [a])  # 103: the round is due a call, but one is open
+        assert await r.ex.read_call() == theirs and r.of(ev.RollCalled) == []
+        while not r.of(ev.RollCalled):
+            await tick(r, s, [a])
+        # Its turn came 4 s after the call it counted: number 5, and it judges.
+        assert fake(r).now() == 107.0
+        assert (await r.ex.read_call()) == Call(0, 5, "s1")
+        while not await tick(r, s, [a]):
+            pass
+        assert [g.learners for g in r.of(ev.LearnersGone)] == [("dead",)]
+
+    asyncio.run(main())
+
+
+# -- learners in threads on a simulated clock -------------------------------------------
+
+
+class SimClock:
+    """Simulated time for learner threads. `sleep` returns once the test has moved time
+    past the sleeper's wake-up; `tick` moves it and returns once every task that was due
+    has run and is asleep again, so fake times measured here do not depend on how fast
+    the machine runs the threads."""
+
+    def __init__(self, step: float = 0.1) -> None:
+        self.step = step
+        self._ticks = 0
+        self.t = 0.0
+        self._lock = threading.Lock()
+        self._wake: dict[int, float] = {}  # sleeping task -> wake-up; running: -inf
+        self._since: dict[int, float] = {}  # task -> real time it started running
+
+    def now(self) -> float:
+        return self.t
+
+    async def sleep(self, seconds: float) -> None:
+        key = id(asyncio.current_task())
+        with self._lock:
+            self._wake[key] = self.t + max(seconds, 0.0)
+        try:
+            while self.t < self._wake[key] - 1e-9:
+                await asyncio.sleep(0.0005)
+        except asyncio.CancelledError:
+            with self._lock:
+                self._wake.pop(key, None)
+            raise
+        with self._lock:
+            self._wake[key] = float("-inf")
+            self._since[key] = time.monotonic()
+
+    def tick(self) -> None:
+        self._ticks += 1
+        self.t = round(self._ticks * self.step, 9)
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            with self._lock:
+                now = time.monotonic()
+                for key, wake in list(self._wake.items()):
+                    # A task cancelled outside a sleep never sleeps again.
+                    if wake == float("-inf") and now - self._since[key] > 5.0:
+                        del self._wake[key]
+                if all(w > self.t + 1e-9 for w in self._wake.values()):
+                    return
+            time.sleep(0.0005)
+
+    def run_until(self, done: Callable[[], bool], limit: float, pause: float = 0.0) -> float:
+        """Tick until `done()`; the fake time then. Fails past `limit` fake seconds.
+        `pause` (real seconds after each tick) lets a training thread that polls on the
+        real clock (`wait_for_learners`) keep up."""
+        t0 = self.t
+        while not done():
+            assert self.t - t0 <= limit, f"not done after {limit} fake seconds"
+            self.tick()
+            time.sleep(pause)
+        return self.t
+
+
+class Stamped:
+    """Events with the fake time they happened at."""
+
+    def __init__(self, clock: SimClock) -> None:
+        self.clock = clock
+        self.events: list[tuple[float, ev.Event]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, event: ev.Event) -> None:
+        with self.lock:
+            self.events.append((self.clock.now(), event))
+
+    def of(self, cls: type[Any]) -> list[tuple[float, Any]]:
+        with self.lock:
+            return [(t, e) for t, e in self.events if isinstance(e, cls)]
+
+
+def background(*targets: Callable[[], None]) -> Callable[[], bool]:
+    """Start `targets` in threads; returns whether all of them finished."""
+    threads = [threading.Thread(target=t, daemon=True) for t in targets]
+    for t in threads:
+        t.start()
+    return lambda: not any(t.is_alive() for t in threads)
+
+
+def train(learner: Learner, model: torch.nn.Module, steps: int, seed: int) -> Callable[[], None]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def go() -> None:
+        for i in range(steps):
+            train_step(model, opt, seed + i)
+            learner.step(8)
+
+    return go
+
+
+def pair(clock: SimClock, rec: Stamped, ids: tuple[str, ...]
+         ) -> tuple[MemoryMailbox, list[Learner], list[torch.nn.Module]]:
+    """Learners of standard DiLoCo (H=4), library defaults, joined and through round 0's
+    barrier together, as `wait_for_learners` starts them."""
+    mailbox = MemoryMailbox()
+    alg = DiLoCo.standard(4, len(ids))
+    models = [make_model(seed=w) for w in range(len(ids))]
+    learners = [Learner(TorchAdapter(m), alg, mailbox, x, clock=clock, on_event=rec)
+                for m, x in zip(models, ids, strict=True)]
+    for learner in learners:
+        learner.start()
+    clock.run_until(background(*(lambda x=x: x.wait_for_learners(len(ids), timeout=60)
+                                 for x in learners)), limit=30, pause=0.01)
+    clock.run_until(background(*(train(x, m, 4, 0) for x, m in zip(learners, models,
+                                                                  strict=True))), limit=30,
+                    pause=0.001)
+    return mailbox, learners, models
+
+
+def shut(clock: SimClock, *learners: Learner) -> None:
+    """Close the learners (no flush), moving time meanwhile; never raises, so that a
+    failed test reports its own failure."""
+    done = background(*(lambda x=x: x.close(flush=False) for x in learners))
+    t0 = clock.t
+    while not done() and clock.t - t0 < 300:
+        clock.tick()
+
+
+def kill(learner: Learner) -> None:
+    """SIGKILL, as far as the run can tell: the learner's loops stop where they are, and
+    its lease stays behind."""
+    loop = learner._loop
+    assert loop is not None
+    for task in learner._tasks:
+        loop.call_soon_threadsafe(task.cancel)
+    deadline = time.monotonic() + 10
+    while not all(t.done() for t in learner._tasks):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("ids", [("a-survivor", "b-victim"), ("b-survivor", "a-victim")],
+                         ids=["victim-preferred", "survivor-preferred"])
+def test_a_killed_learner_holds_its_peer_for_seconds(ids: tuple[str, str]) -> None:
+    clock, survivor_id, victim_id = SimClock(), *ids
+    rec = Stamped(clock)
+    mailbox, (survivor, victim), (model, _) = pair(clock, rec, ids)
+    try:
+        assert survivor.rounds_seen == 0 and victim.rounds_seen == 0
+        kill(victim)
+        # Round 1's preferred closer (the second id in order) is the victim or the survivor.
+        done = background(train(survivor, model, 4, 100))
+        clock.run_until(done, limit=30)
+        [(t0, _)] = [(t, e) for t, e in rec.of(ev.SnapshotPublished)
+                     if e.learner == survivor_id and e.round == 1]
+        [(t1, closed)] = [(t, e) for t, e in rec.of(ev.RoundClosed) if e.round == 1]
+        assert closed.participants == (survivor_id,)
+        assert t1 - t0 <= 10.0, f"the round closed {t1 - t0:.1f} fake s after its contribution"
+        [(_, gone)] = rec.of(ev.LearnersGone)
+        assert gone.learners == (victim_id,) and gone.closer == survivor_id
+        assert victim_id not in survivor.live_learners
+        assert victim_id not in asyncio.run(Exchange(mailbox).leases())
+        # The survivor goes on alone: round 2 waits for no one.
+        clock.run_until(background(train(survivor, model, 4, 200)), limit=10)
+        assert survivor.rounds_seen == 2
+    finally:
+        shut(clock, survivor, victim)
+
+
+def test_a_slow_learner_answers_and_is_not_dropped() -> None:
+    clock = SimClock()
+    rec = Stamped(clock)
+    _, (fast, slow), (fast_model, slow_model) = pair(clock, rec, ("fast", "slow"))
+    try:
+        fast_done = background(train(fast, fast_model, 4, 100))
+        clock.run_until(lambda: bool(rec.of(ev.SnapshotPublished)[2:]), limit=10)
+        t0 = clock.t
+        while clock.t - t0 < 40.0:  # the slow learner takes 40 s more for its H steps
+            clock.tick()
+        assert not fast_done() and fast.rounds_seen == 0
+        assert rec.of(ev.RollCalled) and not rec.of(ev.LearnersGone)
+        assert fast.live_learners == {"fast", "slow"}
+        slow_done = background(train(slow, slow_model, 4, 300))
+        clock.run_until(lambda: fast_done() and slow_done(), limit=10)
+        [(_, closed)] = [(t, e) for t, e in rec.of(ev.RoundClosed) if e.round == 1]
+        assert closed.participants == ("fast", "slow")
+        assert not rec.of(ev.LearnersGone)
+    finally:
+        shut(clock, fast, slow)
+
+
+def test_the_verdict_reaches_the_learners_that_did_not_judge() -> None:
+    # Three learners: one survivor calls and judges; the other learns the verdict from
+    # the call key, so that both drop the victim and whichever is preferred closes.
+    clock = SimClock()
+    rec = Stamped(clock)
+    mailbox, (a, b, victim), (model_a, model_b, _) = pair(clock, rec, ("a", "b", "c"))
+    try:
+        kill(victim)  # "c": round 1's preferred closer is "b", round 2's is "c"
+        for round_, seed in ((1, 100), (2, 200)):
+            done = background(train(a, model_a, 4, seed), train(b, model_b, 4, seed + 50))
+            clock.run_until(done, limit=30)
+            t0 = max(t for t, e in rec.of(ev.SnapshotPublished) if e.round == round_)
+            [(t1, closed)] = [(t, e) for t, e in rec.of(ev.RoundClosed) if e.round == round_]
+            assert closed.participants == ("a", "b")
+            assert t1 - t0 <= 10.0, (round_, t1 - t0)
+        [(_, gone)] = rec.of(ev.LearnersGone)
+        assert gone.learners == ("c",)
+        assert a.live_learners == b.live_learners == {"a", "b"}
+        assert asyncio.run(Exchange(mailbox).leases()).keys() == {"a", "b"}
+    finally:
+        shut(clock, a, b, victim)
+
+
+def test_a_preferred_closer_killed_after_its_contribution_holds_its_peer_for_seconds(
+        ) -> None:
+    # Round 1's preferred closer, "b-victim", contributes and dies before it closes the
+    # round: the survivor, a backup waiting at the barrier, calls rather than give a dead
+    # closer its 30-poll head start.
+    clock = SimClock()
+    rec = Stamped(clock)
+    _, (survivor, victim), (model_s, model_v) = pair(
+        clock, rec, ("a-survivor", "b-victim"))
+    try:
+        # The victim's training thread blocks at the barrier once it published; no tick
+        # runs its loops meanwhile, so it never lists the round.
+        background(train(victim, model_v, 4, 100))
+        deadline = time.monotonic() + 20
+        while not any(e.round == 1 for _, e in rec.of(ev.SnapshotPublished)):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        kill(victim)
+        clock.run_until(background(train(survivor, model_s, 4, 100)), limit=30)
+        t0 = max(t for t, e in rec.of(ev.SnapshotPublished) if e.round == 1)
+        [(t1, closed)] = [(t, e) for t, e in rec.of(ev.RoundClosed) if e.round == 1]
+        assert closed.closer == "a-survivor"
+        assert closed.participants == ("a-survivor", "b-victim")  # its contribution merged
+        assert t1 - t0 <= 10.0, f"the round closed {t1 - t0:.1f} fake s after its quorum"
+        [(_, gone)] = rec.of(ev.LearnersGone)
+        assert gone.learners == ("b-victim",)
+    finally:
+        shut(clock, survivor, victim)
