@@ -172,8 +172,12 @@ def test_one_round_is_the_merge_then_nesterov() -> None:
     assert res.update is None and not res.all_final
 
 
-def test_final_round_moves_the_master_by_delta_and_keeps_momentum() -> None:
-    cfg = DiLoCo(sync_every=12, fragments=1, in_flight=1, merge=WeightedMean())
+@pytest.mark.parametrize("merge", [WeightedMean(), Rda(direct_pattern=None)])
+def test_final_round_moves_the_master_by_the_mean_delta_and_keeps_momentum(
+    merge: Any,
+) -> None:
+    # Whatever the merge: final flushes are averaged in (RDA's norm would overshoot).
+    cfg = DiLoCo(sync_every=12, fragments=1, in_flight=1, merge=merge)
     schema = make_schema()
     state, _ = trajectory(cfg, NP, rounds=2)
     cs = make_contributions(7, final=True)

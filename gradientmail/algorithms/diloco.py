@@ -451,10 +451,11 @@ class DiLoCoAggregator:
         order they arrived in. Each tensor's deltas are merged with the normalized
         weights tokens²/steps (`Rda`, or the weighted mean for `direct_pattern` tensors
         and for `WeightedMean`); Nesterov moves the fp32 master and the fp32 momentum. A
-        round made only of final contributions moves the master by the merged Δ alone
-        (Θ ← Θ − Δ) and keeps the momentum. With `commit_dtype`, the update is the
-        quantized Θ_new − Θ_old and the published theta is `rebuild_theta(Θ_old, update)`;
-        the rounding stays in the master and is corrected next round.
+        round made only of final contributions moves the master by their weighted mean
+        Δ alone (Θ ← Θ − Δ, whatever the merge) and keeps the momentum. With
+        `commit_dtype`, the update is the quantized Θ_new − Θ_old and the published theta
+        is `rebuild_theta(Θ_old, update)`; the rounding stays in the master and is
+        corrected next round.
 
         Raises `SchemaMismatch` (a delta or theta that does not fit the schema),
         `NonFiniteError` (a non-finite delta, naming its learners; or an outer step that
@@ -495,7 +496,7 @@ class DiLoCoAggregator:
             for i in range(m):
                 for j in range(m):
                     frag_gram[i][j] += gram[i][j]
-            coeffs = self._coefficients(name, gram, shares, spans)
+            coeffs = self._coefficients(name, gram, shares, spans, all_final)
             base = be.load((state.master or state.theta)[name])
             if all_final:
                 new_master = base - be.lincomb(deltas, coeffs)
@@ -528,14 +529,23 @@ class DiLoCoAggregator:
         )
 
     def _coefficients(
-        self, name: str, gram: list[list[float]], shares: list[float], spans: list[float]
+        self, name: str, gram: list[list[float]], shares: list[float], spans: list[float],
+        all_final: bool = False,
     ) -> list[float]:
         """The coefficient of each raw delta: the merge of the deltas divided by their
-        spans (`span_scales`), folded into one number each."""
+        spans (`span_scales`), folded into one number each.
+
+        A round of final contributions only is the learners' last progress averaged into
+        the fragment, not an outer step: the weighted mean, never RDA's norm. Final
+        flushes carry a few steps each in directions that agree little (mean cosine 0.24
+        at M = 4), and RDA, which keeps the mean norm where the mean of such deltas is
+        half as long, moved the fragment ~2x past the average: the held-out loss rose
+        from 3.972 to 4.020 in the run's last round, where a quarter to a half of that
+        step gave 3.952-3.955 (benchmarks/RESULTS.md, 2026-12-02)."""
         merge = self.config.merge
         if len(shares) == 1:
             return [spans[0]]
-        if isinstance(merge, WeightedMean) or merge.is_direct(name):
+        if all_final or isinstance(merge, WeightedMean) or merge.is_direct(name):
             return [p * s for p, s in zip(shares, spans, strict=True)]
         m = len(spans)
         scaled = [[gram[i][j] * spans[i] * spans[j] for j in range(m)] for i in range(m)]
