@@ -21,6 +21,7 @@ from gradientmail.algorithms.diloco import (
     DiLoCo,
     Rda,
     WeightedMean,
+    light,
     rda,
     rebuild_theta,
     span_scales,
@@ -367,7 +368,7 @@ def test_a_lone_non_finite_delta_is_named_too() -> None:
 def test_an_overflowing_outer_step_is_refused() -> None:
     huge = {n: TensorBytes.from_numpy(np.full(s, 3e38, np.float32)) for n, s in SHAPES.items()}
     with pytest.raises(NonFiniteError, match=r"the outer step overflowed float32 in 'wte\.embed'"):
-        _round([Contribution("l0", 0, 1, 1, False, huge)])
+        _round([Contribution("l0", 0, 10, 1, False, huge)])  # a full period: stepped
 
 
 def test_theta_must_fit_the_schema() -> None:
@@ -452,3 +453,27 @@ def test_cuda_closes_rounds_to_the_numpy_bytes(dtype: str, commit: str | None) -
     for x, y in zip(ra, rb, strict=True):
         assert digest(x.state, x.update) == digest(y.state, y.update)
         assert x.mean_cosine == y.mean_cosine
+
+
+def test_a_light_round_is_averaged_in_and_keeps_momentum() -> None:
+    # H = 12: contributions of 2, 3 and 4 steps carry under half a period (token-weighted
+    # 0.29): averaged in like final flushes, the momentum left for the next full round.
+    cfg = DiLoCo(sync_every=12, fragments=1, in_flight=1)
+    schema = make_schema()
+    state, _ = trajectory(cfg, NP, rounds=2)
+    full = make_contributions(7)
+    cs = [Contribution(c.learner, c.local_step, c.steps - 8, c.tokens, False, c.delta)
+          for c in full]
+    assert [c.steps for c in cs] == [2, 3, 4]
+    res = cfg.aggregator().close_round(state, cs, schema)
+    assert not res.all_final
+    weights = [c.tokens**2 / c.steps for c in cs]
+    for name in SHAPES:
+        assert res.state.momentum[name] is state.momentum[name]
+        delta = weighted_mean([NP.load(c.delta[name]) for c in cs], weights)
+        assert res.state.theta[name] == (NP.load(state.theta[name]) - delta).to_bytes("F32")
+    # 10 to 12 steps of 12: a Nesterov step.
+    res2 = cfg.aggregator().close_round(state, full, schema)
+    assert res2.state.momentum["ln.w"] != state.momentum["ln.w"]
+    assert light([1.0], [5], 10) is False and light([1.0], [4], 10) is True
+    assert light([0.5, 0.5], [30, 0], 10) is False  # over a period counts as one

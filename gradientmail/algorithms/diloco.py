@@ -60,6 +60,7 @@ __all__ = [
     "Strided",
     "WeightedMean",
     "grace_window",
+    "light",
     "mean_cosine",
     "nesterov",
     "outliers",
@@ -103,6 +104,26 @@ def grace_window(
     if step is None:
         return floor
     return min(schedule.gap(round_) * step, max(ARRIVAL_STEPS * step, floor))
+
+
+#: A round whose contributions carry less than this share of a sync period (token-
+#: weighted) is averaged in, not stepped: see `light`.
+LIGHT_ROUND = 0.5
+
+
+def light(shares: Sequence[float], steps: Sequence[int], sync_every: int) -> bool:
+    """Whether a round is light: its contributions carry, weighted by their shares, less
+    than LIGHT_ROUND of a sync period (a contribution over one period counts as one).
+
+    Nesterov's step is sized for a round of a period's progress: its momentum pushes the
+    fragment a period's worth of the old direction whatever the round carries. When
+    learners end at different times, a run's last rounds carry a few steps each from the
+    learners still training, and each of them took that full push: at M = 8 the held-out
+    loss went from 3.913 after the last full round to 3.999 over three light ones. A light
+    round is averaged in like a final one, and the momentum waits for the next full round.
+    """
+    progress = sum(w * min(s / sync_every, 1.0) for w, s in zip(shares, steps, strict=True))
+    return progress < LIGHT_ROUND
 
 
 def span_scales(steps: Sequence[int], sync_every: int) -> list[float]:
@@ -451,8 +472,9 @@ class DiLoCoAggregator:
         order they arrived in. Each tensor's deltas are merged with the normalized
         weights tokens²/steps (`Rda`, or the weighted mean for `direct_pattern` tensors
         and for `WeightedMean`); Nesterov moves the fp32 master and the fp32 momentum. A
-        round made only of final contributions moves the master by their weighted mean
-        Δ alone (Θ ← Θ − Δ, whatever the merge) and keeps the momentum. With
+        round made only of final contributions, or a light one (`light`: under half a
+        sync period of progress), moves the master by their weighted mean Δ alone
+        (Θ ← Θ − Δ, whatever the merge) and keeps the momentum. With
         `commit_dtype`, the update is the quantized Θ_new − Θ_old and the published theta
         is `rebuild_theta(Θ_old, update)`; the rounding stays in the master and is
         corrected next round.
@@ -474,6 +496,7 @@ class DiLoCoAggregator:
             for c in contribs
         )
         all_final = all(c.final for c in contribs)
+        averaged = all_final or light(shares, [c.steps for c in contribs], cfg.sync_every)
         keep_master = cfg.keeps_master([state.theta[n].dtype for n in names])
         m = len(contribs)
         frag_gram = [[0.0] * m for _ in range(m)]
@@ -496,9 +519,9 @@ class DiLoCoAggregator:
             for i in range(m):
                 for j in range(m):
                     frag_gram[i][j] += gram[i][j]
-            coeffs = self._coefficients(name, gram, shares, spans, all_final)
+            coeffs = self._coefficients(name, gram, shares, spans, averaged)
             base = be.load((state.master or state.theta)[name])
-            if all_final:
+            if averaged:
                 new_master = base - be.lincomb(deltas, coeffs)
                 momentum[name] = state.momentum[name]
             else:
@@ -530,22 +553,22 @@ class DiLoCoAggregator:
 
     def _coefficients(
         self, name: str, gram: list[list[float]], shares: list[float], spans: list[float],
-        all_final: bool = False,
+        averaged: bool = False,
     ) -> list[float]:
         """The coefficient of each raw delta: the merge of the deltas divided by their
         spans (`span_scales`), folded into one number each.
 
-        A round of final contributions only is the learners' last progress averaged into
-        the fragment, not an outer step: the weighted mean, never RDA's norm. Final
-        flushes carry a few steps each in directions that agree little (mean cosine 0.24
-        at M = 4), and RDA, which keeps the mean norm where the mean of such deltas is
-        half as long, moved the fragment ~2x past the average: the held-out loss rose
-        from 3.972 to 4.020 in the run's last round, where a quarter to a half of that
-        step gave 3.952-3.955 (benchmarks/RESULTS.md, 2026-12-02)."""
+        A round of final contributions only, or a light one (`light`), is the learners'
+        progress averaged into the fragment, not an outer step: the weighted mean, never
+        RDA's norm. Final flushes carry a few steps each in directions that agree little
+        (mean cosine 0.24 at M = 4), and RDA, which keeps the mean norm where the mean
+        of such deltas is half as long, moved the fragment ~2x past the average: the
+        held-out loss rose from 3.972 to 4.020 in the run's last round, where a quarter
+        to a half of that step gave 3.952-3.955 (benchmarks/RESULTS.md, 2026-12-02)."""
         merge = self.config.merge
         if len(shares) == 1:
             return [spans[0]]
-        if all_final or isinstance(merge, WeightedMean) or merge.is_direct(name):
+        if averaged or isinstance(merge, WeightedMean) or merge.is_direct(name):
             return [p * s for p, s in zip(shares, spans, strict=True)]
         m = len(spans)
         scaled = [[gram[i][j] * spans[i] * spans[j] for j in range(m)] for i in range(m)]
