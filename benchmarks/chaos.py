@@ -194,7 +194,7 @@ def losses(workdir: Path, run: str, box: Path, fragments: int) -> dict[str, Any]
         last = max(i for i, _ in incs)
         for inc, path in incs:
             tokens = [int(line.split()[0]) for line in path.read_text().splitlines()
-                      if len(line.split()) == 2]
+                      if len(line.split()) == 3]  # a line cut short by a kill is no step
             mine: set[int] = set()
             events = path.with_suffix(".events")
             for line in (events.read_text().splitlines() if events.exists() else []):
