@@ -95,8 +95,13 @@ class RollCaller:
             return
         await refresh_live()
         counters = self.tracker.counters()
+        # Short of its quorum, the round waits for those not in: a contributor has just
+        # proved it is alive, and calling it would only risk its answer (a verdict of
+        # another closer may overwrite this call before it reads it). A backup's call
+        # of a full round is about its preferred closer, which may have contributed.
+        skip = {self.closer_id} if full else {self.closer_id, *seen}
         called = {x: counters[x] for x in self.tracker.live(now)
-                  if x != self.closer_id and x in counters}
+                  if x not in skip and x in counters}
         if not called:
             return
         mine = Call(r, 0 if call is None else call.number + 1, self.closer_id)

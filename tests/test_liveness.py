@@ -87,7 +87,8 @@ def test_a_dead_learner_is_judged_gone_and_the_barrier_closes_without_it(
         rec = await r.ex.read_round(0)
         assert rec is not None and [p.learner for p in rec.participants] == ["a"]
         [called] = r.of(ev.RollCalled)
-        assert (called.closer, called.round, called.number, called.called) == ("s1", 0, 0, 2)
+        # Only "dead" is called: "a" proved it is alive with its contribution.
+        assert (called.closer, called.round, called.number, called.called) == ("s1", 0, 0, 1)
         [gone] = r.of(ev.LearnersGone)
         assert (gone.round, gone.learners, gone.seconds) == (0, ("dead",), 5.0)
         assert await r.ex.read_call() == Call(0, 0, "s1", (("dead", 0),))
@@ -459,8 +460,11 @@ def test_the_verdict_reaches_the_learners_that_did_not_judge() -> None:
             [(t1, closed)] = [(t, e) for t, e in rec.of(ev.RoundClosed) if e.round == round_]
             assert closed.participants == ("a", "b")
             assert t1 - t0 <= 10.0, (round_, t1 - t0)
-        [(_, gone)] = rec.of(ev.LearnersGone)
-        assert gone.learners == ("c",)
+        # Both survivors may call and judge at once (a read, then a write: there is no
+        # conditional overwrite); their verdicts agree.
+        verdicts = [(e.closer, e.learners) for _, e in rec.of(ev.LearnersGone)]
+        assert verdicts and {learners for _, learners in verdicts} == {("c",)}
+        assert len({closer for closer, _ in verdicts}) == len(verdicts) <= 2
         assert a.live_learners == b.live_learners == {"a", "b"}
         assert asyncio.run(Exchange(mailbox).leases()).keys() == {"a", "b"}
     finally:
