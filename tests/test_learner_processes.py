@@ -132,7 +132,7 @@ def test_a_learner_killed_mid_run_restarts_and_rejoins(tmp_path: Path) -> None:
         "--worker",
         "1",
         "--steps",
-        "60",
+        "160",
         "--sync-every",
         "8",
         "--fragments",
