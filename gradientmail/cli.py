@@ -31,11 +31,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from gradientmail import __version__
+from gradientmail.algorithms.base import algorithm_from_json
 from gradientmail.errors import ConfigError, GradientmailError
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
-from gradientmail.protocol import Exchange, payload_bound
+from gradientmail.protocol import Exchange
 from gradientmail.records import Manifest, check_learner_id
+from gradientmail.replica import Replica
 from gradientmail.serialization import TensorBytes, pack
 
 __all__ = [
@@ -136,8 +138,12 @@ async def read_status(ex: Exchange, url: str) -> dict[str, Any]:
             "version": rec.version if rec is not None else 0,
             "round": rec.round if rec is not None else None,
             "tensors": len(names),
-            "theta_bytes": rec.theta.size if rec is not None else manifest.init[p].size,
-            "outer_bytes": rec.outer.size if rec is not None else None,
+            "theta_bytes": (manifest.init[p].size if rec is None
+                            else rec.theta.size if rec.theta is not None else None),
+            "outer_bytes": rec.outer.size if rec is not None and rec.outer is not None
+            else None,
+            "step_bytes": rec.step.payload.size
+            if rec is not None and rec.step is not None else None,
             "update_bytes": rec.update.payload.size
             if rec is not None and rec.update is not None else None,
         })
@@ -247,6 +253,7 @@ async def newest_model(ex: Exchange, url: str) -> tuple[dict[str, TensorBytes], 
     A payload swept while it is read means a newer commit exists: it reads again.
     """
     manifest = await require_manifest(ex, url)
+    replica = Replica(ex, manifest, algorithm_from_json(dict(manifest.algorithm)))
     seen = -2
     while True:
         newest = await ex.newest_round(max(seen, -1))
@@ -255,16 +262,15 @@ async def newest_model(ex: Exchange, url: str) -> tuple[dict[str, TensorBytes], 
         versions = []
         for p, names in enumerate(manifest.plan):
             rec = latest.get(p)
-            ref = rec.theta if rec is not None else manifest.init[p]
-            tensors = await ex.fetch_tensors(ref, payload_bound(manifest.schema, names, "theta"))
-            if tensors is None:
+            state = await replica.at(p, rec)
+            if state is None:
                 if newest == seen:
                     raise GradientmailError(
-                        f"the payload {ref.key!r} of fragment {p} in {url!r} is missing, "
-                        f"though round {newest} is the newest; the run is damaged"
+                        f"a payload of fragment {p} in {url!r} is missing, though round "
+                        f"{newest} is the newest; the run is damaged"
                     )
                 break
-            values.update((n, tensors[n]) for n in names)
+            values.update((n, state.theta[n]) for n in names)
             versions.append(rec.version if rec is not None else 0)
         else:
             ordered = {n: values[n] for n in manifest.schema.names}

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gradientmail.adapters.base import Adapter
-from gradientmail.algorithms.base import Algorithm
+from gradientmail.algorithms.base import Algorithm, algorithm_from_json
 from gradientmail.errors import RunConfigMismatch, SchemaMismatch
 from gradientmail.events import (
     AwaitingCreator,
@@ -25,8 +25,9 @@ from gradientmail.events import (
     TookOverCreation,
 )
 from gradientmail.mailbox.selftest import verify_conditional_writes
-from gradientmail.protocol import Exchange, current_attempt, payload_bound
-from gradientmail.records import Manifest, PayloadRef
+from gradientmail.protocol import Exchange, current_attempt
+from gradientmail.records import Manifest
+from gradientmail.replica import Replica
 from gradientmail.serialization import Schema, TensorBytes
 
 __all__ = [
@@ -49,6 +50,7 @@ class JoinResult:
     thetas: tuple[dict[str, TensorBytes], ...]  # host bytes of the same, per fragment
     created: bool
     manifest: Manifest
+    replica: Replica  # each fragment's state as of the join (shared with the closer)
 
 
 def schema_differences(run: Schema, mine: Schema) -> list[str]:
@@ -145,6 +147,7 @@ async def join_run(
             + ". Use the run's configuration, or another mailbox/prefix for a new run"
         )
     plan = manifest.plan
+    replica = Replica(ex, manifest, algorithm_from_json(dict(manifest.algorithm)))
     while True:
         newest = await ex.newest_round()
         latest = await ex.latest_commit_per_fragment(len(plan), newest)
@@ -152,11 +155,10 @@ async def join_run(
         thetas = []
         for p, names in enumerate(plan):
             rec = latest.get(p)
-            ref: PayloadRef = rec.theta if rec is not None else manifest.init[p]
-            tensors = await ex.fetch_tensors(ref, payload_bound(manifest.schema, names, "theta"))
-            if tensors is None:
+            state = await replica.at(p, rec)
+            if state is None:
                 break  # swept while we read: a newer commit exists, look again
-            values = {n: tensors[n] for n in names}
+            values = {n: state.theta[n] for n in names}
             loaded = await asyncio.to_thread(adapter.load, values)
             fragments.append((rec.version if rec is not None else 0, loaded))
             thetas.append(values)
@@ -165,7 +167,8 @@ async def join_run(
             # its next lease listing on.
             await ex.beat(learner)
             on_event(Joined(learner, newest, tuple(v for v, _ in fragments), created))
-            return JoinResult(plan, newest, tuple(fragments), tuple(thetas), created, manifest)
+            return JoinResult(plan, newest, tuple(fragments), tuple(thetas), created, manifest,
+                              replica)
 
 
 async def _create(

@@ -32,11 +32,11 @@ __all__ = [
 MANIFEST_KEY = "manifest.json"
 CALL_KEY = "rollcall.json"
 _ROUND_LIMIT = 10**10
-_ARTIFACT_KINDS = ("theta", "outer", "updates")
+_ARTIFACT_KINDS = ("theta", "outer", "updates", "steps")
 _ROUND_AREAS = ("payloads/", "snapshots/", "claims/round/")
 _NUMBERED = re.compile(r"(\d{10})")
 _ATTEMPT = re.compile(r"\d{6}")
-_ARTIFACT = re.compile(r"(theta|outer|updates)/(\d+)/(\d{10})-(\d{6})(\..+)")
+_ARTIFACT = re.compile(r"(theta|outer|updates|steps)/(\d+)/(\d{10})-(\d{6})(\..+)")
 
 
 def _check_number(what: str, value: int, limit: int) -> int:
@@ -55,7 +55,8 @@ def _round_dir(area: str, round_: int) -> str:
 
 
 def artifact_key(kind: str, fragment: int, version: int, attempt: int, ext: str) -> str:
-    """`<kind>/<fragment>/<version>-<attempt><ext>` for kind theta, outer or updates."""
+    """`<kind>/<fragment>/<version>-<attempt><ext>` for kind theta, outer, updates or
+    steps."""
     if kind not in _ARTIFACT_KINDS:
         raise LocalProtocolError(f"artifact kind {kind!r} must be one of {_ARTIFACT_KINDS}")
     _check_number("fragment", fragment, 10**6)
@@ -125,20 +126,27 @@ def screen_snapshots(
 
 
 def plan_sweep(
-    keys: Iterable[str], latest: Mapping[int, RoundRecord], keep_versions: int = 2
+    keys: Iterable[str], latest: Mapping[int, RoundRecord], keep_versions: int = 2,
+    checkpoint_every: int = 1,
 ) -> list[str]:
     """The keys to delete once `latest` (each fragment's newest record) is committed.
 
     Deleted: payloads, snapshots and closer claims of closed rounds (round <= the newest
-    committed round), and the theta/outer/update payloads of each fragment older than its
-    newest `keep_versions` versions, or of its newest version but not referenced by its
-    record (a superseded closer's upload). Never deleted: anything the newest records
-    reference, versions not yet committed (a closer may be uploading them), fragments with
-    no record in `latest`, and keys of any shape this function does not know.
+    committed round), and the theta/outer/update/step payloads of each fragment older than
+    what it keeps, or of its newest version but not referenced by its record (a superseded
+    closer's upload). A fragment keeps its newest `keep_versions` versions, and with a
+    replicated outer step (`checkpoint_every` K > 1) everything from its newest checkpoint
+    on (the newest version that is a multiple of K): a reader replays the steps after it.
+    Never deleted: anything the newest records reference, versions not yet committed (a
+    closer may be uploading them), fragments with no record in `latest`, and keys of any
+    shape this function does not know.
     """
     if isinstance(keep_versions, bool) or not isinstance(keep_versions, int) \
             or keep_versions < 1:
         raise ConfigError(f"keep_versions={keep_versions!r} must be an integer >= 1")
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) \
+            or checkpoint_every < 1:
+        raise ConfigError(f"checkpoint_every={checkpoint_every!r} must be an integer >= 1")
     if not latest:
         return []
     closed = max(r.round for r in latest.values())
@@ -157,6 +165,9 @@ def plan_sweep(
             continue
         newest = latest[int(art.group(2))].version
         version = int(art.group(3))
-        if version <= newest - keep_versions or version == newest:
+        floor = newest - keep_versions
+        if checkpoint_every > 1:
+            floor = min(floor, newest - newest % checkpoint_every - 1)
+        if version <= floor or version == newest:
             doomed.append(key)
     return doomed

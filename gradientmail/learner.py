@@ -172,6 +172,8 @@ class Learner(Mailman):
         self._blocked = False
         # Host bytes of each fragment's newest commit, to rebuild the next from its update.
         self._host: dict[int, tuple[int, dict[str, TensorBytes]]] = {}
+        # Each fragment's state, followed commit by commit (shared with the closer).
+        self._replica = None
         # Publishes handed over and finished: each counter has a single writer thread.
         self._handed = 0
         self._finished = 0

@@ -47,9 +47,10 @@ from gradientmail.lease import LeaseTracker
 from gradientmail.protocol import MANIFEST_KEY, Exchange, payload_bound
 from gradientmail.quantization import quantize
 from gradientmail.records import RoundRecord, SnapshotRecord
+from gradientmail.replica import Replica, theta_digest
 from gradientmail.rollcall import READ_EVERY, Call, reply
 from gradientmail.serialization import TensorBytes
-from gradientmail.syncer import Syncer, theta_digest
+from gradientmail.syncer import Syncer
 
 __all__ = ["BACKUP_EVERY", "MANIFEST_EVERY", "WAITING_POLL", "Mailman", "delta_format",
            "poll_delay"]
@@ -144,6 +145,7 @@ class Mailman:
     _want_live: int
     _blocked: bool
     _host: dict[int, tuple[int, dict[str, TensorBytes]]]
+    _replica: Replica | None
     _finished: int
     _failed: queue.SimpleQueue[int]
     _tasks: list[asyncio.Task[None]]
@@ -184,6 +186,7 @@ class Mailman:
             joined.set_exception(exc)
             self._dead = exc
             return
+        self._replica = result.replica
         joined.set_result(result)
         assert self._stop is not None
         await self._stop.wait()
@@ -255,6 +258,7 @@ class Mailman:
                 keep_versions=self.keep_versions,
                 embedded=True,
                 leases=tracker,
+                replica=joined.replica,
             )
             self._syncer = syncer
 
@@ -420,17 +424,26 @@ class Mailman:
         return newest
 
     async def _fetch_commit(self, rec: RoundRecord) -> _Commit | None:
-        """The commit's parameters, rebuilt from its quantized update when this learner
-        holds the previous version (checked against the record's digest), else
-        downloaded. None when the payloads were swept."""
+        """The commit's parameters. With a replicated outer step, the replica's state at
+        its version (its step applied to the state held); otherwise rebuilt from its
+        quantized update when this learner holds the previous version (checked against
+        the record's digest), else downloaded. None when the payloads were swept."""
         ex = self._exchange
         assert ex is not None
         names = self._plan[rec.fragment]
         schema = self.adapter.schema
         theta: dict[str, TensorBytes] | None = None
         nbytes = 0
+        replica = self._replica
+        if replica is not None and replica.algorithm.replicated:
+            before = replica.bytes_down
+            state = await replica.at(rec.fragment, rec)
+            if state is None:
+                return None
+            theta, nbytes = dict(state.theta), replica.bytes_down - before
         held = self._host.get(rec.fragment)
-        if rec.update is not None and held is not None and held[0] == rec.version - 1:
+        if theta is None and rec.update is not None and held is not None \
+                and held[0] == rec.version - 1:
             update = await ex.fetch_tensors(rec.update.payload,
                                             payload_bound(schema, names, "updates"))
             if update is not None:
@@ -438,6 +451,11 @@ class Mailman:
                 if theta_digest(rebuilt, names) == rec.update.theta_sha256:
                     theta, nbytes = rebuilt, rec.update.payload.size
         if theta is None:
+            if rec.theta is None:
+                raise RemoteProtocolError(
+                    f"round {rec.round}'s record carries no theta and this run does not "
+                    "replicate its outer step"
+                )
             fetched = await ex.fetch_tensors(rec.theta, payload_bound(schema, names, "theta"))
             if fetched is None:
                 return None

@@ -132,11 +132,12 @@ def payload_bound(schema: Schema, names: Iterable[str], kind: str) -> int:
     names = list(names)
     if kind == "theta":
         raw = codec.size_bound(schema, names)
-    elif kind in ("outer", "updates"):
+    elif kind in ("outer", "updates", "steps"):
         raw = sum(8 * schema[n].numel + 2 * (6 * len(n.encode()) + 120 + 24 * len(schema[n].shape))
                   for n in names) + 4096
     else:
-        raise LocalProtocolError(f"payload kind {kind!r} must be 'theta', 'outer' or 'updates'")
+        raise LocalProtocolError(
+            f"payload kind {kind!r} must be 'theta', 'outer', 'updates' or 'steps'")
     return raw + raw // 128 + 1024
 
 
@@ -508,6 +509,11 @@ class Exchange:
         """Upload a commit's quantized Θ_new − Θ_old."""
         return await self._put_artifact("updates", fragment, version, attempt, tensors)
 
+    async def put_step(self, fragment: int, version: int,
+                       tensors: Mapping[str, TensorBytes], *, attempt: int) -> PayloadRef:
+        """Upload a replicated commit's merged Δ."""
+        return await self._put_artifact("steps", fragment, version, attempt, tensors)
+
     async def commit(self, record: RoundRecord) -> bool:
         """Create `rounds/<round>.json`; False if another closer committed the round first.
 
@@ -583,21 +589,25 @@ class Exchange:
         return out
 
     async def sweep(
-        self, keep_versions: int = 2, *, latest: Mapping[int, RoundRecord] | None = None
+        self, keep_versions: int = 2, *, latest: Mapping[int, RoundRecord] | None = None,
+        checkpoint_every: int | None = None,
     ) -> list[str]:
         """Delete what `plan_sweep` says is no longer needed; returns the deleted keys.
 
-        `latest` (each fragment's newest record) is looked up when not given.
+        `latest` (each fragment's newest record) and `checkpoint_every` (the run's) are
+        looked up when not given.
         """
-        if latest is None:
+        if latest is None or checkpoint_every is None:
             manifest = await self.read_manifest()
             if manifest is None:
                 return []
-            latest = await self.latest_commit_per_fragment(len(manifest.plan))
+            if latest is None:
+                latest = await self.latest_commit_per_fragment(len(manifest.plan))
+            checkpoint_every = int(manifest.algorithm.get("checkpoint_every", 1))
         keys: list[str] = []
         for area in (*_ROUND_AREAS, *(f"{k}/" for k in _ARTIFACT_KINDS)):
             keys.extend(await self._list(area))
-        doomed = plan_sweep(keys, latest, keep_versions)
+        doomed = plan_sweep(keys, latest, keep_versions, checkpoint_every)
         for key in doomed:
             await self.mailbox.delete(self.prefix + key)
         return doomed

@@ -59,6 +59,7 @@ __all__ = [
     "RoundClaim",
     "RoundRecord",
     "SnapshotRecord",
+    "StepRef",
     "UpdateRef",
     "canonical_json",
     "check_learner_id",
@@ -443,19 +444,50 @@ class UpdateRef:
 
 
 @dataclasses.dataclass(frozen=True)
+class StepRef:
+    """A replicated commit's merged Δ: its payload, its format, the rule every party
+    applies it by ("nesterov" or "average"), and the SHA-256 of the theta that applying
+    it to the previous version gives (as the algorithm defines that digest)."""
+
+    payload: PayloadRef
+    format: str
+    rule: str
+    theta_sha256: str
+
+    def __post_init__(self) -> None:
+        _check_format("step format", self.format)
+        if self.rule not in ("nesterov", "average"):
+            raise LocalProtocolError(f"step rule={self.rule!r} must be 'nesterov' or 'average'")
+        _check_sha256("theta_sha256", self.theta_sha256)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": self.format, "payload": self.payload.to_json(), "rule": self.rule,
+                "theta_sha256": self.theta_sha256}
+
+    @classmethod
+    def from_json(cls, obj: Any, key: str, path: str) -> StepRef:
+        f = _Fields(obj, key, path, ("format", "payload", "rule", "theta_sha256"))
+        return _build(cls, key, path, format=f.get_str("format"), rule=f.get_str("rule"),
+                      theta_sha256=f.get_str("theta_sha256"),
+                      payload=PayloadRef.from_json(f.obj["payload"], key, f"{path}.payload"))
+
+
+@dataclasses.dataclass(frozen=True)
 class RoundRecord(Record):
     """`rounds/<round>.json`, the commit: the single source of truth about a round.
 
     Fragment `fragment` moved to `version` (init is version 0); `theta` holds its new
     parameters, `outer` the outer state any later closer continues from, `update` the
     optional quantized difference. `all_final` marks a round made only of final flushes.
+    In a run with a replicated outer step, `step` holds the merged Δ every party applies,
+    and `theta` and `outer` are null except at checkpoint versions.
     """
 
     round: int
     fragment: int
     version: int
-    theta: PayloadRef
-    outer: PayloadRef
+    theta: PayloadRef | None
+    outer: PayloadRef | None
     update: UpdateRef | None
     participants: tuple[Participant, ...]
     estimates: Estimates
@@ -466,11 +498,18 @@ class RoundRecord(Record):
     #: How the round waited for its learners (None in records written before it existed,
     #: and left out of the JSON then, so they keep their bytes).
     arrival: Arrival | None = None
+    #: The replicated outer step (None in runs that upload the state with every commit,
+    #: and left out of the JSON then, so their records keep their bytes).
+    step: StepRef | None = None
 
     def __post_init__(self) -> None:
         _check_count("round", self.round)
         _check_count("fragment", self.fragment)
         _check_count("version", self.version, low=1)
+        if (self.theta is None) != (self.outer is None):
+            raise LocalProtocolError("theta and outer are both set (a checkpoint) or both null")
+        if self.theta is None and self.step is None:
+            raise LocalProtocolError("a commit without theta and outer must carry its step")
         object.__setattr__(self, "participants", tuple(self.participants))
         object.__setattr__(self, "dropped", tuple(self.dropped))
         learners = [p.learner for p in self.participants]
@@ -487,10 +526,17 @@ class RoundRecord(Record):
 
     def payload_refs(self) -> tuple[PayloadRef, ...]:
         """Every payload this record references (what sweeping must keep)."""
-        refs = [self.theta, self.outer]
+        refs = [r for r in (self.theta, self.outer) if r is not None]
         if self.update is not None:
             refs.append(self.update.payload)
+        if self.step is not None:
+            refs.append(self.step.payload)
         return tuple(refs)
+
+    @property
+    def checkpoint(self) -> bool:
+        """Whether the record carries the fragment's whole state (theta and outer)."""
+        return self.theta is not None
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -500,21 +546,23 @@ class RoundRecord(Record):
             "estimates": self.estimates.to_json(),
             "fragment": self.fragment,
             "mean_cosine": self.mean_cosine,
-            "outer": self.outer.to_json(),
+            "outer": None if self.outer is None else self.outer.to_json(),
             "participants": [p.to_json() for p in self.participants],
             "round": self.round,
-            "theta": self.theta.to_json(),
+            "theta": None if self.theta is None else self.theta.to_json(),
             "update": None if self.update is None else self.update.to_json(),
             "v": FORMAT_VERSION,
             "version": self.version,
         }
         if self.arrival is not None:
             out["arrival"] = self.arrival.to_json()
+        if self.step is not None:
+            out["step"] = self.step.to_json()
         return out
 
     @classmethod
     def from_json(cls, obj: Any, key: str) -> Self:
-        optional = ("arrival",) if isinstance(obj, dict) and "arrival" in obj else ()
+        optional = tuple(k for k in ("arrival", "step") if isinstance(obj, dict) and k in obj)
         f = _Fields(obj, key, "", ("all_final", "closer", "dropped", "estimates", "fragment",
                                    "mean_cosine", "outer", "participants", "round", "theta",
                                    "update", "v", "version", *optional))
@@ -524,12 +572,14 @@ class RoundRecord(Record):
             raise RemoteProtocolError(
                 f"record {key!r}: field 'estimates': {exc} ({_HINT})"
             ) from exc
-        update = f.obj["update"]
+        update, theta, outer, step = (f.obj.get(k)
+                                      for k in ("update", "theta", "outer", "step"))
         return _build(
             cls, key, "", round=f.get_int("round"), fragment=f.get_int("fragment"),
             version=f.get_int("version"),
-            theta=PayloadRef.from_json(f.obj["theta"], key, "theta"),
-            outer=PayloadRef.from_json(f.obj["outer"], key, "outer"),
+            theta=None if theta is None else PayloadRef.from_json(theta, key, "theta"),
+            outer=None if outer is None else PayloadRef.from_json(outer, key, "outer"),
+            step=None if step is None else StepRef.from_json(step, key, "step"),
             update=None if update is None else UpdateRef.from_json(update, key, "update"),
             participants=tuple(Participant.from_json(p, key, f"participants[{i}]")
                                for i, p in enumerate(f.get_list("participants"))),
@@ -537,5 +587,6 @@ class RoundRecord(Record):
             dropped=tuple(Dropped.from_json(d, key, f"dropped[{i}]")
                           for i, d in enumerate(f.get_list("dropped"))),
             closer=f.get_str("closer"), all_final=f.get_bool("all_final"),
-            arrival=Arrival.from_json(f.obj["arrival"], key, "arrival") if optional else None,
+            arrival=(Arrival.from_json(f.obj["arrival"], key, "arrival")
+                     if "arrival" in optional else None),
         )

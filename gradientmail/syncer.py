@@ -13,15 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from gradientmail.algorithms.base import Algorithm, Contribution, FragmentState, algorithm_from_json
-from gradientmail.algorithms.diloco import outliers
+from gradientmail.algorithms.base import (
+    Algorithm,
+    Contribution,
+    FragmentState,
+    RoundResult,
+    algorithm_from_json,
+)
+from gradientmail.algorithms.diloco import merged_step, outliers, step_format
 from gradientmail.algorithms.schedule import Estimates, RoundSchedule
 from gradientmail.backends.base import Backend
 from gradientmail.backends.numpy_backend import NumpyBackend
@@ -41,7 +46,7 @@ from gradientmail.events import (
 from gradientmail.lease import LeaseTracker
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
-from gradientmail.protocol import Exchange, payload_bound
+from gradientmail.protocol import Exchange
 from gradientmail.quantization import dequantize
 from gradientmail.records import (
     Arrival,
@@ -49,8 +54,10 @@ from gradientmail.records import (
     Manifest,
     RoundRecord,
     SnapshotRecord,
+    StepRef,
     UpdateRef,
 )
+from gradientmail.replica import Replica, theta_digest
 from gradientmail.serialization import Schema, TensorBytes
 from gradientmail.syncer_state import (
     RoundWatch,
@@ -66,17 +73,18 @@ from gradientmail.syncer_state import (
 __all__ = ["Syncer", "theta_digest"]
 
 
-def theta_digest(theta: Mapping[str, TensorBytes], names: Sequence[str]) -> str:
-    """SHA-256 over the fragment's tensors in plan order: dtype, shape and bytes of each.
-
-    A learner that rebuilds theta from a commit's update checks its work against this.
-    """
-    h = hashlib.sha256()
-    for n in names:
-        t = theta[n]
-        h.update(f"{n}\0{t.dtype}\0{list(t.shape)}\0".encode())
-        h.update(t.buffer)
-    return h.hexdigest()
+def _unchanged(alg: Algorithm, state: FragmentState) -> RoundResult:
+    """A round with nothing to merge: the fragment one version on, unchanged (with a
+    replicated outer step, a zero Δ averaged in, which every party applies alike)."""
+    if not alg.replicated:
+        return RoundResult(dataclasses.replace(state, version=state.version + 1), None, (),
+                           None, False)
+    fmt = step_format(alg.commit_dtype, [state.theta[n].dtype for n in state.names])
+    step: dict[str, TensorBytes] = {}
+    for name, t in state.theta.items():
+        step.update(merged_step(name, TensorBytes("F32", t.shape, bytes(4 * t.numel)), fmt))
+    return RoundResult(alg.apply_step(state, step, fmt, "average"), None, (), None, False,
+                       step=step, step_format=fmt, rule="average")
 
 
 @dataclasses.dataclass
@@ -119,6 +127,7 @@ class Syncer:
         backup_every: int = 30,
         embedded: bool = False,
         leases: LeaseTracker | None = None,
+        replica: Replica | None = None,
     ) -> None:
         from gradientmail.records import check_learner_id
 
@@ -158,7 +167,8 @@ class Syncer:
         self._cursor = -1
         self._last: RoundRecord | None = None
         self._latest: dict[int, RoundRecord] = {}
-        self._states: dict[int, FragmentState] = {}
+        # The fragments' states: an embedded syncer shares its learner's replica.
+        self._replica = replica
         # Each learner's step seconds as the newest record it took part in reported them.
         self._paces: dict[str, float] = {}
         self._open = _Open(0)
@@ -328,6 +338,8 @@ class Syncer:
             return False
         self._manifest = manifest
         self._algorithm = algorithm_from_json(dict(manifest.algorithm))
+        if self._replica is None:
+            self._replica = Replica(self.exchange, manifest, self._algorithm)
         self._schedule = self._algorithm.schedule_for(len(manifest.plan))
         newest = await self.exchange.newest_round()
         self._latest = await self.exchange.latest_commit_per_fragment(len(manifest.plan), newest)
@@ -354,39 +366,17 @@ class Syncer:
         for p in rec.participants:
             if p.step_seconds is not None:
                 self._paces[p.learner] = p.step_seconds
-        cached = self._states.get(rec.fragment)
-        if cached is not None and cached.version != rec.version:
-            del self._states[rec.fragment]
         self._open = _Open(rec.round + 1)
 
     async def _fragment_state(self, fragment: int) -> FragmentState:
-        cached = self._states.get(fragment)
+        assert self._replica is not None
         rec = self._latest.get(fragment)
-        if cached is not None and cached.version == (rec.version if rec else 0):
-            return cached
-        ex, manifest = self.exchange, self._manifest
-        assert manifest is not None
-        names = manifest.plan[fragment]
-        if rec is None:
-            theta = await ex.fetch_tensors(manifest.init[fragment],
-                                           payload_bound(manifest.schema, names, "theta"))
-            if theta is None:
-                raise GradientmailError(f"the init payload {manifest.init[fragment].key!r} is gone")
-            state = self._alg().initial_state(fragment, {n: theta[n] for n in names})
-        else:
-            theta = await ex.fetch_tensors(rec.theta,
-                                           payload_bound(manifest.schema, names, "theta"))
-            outer = await ex.fetch_tensors(rec.outer,
-                                           payload_bound(manifest.schema, names, "outer"))
-            if theta is None or outer is None:
-                raise GradientmailError(
-                    f"the payloads of round {rec.round}'s commit were swept; a newer commit "
-                    "of the fragment exists and the next poll starts from it"
-                )
-            state = FragmentState.from_payloads(
-                fragment, rec.version, {n: theta[n] for n in names}, outer, key=rec.outer.key
+        state = await self._replica.at(fragment, rec)
+        if state is None:
+            raise GradientmailError(
+                f"the payloads of round {rec.round if rec else 0}'s commit were swept; a "
+                "newer commit of the fragment exists and the next poll starts from it"
             )
-        self._states[fragment] = state
         return state
 
     # -- closing ------------------------------------------------------------------------
@@ -434,29 +424,31 @@ class Syncer:
                     self._drop(r, c.learner, f"round {r}", f"outer step overflowed: {exc}",
                                dropped)
                 contributions = []
-        if result is not None:
-            new_state, update = result.state, result.update
-            participants, cosine, all_final = (
-                result.participants,
-                result.mean_cosine,
-                result.all_final,
-            )
-        else:
+        alg = self._alg()
+        if result is None:
             # Every contribution was dropped. The round still gets a record (the fragment
             # unchanged, one version on), or its learners, who contribute once per round,
-            # would wait for it forever.
-            new_state = dataclasses.replace(state, version=state.version + 1)
-            update, participants, cosine, all_final = None, (), None, False
-        theta_ref = await ex.put_theta(
-            fragment, new_state.version, new_state.theta, attempt=attempt
-        )
-        outer_ref = await ex.put_outer(
-            fragment, new_state.version, new_state.outer(), attempt=attempt
-        )
-        update_ref = None
-        fmt = self._alg().commit_dtype
-        if update is not None and fmt is not None:
-            ref = await ex.put_update(fragment, new_state.version, update, attempt=attempt)
+            # would wait for it forever. Replicated, that is a zero step averaged in.
+            result = await asyncio.to_thread(_unchanged, alg, state)
+        new_state = result.state
+        participants, cosine, all_final = (
+            result.participants, result.mean_cosine, result.all_final)
+        theta_ref = outer_ref = update_ref = step_ref = None
+        if result.step is not None and result.step_format is not None:
+            ref = await ex.put_step(fragment, new_state.version, result.step, attempt=attempt)
+            step_ref = StepRef(ref, result.step_format, result.rule,
+                               await asyncio.to_thread(theta_digest, new_state.theta, names))
+        if step_ref is None or alg.checkpoint_at(new_state.version):
+            theta_ref = await ex.put_theta(
+                fragment, new_state.version, new_state.theta, attempt=attempt
+            )
+            outer_ref = await ex.put_outer(
+                fragment, new_state.version, new_state.outer(), attempt=attempt
+            )
+        fmt = alg.commit_dtype
+        if result.update is not None and fmt is not None:
+            ref = await ex.put_update(fragment, new_state.version, result.update,
+                                      attempt=attempt)
             update_ref = UpdateRef(ref, fmt, theta_digest(new_state.theta, names))
         now = self.clock.now()
         estimates = updated_estimates(
@@ -486,11 +478,13 @@ class Syncer:
             closer=self.closer_id,
             all_final=all_final,
             arrival=arrival,
+            step=step_ref,
         )
         if not await ex.commit(record):
             self.on_event(CommitLost(self.closer_id, r))
             return False
-        self._states[fragment] = new_state
+        assert self._replica is not None
+        self._replica.hold(new_state)
         self._accept(record)
         self.rounds_closed += 1
         self.on_event(
@@ -503,11 +497,12 @@ class Syncer:
                 sum(p.tokens for p in participants),
                 cosine,
                 now - t_claim,
-                theta_ref.size + outer_ref.size,
+                sum(ref.size for ref in record.payload_refs()),
             )
         )
         if self.sweep_after_commit:
-            doomed = await ex.sweep(self.keep_versions, latest=self._latest)
+            doomed = await ex.sweep(self.keep_versions, latest=self._latest,
+                                    checkpoint_every=alg.checkpoint_every)
             if doomed:
                 self.on_event(Swept(len(doomed), 0))
         return True

@@ -241,8 +241,8 @@ def test_low_precision_schema_keeps_an_fp32_master() -> None:
 
 @pytest.mark.parametrize("fmt", ["BF16", "F8_E4M3", "F4"])
 def test_quantized_commit_updates(fmt: str) -> None:
-    plain = DiLoCo(sync_every=10, fragments=1, in_flight=1)
-    quant = DiLoCo(sync_every=10, fragments=1, in_flight=1, commit_dtype=fmt)
+    plain = DiLoCo(sync_every=10, fragments=1, in_flight=1, checkpoint_every=1)
+    quant = DiLoCo(sync_every=10, fragments=1, in_flight=1, commit_dtype=fmt, checkpoint_every=1)
     schema = make_schema()
     s_plain = plain.initial_state(0, make_theta(schema))
     s_quant = quant.initial_state(0, make_theta(schema))
@@ -270,6 +270,72 @@ def test_quantized_commit_updates(fmt: str) -> None:
         s_quant = res.state
 
 
+# -- the replicated outer step --------------------------------------------------------
+
+
+def test_replicated_step_gives_the_published_bytes_at_f32() -> None:
+    # Δ merged in float32, then m <- b*m + Δ; Θ <- Θ - η(Δ + b*m) with Δ's coefficient 1:
+    # the same operations the published outer step fuses, so the same bytes.
+    published, _ = trajectory(DiLoCo(**PUBLISHED), NP, rounds=5)
+    replicated, results = trajectory(DiLoCo(12, 1, in_flight=1), NP, rounds=5)
+    assert digest(replicated) == digest(published)
+    assert all(r.step is not None and r.update is None for r in results)
+    assert {r.rule for r in results} == {"nesterov"}
+
+
+@pytest.mark.parametrize(("dtype", "commit", "fmt"), [
+    ("F32", None, "F32"), ("BF16", None, "BF16"), ("F32", "F4", "F4"),
+    ("F32", "F8_E4M3", "F8_E4M3"),
+])
+def test_every_party_reaches_the_closers_state_from_the_step(
+    dtype: str, commit: str | None, fmt: str
+) -> None:
+    cfg = DiLoCo(12, 1, in_flight=1, commit_dtype=commit)
+    schema = make_schema(dtype)
+    closer = follower = cfg.initial_state(0, make_theta(schema))
+    for r in range(4):
+        res = cfg.aggregator(TORCH if r % 2 else NP).close_round(
+            closer, make_contributions(r), schema)
+        assert res.step_format == fmt and res.step is not None
+        follower = cfg.apply_step(follower, res.step, fmt, res.rule)
+        assert digest(follower) == digest(res.state)
+        assert follower.version == r + 1
+        closer = res.state
+    # The master is kept apart only where theta cannot hold it.
+    assert (closer.master is None) == (dtype == "F32")
+
+
+def test_final_rounds_average_the_step_in_and_keep_the_momentum() -> None:
+    cfg = DiLoCo(12, 1, in_flight=1)
+    schema = make_schema()
+    state = cfg.initial_state(0, make_theta(schema))
+    state = cfg.aggregator().close_round(state, make_contributions(0), schema).state
+    final = [dataclasses.replace(c, final=True) for c in make_contributions(1)]
+    res = cfg.aggregator().close_round(state, final, schema)
+    assert res.rule == "average" and res.step is not None
+    assert res.state.momentum == state.momentum
+    for n in SHAPES:
+        assert np.array_equal(arr(res.state.theta[n]), arr(state.theta[n]) - arr(res.step[n]))
+
+
+def test_a_step_that_does_not_fit_is_refused() -> None:
+    cfg = DiLoCo(12, 1, in_flight=1)
+    schema = make_schema()
+    state = cfg.initial_state(0, make_theta(schema))
+    res = cfg.aggregator().close_round(state, make_contributions(0), schema)
+    assert res.step is not None
+    step = dict(res.step)
+    del step["ln.w"]
+    with pytest.raises(RemoteProtocolError, match="no F32 entry 'ln.w'"):
+        cfg.apply_step(state, step, "F32", "nesterov")
+    with pytest.raises(ConfigError, match="rule='sgd' must be one of"):
+        cfg.apply_step(state, res.step, "F32", "sgd")
+    big = {n: TensorBytes("F32", t.shape, np.full(t.shape, 3e38, np.float32).tobytes())
+           for n, t in res.step.items()}
+    with pytest.raises(NonFiniteError, match="overflowed float32"):
+        cfg.apply_step(state, big, "F32", "nesterov")
+
+
 # -- golden trajectory -----------------------------------------------------------------
 
 # Rewritten only with GRADIENTMAIL_REGOLD=1 (then check the diff before committing it).
@@ -278,13 +344,13 @@ GOLDEN = {
     "BF16-weighted_mean": "a32e6c24c5010204b351b9e86236fec9779e0ff93336eecc625b26614625a0e8",
     "F32-rda-F4": "219927c9a521c52e729b2e75398966a9752dd8b129b23fceb3e5b9fb4f709cdb",
 }
+# Every commit carries the whole state (checkpoint_every=1): the published outer step.
+PUBLISHED = {"sync_every": 12, "fragments": 1, "in_flight": 1, "checkpoint_every": 1}
 GOLDEN_CASES = {
     # H = 12 covers every contribution's steps (10-12): no span is scaled.
-    "F32-rda": ("F32", DiLoCo(sync_every=12, fragments=1, in_flight=1)),
-    "BF16-weighted_mean": (
-        "BF16", DiLoCo(sync_every=12, fragments=1, in_flight=1, merge=WeightedMean())
-    ),
-    "F32-rda-F4": ("F32", DiLoCo(sync_every=12, fragments=1, in_flight=1, commit_dtype="F4")),
+    "F32-rda": ("F32", DiLoCo(**PUBLISHED)),
+    "BF16-weighted_mean": ("BF16", DiLoCo(**PUBLISHED, merge=WeightedMean())),
+    "F32-rda-F4": ("F32", DiLoCo(**PUBLISHED, commit_dtype="F4")),
 }
 
 
@@ -404,7 +470,8 @@ def test_initial_state() -> None:
 
 
 def test_outer_payload_round_trip() -> None:
-    state, _ = trajectory(DiLoCo(10, 1, in_flight=1, commit_dtype="BF16"), NP, rounds=1)
+    state, _ = trajectory(DiLoCo(10, 1, in_flight=1, commit_dtype="BF16", checkpoint_every=1), NP,
+                          rounds=1)
     outer = state.outer()
     assert set(outer) == {f"momentum/{n}" for n in SHAPES} | {f"master/{n}" for n in SHAPES}
     again = FragmentState.from_payloads(0, 1, state.theta, outer)
@@ -414,7 +481,8 @@ def test_outer_payload_round_trip() -> None:
 
 
 def test_outer_payload_of_another_shape_is_a_remote_error() -> None:
-    state, _ = trajectory(DiLoCo(10, 1, in_flight=1, commit_dtype="BF16"), NP, rounds=1)
+    state, _ = trajectory(DiLoCo(10, 1, in_flight=1, commit_dtype="BF16", checkpoint_every=1), NP,
+                          rounds=1)
     outer = state.outer()
     del outer["momentum/ln.w"]
     del outer["master/h.0.bias"]

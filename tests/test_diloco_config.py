@@ -129,13 +129,29 @@ GOLDEN = {
     "overlap_steps": None, "mixing": 0.0, "quorum_size": 1, "outer_lr": 0.7,
     "outer_momentum": 0.9, "merge": {"type": "rda", "direct_pattern": "embed"},
     "partition": {"type": "by_bytes"}, "global_batch_size": None, "delta_dtype": None,
-    "commit_dtype": None, "flush_on_close": True,
+    "commit_dtype": None, "flush_on_close": True, "checkpoint_every": 20,
 }
 
 
 def test_json_is_pinned() -> None:
     assert DiLoCo(sync_every=100, fragments=4).to_json() == GOLDEN
     assert json.dumps(GOLDEN)  # JSON-able as is
+
+
+def test_runs_created_before_replication_upload_the_state_with_every_commit() -> None:
+    # Their records have no checkpoint_every: it reads as 1, which is written by omission.
+    before = {k: v for k, v in GOLDEN.items() if k != "checkpoint_every"}
+    old = DiLoCo.from_json(before)
+    assert old.checkpoint_every == 1 and not old.replicated
+    assert old == DiLoCo(100, 4, checkpoint_every=1) and old.to_json() == before
+    assert DiLoCo(100, 4).replicated and DiLoCo(100, 4).checkpoint_at(40)
+    assert not DiLoCo(100, 4).checkpoint_at(41)
+    with pytest.raises(RemoteProtocolError, match="checkpoint_every=1 is recorded by omission"):
+        DiLoCo.from_json({**before, "checkpoint_every": 1})
+    with pytest.raises(RemoteProtocolError, match="checkpoint_every=0 is below 1"):
+        DiLoCo.from_json({**before, "checkpoint_every": 0})
+    with pytest.raises(ConfigError, match="checkpoint_every=0 is below 1"):
+        DiLoCo(100, 4, checkpoint_every=0)
 
 
 def test_outlier_factor_is_in_the_json_only_when_set() -> None:

@@ -209,6 +209,8 @@ class RoundResult:
     the quantized Θ_new − Θ_old entries (``<name>`` and ``<name>.scale``) from which
     `state.theta` is rebuilt exactly; `participants` are the merged contributions in
     learner order; `mean_cosine` the mean pairwise cosine of their deltas (None for one).
+    With a replicated outer step, `step` holds the merged Δ's entries in `step_format`,
+    which every party applies by `rule` ("nesterov" or "average") to reach `state`.
     """
 
     state: FragmentState
@@ -216,6 +218,9 @@ class RoundResult:
     participants: tuple[Participant, ...]
     mean_cosine: float | None
     all_final: bool
+    step: dict[str, TensorBytes] | None = None
+    step_format: str | None = None
+    rule: str = "nesterov"
 
 
 @runtime_checkable
@@ -264,6 +269,26 @@ class Algorithm(Protocol):
 
     @property
     def global_batch_size(self) -> int | None: ...
+
+    @property
+    def checkpoint_every(self) -> int:
+        """Versions of a fragment between uploads of its whole state (1: every commit)."""
+        ...
+
+    @property
+    def replicated(self) -> bool:
+        """Whether commits carry the merged Δ and every party takes the outer step."""
+        ...
+
+    def checkpoint_at(self, version: int) -> bool:
+        """Whether the commit of `version` uploads theta and the outer state."""
+        ...
+
+    def apply_step(
+        self, state: FragmentState, step: Mapping[str, TensorBytes], fmt: str, rule: str
+    ) -> FragmentState:
+        """The fragment one version on after a replicated commit's step."""
+        ...
 
     def schedule_for(self, fragments: int) -> RoundSchedule:
         """The schedule over a plan of `fragments` fragments (a plan may have fewer

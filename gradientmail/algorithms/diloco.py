@@ -53,21 +53,25 @@ from gradientmail.serialization import Schema, TensorBytes, validate
 
 __all__ = [
     "FORMAT_VERSION",
+    "STEP_RULES",
     "ByBytes",
     "DiLoCo",
     "DiLoCoAggregator",
     "Rda",
     "Strided",
     "WeightedMean",
+    "apply_step",
     "grace_window",
     "light",
     "mean_cosine",
+    "merged_step",
     "nesterov",
     "outliers",
     "plan",
     "rda",
     "rebuild_theta",
     "span_scales",
+    "step_format",
     "weight",
     "weighted_mean",
 ]
@@ -208,6 +212,14 @@ class DiLoCo:
     barrier (overlap_steps=0) nothing is trained past the snapshot, and rebasing is
     overwriting. The JSON writes `rebase` only where it departs from that default choice,
     so default records, and runs created before the field existed, are unchanged.
+
+    `checkpoint_every` K is how the outer state travels. With K > 1 (the default, 20) the
+    outer step is replicated: a commit carries the merged Δ (`RoundResult.step`) and every
+    party — learners, closers, standalone syncers — takes the outer step itself with
+    `apply_step`, byte for byte the same; the fragment's theta and fp32 outer state are
+    uploaded only at versions that are multiples of K, as checkpoints for joiners and
+    readers that fell behind. K = 1 uploads theta and the outer state with every commit
+    (runs created before replication read as K = 1: their JSON has no such field).
     """
 
     sync_every: int
@@ -226,6 +238,7 @@ class DiLoCo:
     flush_on_close: bool = True
     outlier_factor: float | None = None
     rebase: bool | None = None
+    checkpoint_every: int = 20
 
     def __post_init__(self) -> None:
         _int("sync_every", self.sync_every, 1)
@@ -277,6 +290,7 @@ class DiLoCo:
                     "x the round's median, e.g. 5.0"
                 )
             object.__setattr__(self, "outlier_factor", k)
+        _int("checkpoint_every", self.checkpoint_every, 1)
         if self.rebase is not None and not isinstance(self.rebase, bool):
             raise ConfigError(f"rebase={self.rebase!r} must be True, False or None (automatic)")
         if self.rebase and mixing > 0:
@@ -329,9 +343,26 @@ class DiLoCo:
     def plan(self, schema: Schema) -> tuple[tuple[str, ...], ...]:
         return plan(schema, self.fragments, self.partition)
 
+    @property
+    def replicated(self) -> bool:
+        """Whether commits carry the merged Δ and every party takes the outer step."""
+        return self.checkpoint_every > 1
+
     def keeps_master(self, dtypes: Sequence[str]) -> bool:
-        """Whether a fragment of `dtypes` keeps an fp32 master apart from its theta."""
-        return self.commit_dtype is not None or any(d != "F32" for d in dtypes)
+        """Whether a fragment of `dtypes` keeps an fp32 master apart from its theta.
+        (A replicated outer step publishes no quantized theta: theta is the master, cast.)"""
+        quantized = self.commit_dtype is not None and not self.replicated
+        return quantized or any(d != "F32" for d in dtypes)
+
+    def checkpoint_at(self, version: int) -> bool:
+        """Whether the commit of `version` uploads theta and the outer state."""
+        return version % self.checkpoint_every == 0
+
+    def apply_step(
+        self, state: FragmentState, step: Mapping[str, TensorBytes], fmt: str, rule: str
+    ) -> FragmentState:
+        """`apply_step` under this configuration."""
+        return apply_step(self, state, step, fmt, rule)
 
     def initial_state(self, fragment: int, theta: Mapping[str, TensorBytes]) -> FragmentState:
         keep = self.keeps_master([t.dtype for t in theta.values()])
@@ -355,6 +386,8 @@ class DiLoCo:
                 continue
             if f.name == "rebase" and v == _default_rebase(self.mixing):
                 continue
+            if f.name == "checkpoint_every" and v == 1:
+                continue
             out[f.name] = v.to_json() if f.name in ("merge", "partition") else v
         return out
 
@@ -365,7 +398,7 @@ class DiLoCo:
             raise RemoteProtocolError(f"algorithm record {obj!r:.100} must be a JSON object")
         fields = [f.name for f in dataclasses.fields(cls)]
         want = {"type", "version", *fields}
-        missing = sorted(want - set(obj) - _OMITTED_WHEN_NONE)
+        missing = sorted(want - set(obj) - _OMITTED_WHEN_NONE - {"checkpoint_every"})
         extra = sorted(set(obj) - want)
         if missing or extra:
             raise RemoteProtocolError(
@@ -395,6 +428,13 @@ class DiLoCo:
                 f"algorithm record: rebase={kw['rebase']!r} is what mixing="
                 f"{kw.get('mixing')!r} implies, and is recorded by omission"
             )
+        if kw.get("checkpoint_every") == 1:
+            raise RemoteProtocolError(
+                "algorithm record: checkpoint_every=1 is recorded by omission"
+            )
+        # Runs created before replication carry no such field: every commit held the
+        # whole state.
+        kw.setdefault("checkpoint_every", 1)
         try:
             return cls(**kw)
         except ConfigError as exc:
@@ -406,10 +446,12 @@ _JSON_KINDS = {
     "mixing": "number", "quorum_size": "int", "outer_lr": "number", "outer_momentum": "number",
     "global_batch_size": "int?", "delta_dtype": "str?", "commit_dtype": "str?",
     "flush_on_close": "bool", "outlier_factor": "number", "rebase": "bool",
+    "checkpoint_every": "int",
 }
 # Fields added after format version 1 was pinned: absent means None, and None is written
 # by leaving them out, so older records stay valid and unchanged. (`rebase` is never None
-# once built: it is left out when it equals `_default_rebase`.)
+# once built: it is left out when it equals `_default_rebase`. `checkpoint_every` is
+# left out when 1, which is what its absence means: runs created before replication.)
 _OMITTED_WHEN_NONE = frozenset({"outlier_factor", "rebase"})
 _JSON_WORDS = {"int": "an integer", "number": "a number", "str": "a string", "bool": "a bool"}
 
@@ -456,6 +498,95 @@ def rebuild_theta(
     }
 
 
+#: How a replicated commit's Δ moves the master: DiLoCo's Nesterov outer step, or the
+#: plain average of final or light rounds (Θ ← Θ − Δ, momentum kept).
+STEP_RULES = ("nesterov", "average")
+
+
+def step_format(commit_dtype: str | None, dtypes: Sequence[str]) -> str:
+    """The format a replicated commit's Δ travels in: `commit_dtype` when set, else the
+    model's own precision (BF16 when every tensor of the fragment is BF16, else F32)."""
+    if commit_dtype is not None:
+        return commit_dtype
+    return "BF16" if dtypes and all(d == "BF16" for d in dtypes) else "F32"
+
+
+def merged_step(name: str, merged: TensorBytes, fmt: str) -> dict[str, TensorBytes]:
+    """The entries that carry tensor `name` of a merged Δ (F32) in format `fmt`."""
+    if fmt == "F32":
+        return {name: merged}
+    from gradientmail.quantization import quantize
+
+    return quantize(name, merged, fmt, backend="numpy")
+
+
+def apply_step(
+    config: DiLoCo, state: FragmentState, step: Mapping[str, TensorBytes], fmt: str,
+    rule: str,
+) -> FragmentState:
+    """The fragment one version on, after a replicated commit's Δ (`step`, in `fmt`).
+
+    Every party of a run computes exactly these bytes — the closer that merged Δ, each
+    learner and any standalone syncer — with numpy in float32, one operation at a time:
+    `nesterov` is m ← β·m + Δ; Θ ← Θ − η·(Δ + β·m) on the fp32 master (theta when the
+    master is not kept apart), `average` is Θ ← Θ − Δ with the momentum kept. Theta is
+    the new master cast to its schema dtype.
+
+    Raises `ConfigError` (an unknown rule), `RemoteProtocolError` (entries missing or
+    mis-shaped) and `NonFiniteError` (an outer step that overflows float32).
+    """
+    from gradientmail.quantization import dequantize
+
+    if rule not in STEP_RULES:
+        raise ConfigError(f"rule={rule!r} must be one of {STEP_RULES}")
+    be = NumpyBackend(threads=1)
+    names = state.names
+    keep = config.keeps_master([state.theta[n].dtype for n in names])
+    theta: dict[str, TensorBytes] = {}
+    master: dict[str, TensorBytes] = {}
+    momentum: dict[str, TensorBytes] = {}
+    for name in names:
+        t = step.get(name)
+        if fmt == "F32":
+            if not isinstance(t, TensorBytes) or t.dtype != "F32":
+                raise RemoteProtocolError(f"the step has no F32 entry {name!r}")
+            d = t
+        else:
+            d = dequantize(step, name, fmt)
+        if d.shape != state.theta[name].shape:
+            raise RemoteProtocolError(
+                f"the step's {name!r} has shape {list(d.shape)}, the fragment holds "
+                f"{list(state.theta[name].shape)}"
+            )
+        delta = be.load(d)
+        base = be.load((state.master or state.theta)[name])
+        if rule == "average":
+            new_master = base - delta
+            momentum[name] = state.momentum[name]
+        else:
+            new_master, new_mom = be.outer_step(
+                base, be.load(state.momentum[name]), [delta], [1.0],
+                config.outer_lr, config.outer_momentum,
+            )
+            momentum[name] = new_mom.to_bytes("F32")
+        _check_master(be, new_master, name, state.fragment)
+        theta[name] = new_master.to_bytes(state.theta[name].dtype)
+        if keep:
+            master[name] = new_master.to_bytes("F32")
+    return FragmentState(
+        state.fragment, state.version + 1, theta, master if keep else None, momentum
+    )
+
+
+def _check_master(be: Backend, new_master: Value, name: str, fragment: int) -> None:
+    # The momentum cannot overflow alone: a non-finite m makes Θ non-finite (η > 0).
+    if not be.all_finite(new_master):
+        raise NonFiniteError(
+            f"the outer step overflowed float32 in {name!r} of fragment {fragment}; the "
+            "deltas are too large (lower outer_lr or the inner learning rate)"
+        )
+
+
 class DiLoCoAggregator:
     """Closes DiLoCo rounds over a backend's Value arithmetic; pure and deterministic."""
 
@@ -498,12 +629,15 @@ class DiLoCoAggregator:
         all_final = all(c.final for c in contribs)
         averaged = all_final or light(shares, [c.steps for c in contribs], cfg.sync_every)
         keep_master = cfg.keeps_master([state.theta[n].dtype for n in names])
+        dtypes = [state.theta[n].dtype for n in names]
+        fmt = step_format(cfg.commit_dtype, dtypes) if cfg.replicated else None
         m = len(contribs)
         frag_gram = [[0.0] * m for _ in range(m)]
         theta: dict[str, TensorBytes] = {}
         master: dict[str, TensorBytes] = {}
         momentum: dict[str, TensorBytes] = {}
         update: dict[str, TensorBytes] = {}
+        step: dict[str, TensorBytes] = {}
         for name in names:
             deltas = [be.load(c.delta[name]) for c in contribs]
             # One delta needs no Gram matrix (its coefficient is 1, there is no cosine):
@@ -520,6 +654,10 @@ class DiLoCoAggregator:
                 for j in range(m):
                     frag_gram[i][j] += gram[i][j]
             coeffs = self._coefficients(name, gram, shares, spans, averaged)
+            if fmt is not None:
+                merged = be.lincomb(deltas, coeffs).to_bytes("F32")
+                step.update(merged_step(name, merged, fmt))
+                continue
             base = be.load((state.master or state.theta)[name])
             if averaged:
                 new_master = base - be.lincomb(deltas, coeffs)
@@ -530,25 +668,27 @@ class DiLoCoAggregator:
                     base, mom, deltas, coeffs, cfg.outer_lr, cfg.outer_momentum
                 )
                 momentum[name] = new_mom.to_bytes("F32")
-            # The momentum cannot overflow alone: a non-finite m makes Θ non-finite (η > 0).
-            if not be.all_finite(new_master):
-                raise NonFiniteError(
-                    f"the outer step overflowed float32 in {name!r} of fragment "
-                    f"{state.fragment}; the deltas are too large (lower outer_lr or the "
-                    "inner learning rate)"
-                )
+            _check_master(be, new_master, name, state.fragment)
             theta[name] = self._publish(name, new_master, state.theta[name], update)
             if keep_master:
                 master[name] = new_master.to_bytes("F32")
-        new_state = FragmentState(
-            state.fragment, state.version + 1, theta, master if keep_master else None, momentum
-        )
+        rule = "average" if averaged else "nesterov"
+        if fmt is not None:
+            new_state = apply_step(cfg, state, step, fmt, rule)
+        else:
+            new_state = FragmentState(
+                state.fragment, state.version + 1, theta, master if keep_master else None,
+                momentum,
+            )
         return RoundResult(
             state=new_state,
-            update=update if cfg.commit_dtype is not None else None,
+            update=update if cfg.commit_dtype is not None and fmt is None else None,
             participants=participants,
             mean_cosine=mean_cosine(frag_gram),
             all_final=all_final,
+            step=step if fmt is not None else None,
+            step_format=fmt,
+            rule=rule,
         )
 
     def _coefficients(

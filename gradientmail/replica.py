@@ -1,0 +1,170 @@
+"""Each fragment's state, followed commit by commit: the replicated outer step's reader.
+
+In a run with a replicated outer step (`DiLoCo.checkpoint_every` K > 1) a commit carries
+the merged Δ, not the fragment's parameters: every party holds the fragment's theta, fp32
+master and momentum and applies each commit's step itself (`DiLoCo.apply_step`), byte for
+byte what the closer computed (the record's `theta_sha256` checks it). A party that holds
+no state, or an older one, starts from the fragment's newest checkpoint at or before the
+commit (the versions that are multiples of K upload theta and the outer state; version 0
+is the run's init) and replays the steps after it. In runs where every commit is a
+checkpoint (K = 1), reading a commit is loading it.
+
+One `Replica` serves a learner and the closer embedded in it, so a step is downloaded and
+applied once per process, and a closer that closed a round holds its result already.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Mapping, Sequence
+
+from gradientmail.algorithms.base import Algorithm, FragmentState
+from gradientmail.errors import RemoteProtocolError
+from gradientmail.protocol import Exchange, payload_bound
+from gradientmail.records import Manifest, RoundRecord
+from gradientmail.serialization import TensorBytes
+
+__all__ = ["Replica", "theta_digest"]
+
+
+def theta_digest(theta: Mapping[str, TensorBytes], names: Sequence[str]) -> str:
+    """SHA-256 over each tensor's name, dtype, shape and bytes, in plan order.
+
+    A party that rebuilds theta from a commit's update or step checks its work against
+    this."""
+    h = hashlib.sha256()
+    for n in names:
+        t = theta[n]
+        h.update(f"{n}\0{t.dtype}\0{list(t.shape)}\0".encode())
+        h.update(t.buffer)
+    return h.hexdigest()
+
+
+class Replica:
+    """The newest state this process holds of each fragment, and how to reach another.
+
+    `at(fragment, rec)` returns the fragment's state at `rec`'s version (at Θ⁰ for None),
+    from what it holds when it can; None when a payload it needed was swept under it (a
+    newer commit of the fragment exists: start over from the newest record). `bytes_down`
+    counts the payload bytes it fetched.
+    """
+
+    def __init__(self, exchange: Exchange, manifest: Manifest, algorithm: Algorithm) -> None:
+        self.exchange = exchange
+        self.manifest = manifest
+        self.algorithm = algorithm
+        self.states: dict[int, FragmentState] = {}
+        self.bytes_down = 0
+        self._locks: dict[int, asyncio.Lock] = {}
+
+    def held(self, fragment: int) -> FragmentState | None:
+        """The state held of `fragment`, if any."""
+        return self.states.get(fragment)
+
+    def hold(self, state: FragmentState) -> None:
+        """Keep `state` (a closer's result) unless a newer version is held."""
+        held = self.states.get(state.fragment)
+        if held is None or held.version < state.version:
+            self.states[state.fragment] = state
+
+    async def at(self, fragment: int, rec: RoundRecord | None) -> FragmentState | None:
+        """The state of `fragment` at the version `rec` committed (Θ⁰ when None).
+
+        `RemoteProtocolError` when the records do not form a chain (a step that does not
+        give the theta its record names, a record of the chain missing)."""
+        lock = self._locks.setdefault(fragment, asyncio.Lock())
+        async with lock:
+            target = 0 if rec is None else rec.version
+            held = self.states.get(fragment)
+            if held is not None and held.version == target:
+                return held
+            state = await self._reach(fragment, rec, held)
+            if state is not None:
+                self.hold(state)
+            return state
+
+    async def _reach(
+        self, fragment: int, rec: RoundRecord | None, held: FragmentState | None
+    ) -> FragmentState | None:
+        if rec is None:
+            return await self._init(fragment)
+        # Walk back to a base: the held version just before a step, a checkpoint, or Θ⁰.
+        steps: list[RoundRecord] = []
+        cur = rec
+        base: FragmentState | None
+        while True:
+            if held is not None and held.version == cur.version - 1 and cur.step is not None:
+                base = held
+                steps.append(cur)
+                break
+            if cur.checkpoint:
+                base = await self._checkpoint(cur)
+                break
+            steps.append(cur)
+            if cur.version == 1:
+                base = await self._init(fragment)
+                break
+            prev_round = cur.round - len(self.manifest.plan)
+            prev = await self.exchange.read_round(prev_round) if prev_round >= 0 else None
+            if prev is None or prev.fragment != fragment or prev.version != cur.version - 1:
+                raise RemoteProtocolError(
+                    f"round {cur.round} commits version {cur.version} of fragment {fragment}, "
+                    f"and round {prev_round} is not its version {cur.version - 1}; the run's "
+                    "records do not form a chain"
+                )
+            cur = prev
+        if base is None:
+            return None
+        state = base
+        for step_rec in reversed(steps):
+            nxt = await self._apply(state, step_rec)
+            if nxt is None:
+                return None
+            state = nxt
+        return state
+
+    async def _init(self, fragment: int) -> FragmentState | None:
+        names = self.manifest.plan[fragment]
+        ref = self.manifest.init[fragment]
+        theta = await self.exchange.fetch_tensors(
+            ref, payload_bound(self.manifest.schema, names, "theta"))
+        if theta is None:
+            raise RemoteProtocolError(f"the init payload {ref.key!r} is gone")
+        self.bytes_down += ref.size
+        return self.algorithm.initial_state(fragment, {n: theta[n] for n in names})
+
+    async def _checkpoint(self, rec: RoundRecord) -> FragmentState | None:
+        assert rec.theta is not None and rec.outer is not None
+        names = self.manifest.plan[rec.fragment]
+        schema = self.manifest.schema
+        theta = await self.exchange.fetch_tensors(rec.theta, payload_bound(schema, names, "theta"))
+        outer = await self.exchange.fetch_tensors(rec.outer, payload_bound(schema, names, "outer"))
+        if theta is None or outer is None:
+            return None
+        self.bytes_down += rec.theta.size + rec.outer.size
+        return FragmentState.from_payloads(
+            rec.fragment, rec.version, {n: theta[n] for n in names}, outer, key=rec.outer.key
+        )
+
+    async def _apply(self, state: FragmentState, rec: RoundRecord) -> FragmentState | None:
+        step = rec.step
+        assert step is not None
+        names = self.manifest.plan[rec.fragment]
+        entries = await self.exchange.fetch_tensors(
+            step.payload, payload_bound(self.manifest.schema, names, "steps"))
+        if entries is None:
+            return None
+        self.bytes_down += step.payload.size
+        new = await asyncio.to_thread(
+            self.algorithm.apply_step, state, entries, step.format, step.rule
+        )
+        digest = await asyncio.to_thread(theta_digest, new.theta, names)
+        if digest != step.theta_sha256:
+            raise RemoteProtocolError(
+                f"round {rec.round}: applying its step to version {state.version} of fragment "
+                f"{rec.fragment} gives theta {digest[:12]}…, the closer's was "
+                f"{step.theta_sha256[:12]}…; this party and the closer compute the outer step "
+                "differently"
+            )
+        return new
