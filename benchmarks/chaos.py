@@ -319,14 +319,16 @@ def audit(box: Path, cs: ChaosSettings) -> dict[str, Any]:
     from gradientmail.errors import GradientmailError
     from gradientmail.mailbox import LocalMailbox
     from gradientmail.protocol import Exchange, round_key
+    from gradientmail.replica import Replica
 
     async def go() -> dict[str, Any]:
         mailbox = LocalMailbox(box)
         ex = Exchange(mailbox)
         manifest = await ex.read_manifest()
         assert manifest is not None, f"no run in {box}"
-        schedule = algorithm_from_json(dict(manifest.algorithm)).schedule_for(
-            len(manifest.plan))
+        alg = algorithm_from_json(dict(manifest.algorithm))
+        schedule = alg.schedule_for(len(manifest.plan))
+        replica = Replica(ex, manifest, alg)  # follows every step: checks each digest
         records = await ex.rounds_after(-1)
         keys = await mailbox.list("rounds/")
         problems: list[str] = []
@@ -348,9 +350,13 @@ def audit(box: Path, cs: ChaosSettings) -> dict[str, Any]:
                     continue
                 if blob is None:
                     problems.append(f"round {i}: payload {ref.key} missing")
-            theta = await ex.fetch_tensors(rec.theta)
-            if theta is not None and not all(
-                    np.isfinite(t.to_numpy()).all() for t in theta.values()):
+            try:
+                state = await replica.at(rec.fragment, rec)
+            except GradientmailError as exc:
+                problems.append(f"round {i}: {exc}")
+                continue
+            if state is not None and not all(
+                    np.isfinite(t.to_numpy()).all() for t in state.theta.values()):
                 problems.append(f"round {i}: theta not finite")
         return {"rounds": len(records), "problems": problems, "grace": grace,
                 "committed": committed / len(manifest.plan)}

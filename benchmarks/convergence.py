@@ -369,6 +369,7 @@ def committed_state(box: Path, upto: int) -> dict[str, Any]:
     from gradientmail.adapters.torch import to_torch
     from gradientmail.mailbox import LocalMailbox
     from gradientmail.protocol import Exchange
+    from gradientmail.replica import state_at
 
     async def go() -> dict[str, Any]:
         ex = Exchange(LocalMailbox(box))
@@ -377,9 +378,7 @@ def committed_state(box: Path, upto: int) -> dict[str, Any]:
         latest = await ex.latest_commit_per_fragment(len(manifest.plan), upto)
         out: dict[str, Any] = {}
         for p, names in enumerate(manifest.plan):
-            ref = latest[p].theta if p in latest else manifest.init[p]
-            tensors = await ex.fetch_tensors(ref)
-            assert tensors is not None, f"theta {ref.key} was swept"
+            tensors = (await state_at(ex, p, latest.get(p), manifest)).theta
             out.update({n: to_torch(tensors[n]) for n in names})
         return out
 

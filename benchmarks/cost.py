@@ -158,7 +158,9 @@ async def simulate(learners: int, seconds: float, step: float = 1.0, poll: float
             await me.read_manifest()
         fresh = await me.rounds_after(cursor)
         for rec in fresh:
-            await me.fetch_tensors(rec.theta)
+            ref = rec.step.payload if rec.step is not None else rec.theta
+            assert ref is not None
+            await me.fetch_tensors(ref)
             cursor = rec.round
         await mine.poll(live=live, refresh_live=refresh, records=fresh)
         live = tracker.live(clock.now())

@@ -222,11 +222,12 @@ def format_status(status: dict[str, Any]) -> str:
     lines.append(f"estimates   step {_seconds(est['step'])}, quorum {_seconds(est['quorum'])},"
                  f" sync {_seconds(est['sync'])}")
     lines.append("")
-    rows = [("fragment", "version", "round", "tensors", "theta", "outer", "update")]
+    rows = [("fragment", "version", "round", "tensors", "theta", "outer", "update", "step")]
     for f in status["fragments"]:
         rows.append((str(f["fragment"]), str(f["version"]),
                      "init" if f["round"] is None else str(f["round"]), str(f["tensors"]),
-                     _size(f["theta_bytes"]), _size(f["outer_bytes"]), _size(f["update_bytes"])))
+                     _size(f["theta_bytes"]), _size(f["outer_bytes"]), _size(f["update_bytes"]),
+                     _size(f["step_bytes"])))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
@@ -322,7 +323,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     doomed = _with_mailbox(args, work)
     print(f"swept {len(doomed)} keys from {args.url} (kept the newest {args.keep} "
-          "versions of each fragment)")
+          "versions of each fragment, its newest checkpoint and the steps since)")
     return 0
 
 

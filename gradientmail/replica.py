@@ -25,7 +25,7 @@ from gradientmail.protocol import Exchange, payload_bound
 from gradientmail.records import Manifest, RoundRecord
 from gradientmail.serialization import TensorBytes
 
-__all__ = ["Replica", "theta_digest"]
+__all__ = ["Replica", "state_at", "theta_digest"]
 
 
 def theta_digest(theta: Mapping[str, TensorBytes], names: Sequence[str]) -> str:
@@ -168,3 +168,25 @@ class Replica:
                 "differently"
             )
         return new
+
+
+async def state_at(
+    exchange: Exchange, fragment: int, rec: RoundRecord | None,
+    manifest: Manifest | None = None,
+) -> FragmentState:
+    """The state of `fragment` as `rec` committed it (Θ⁰ for None), read from the newest
+    checkpoint at or before it and the steps since (for tools and tests; a party that
+    follows the run keeps a `Replica`). `RemoteProtocolError` when the run has no
+    manifest or a payload is gone."""
+    from gradientmail.algorithms.base import algorithm_from_json
+
+    if manifest is None:
+        manifest = await exchange.read_manifest()
+        if manifest is None:
+            raise RemoteProtocolError(f"{exchange.where} holds no run (no manifest)")
+    replica = Replica(exchange, manifest, algorithm_from_json(dict(manifest.algorithm)))
+    state = await replica.at(fragment, rec)
+    if state is None:
+        where = "Θ⁰" if rec is None else f"round {rec.round}"
+        raise RemoteProtocolError(f"a payload of {where} (fragment {fragment}) was swept")
+    return state

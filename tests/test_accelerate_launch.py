@@ -25,6 +25,7 @@ from gradientmail.algorithms.diloco import WeightedMean
 from gradientmail.mailbox import LocalMailbox
 from gradientmail.protocol import Exchange
 from gradientmail.records import RoundRecord
+from gradientmail.replica import state_at
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "accelerate_worker.py"
@@ -88,8 +89,7 @@ def newest_theta(box: Path) -> dict[str, np.ndarray]:
             latest[rec.fragment] = rec
         out = {}
         for rec in latest.values():
-            tensors = await ex.fetch_tensors(rec.theta)
-            assert tensors is not None
+            tensors = (await state_at(ex, rec.fragment, rec)).theta
             for name, t in tensors.items():
                 assert t.dtype == "F32"
                 out[name] = np.frombuffer(t.data, dtype="<f4").reshape(t.shape)

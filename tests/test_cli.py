@@ -31,6 +31,7 @@ from gradientmail.cli import main
 from gradientmail.learner import Learner
 from gradientmail.mailbox import LocalMailbox
 from gradientmail.protocol import Exchange, round_key
+from gradientmail.replica import state_at
 from gradientmail.serialization import unpack
 
 H, FRAGMENTS, STEPS, LEARNERS = 4, 2, 12, 2
@@ -44,9 +45,10 @@ def make_model() -> torch.nn.Module:
 
 def train(url: str) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
     """Two learners, standard DiLoCo over two fragments; their final state dicts and the
-    last round each saw."""
+    last round each saw. Each fragment reaches version 3, with a checkpoint at 2."""
     alg = DiLoCo(H, FRAGMENTS, in_flight=1, overlap_steps=0, quorum_size=LEARNERS,
-                 merge=WeightedMean(), flush_on_close=False)  # a round every H/P steps
+                 merge=WeightedMean(), flush_on_close=False,  # a round every H/P steps
+                 checkpoint_every=2)
     finals: list[dict[str, torch.Tensor]] = [{} for _ in range(LEARNERS)]
     seen = [-1] * LEARNERS
     errors: list[BaseException] = []
@@ -121,7 +123,11 @@ def test_status_json_describes_the_finished_run(
     assert [(f["fragment"], f["version"]) for f in status["fragments"]] == [
         (p, rounds // FRAGMENTS) for p in range(FRAGMENTS)]
     assert [f["round"] for f in status["fragments"]] == [rounds - 2, rounds - 1]
-    assert all(f["theta_bytes"] > 0 and f["outer_bytes"] > 0 for f in status["fragments"])
+    # A replicated outer step: the newest commits carry their step; theta and the outer
+    # state travel only at checkpoint versions.
+    assert all(f["step_bytes"] > 0 for f in status["fragments"])
+    assert all((f["theta_bytes"] is None) == (f["outer_bytes"] is None) for f in
+               status["fragments"])
     assert status["live_learners"] == ["watcher"]  # the learners released theirs on close
     assert set(status["estimates"]) == {"step", "quorum", "sync"}
     assert status["estimates"]["sync"] is not None
@@ -143,12 +149,13 @@ def test_status_prints_a_readable_table(
     assert f"rounds      {rounds} committed" in lines
     assert "learners    0 holding a lease" in lines
     assert lines[-3].split() == ["fragment", "version", "round", "tensors", "theta", "outer",
-                                 "update"]
+                                 "update", "step"]
     plan = json.loads((finished / "manifest.json").read_bytes())["plan"]
     assert [len(names) for names in plan] == [1, 3]  # 0.weight; the rest by bytes
     assert lines[-2].split()[:4] == ["0", str(rounds // 2), str(rounds - 2), "1"]
     assert lines[-1].split()[:4] == ["1", str(rounds // 2), str(rounds - 1), "3"]
-    assert lines[-1].split()[-1] == "-"  # no quantized update
+    assert lines[-1].split()[-3] == "-"  # no quantized update
+    assert lines[-1].split()[-1] != "-"  # the replicated step
 
 
 def test_status_of_a_run_with_no_round_yet(tmp_path: Path,
@@ -219,7 +226,8 @@ def test_export_takes_init_for_a_fragment_never_committed(
         assert await r.syncer().poll(live=frozenset({"a"}))
         rec = await r.ex.read_round(0)
         assert rec is not None
-        return await r.ex.fetch_tensors(rec.theta), await r.ex.fetch_tensors(manifest.init[1])
+        state = await state_at(r.ex, 0, rec)
+        return dict(state.theta), await r.ex.fetch_tensors(manifest.init[1])
 
     committed, init = asyncio.run(setup())
     out_file = tmp_path / "out.safetensors"
@@ -243,21 +251,26 @@ def test_export_to_a_missing_directory_is_one_error_line(
 # -- sweep -------------------------------------------------------------------------------
 
 
-def test_sweep_keeps_the_newest_versions(
+def test_sweep_keeps_the_newest_checkpoint_and_the_steps_after_it(
     finished: Path, trained: tuple[Path, Any, list[int]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     rounds = trained[2][0] + 1
-    before = sorted(p.name for p in (finished / "theta" / "0").iterdir())
-    assert len(before) == 2  # the learners' syncers keep 2 versions
+    assert rounds // 2 == 3  # each fragment at version 3, its checkpoint at version 2
+
+    def files(kind: str, p: int) -> list[str]:
+        return sorted(f.name for f in (finished / kind / str(p)).iterdir())
+
+    for p in range(FRAGMENTS):
+        # The learners' syncers swept version 1: the checkpoint at 2 makes it unneeded.
+        assert files("theta", p) == files("outer", p) == ["0000000002-000000.safetensors"]
+        assert files("steps", p) == ["0000000002-000000.safetensors",
+                                     "0000000003-000000.safetensors"]
     rc, out, _ = cli(capsys, "sweep", str(finished), "--keep", "1")
     assert rc == 0
-    # theta and outer of each fragment's older version
-    assert out == f"swept 4 keys from {finished} (kept the newest 1 versions of each fragment)\n"
-    for p in range(FRAGMENTS):
-        names = sorted(f.name for f in (finished / "theta" / str(p)).iterdir())
-        assert names == [f"{rounds // 2:010d}-000000.safetensors"]
-    rc, out, _ = cli(capsys, "sweep", str(finished), "--keep", "1")
-    assert out.startswith("swept 0 keys")
+    # Nothing more to sweep: a reader replays the step of version 3 from the checkpoint.
+    assert out == (f"swept 0 keys from {finished} (kept the newest 1 versions of each "
+                   "fragment, its newest checkpoint and the steps since)\n")
+    assert files("steps", 0)[-1] == "0000000003-000000.safetensors"
     # The model is whole after sweeping.
     rc, _, _ = cli(capsys, "export", str(finished), str(finished.parent / "m.safetensors"))
     assert rc == 0
@@ -342,9 +355,10 @@ def test_sync_closes_a_published_round_and_stops_cleanly(
     rec = json.loads(record.read_bytes())
     assert rec["closer"] == "cli-sync"
     assert [p["learner"] for p in rec["participants"]] == ["a"]
-    theta = np.frombuffer(unpack((directory / rec["theta"]["key"]).read_bytes())["w"].data,
-                          np.float32)
-    assert theta.shape == (6,)
+    assert rec["theta"] is None  # a replicated step: version 1 is no checkpoint
+    step = np.frombuffer(unpack((directory / rec["step"]["payload"]["key"]).read_bytes())["w"]
+                         .data, np.float32)
+    assert step.shape == (6,) and np.abs(step).max() > 0
 
 
 # -- S3 ----------------------------------------------------------------------------------

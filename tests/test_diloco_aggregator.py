@@ -326,7 +326,7 @@ def test_a_step_that_does_not_fit_is_refused() -> None:
     assert res.step is not None
     step = dict(res.step)
     del step["ln.w"]
-    with pytest.raises(RemoteProtocolError, match="no F32 entry 'ln.w'"):
+    with pytest.raises(RemoteProtocolError, match=r"no F32 entry 'ln\.w'"):
         cfg.apply_step(state, step, "F32", "nesterov")
     with pytest.raises(ConfigError, match="rule='sgd' must be one of"):
         cfg.apply_step(state, res.step, "F32", "sgd")

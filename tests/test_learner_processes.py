@@ -132,7 +132,7 @@ def test_a_learner_killed_mid_run_restarts_and_rejoins(tmp_path: Path) -> None:
         "--worker",
         "1",
         "--steps",
-        "160",
+        "60",
         "--sync-every",
         "8",
         "--fragments",
@@ -141,6 +141,7 @@ def test_a_learner_killed_mid_run_restarts_and_rejoins(tmp_path: Path) -> None:
         "0.01",
         "--start-step",
         "40",
+        "--until-merged",
     )
     finish(again)
     finish(steady)

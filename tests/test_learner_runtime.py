@@ -18,8 +18,10 @@ from gradientmail.clock import FakeClock
 from gradientmail.errors import GradientmailError, RunConfigMismatch, SchemaMismatch
 from gradientmail.learner import Learner
 from gradientmail.mailbox import FaultPlan, FaultyMailbox, Mailbox, MemoryMailbox
+from gradientmail.mailbox.wrappers import CountingMailbox
 from gradientmail.protocol import Exchange
 from gradientmail.records import RoundRecord
+from gradientmail.replica import state_at
 
 FAST = {"poll_interval": 0.005, "lease_every": 5.0, "lease_timeout": 30.0}
 
@@ -69,9 +71,7 @@ def newest_theta(mailbox: Mailbox, upto: int | None = None) -> dict[str, torch.T
         latest = await ex.latest_commit_per_fragment(len(manifest.plan), upto)
         out: dict[str, torch.Tensor] = {}
         for p, names in enumerate(manifest.plan):
-            ref = latest[p].theta if p in latest else manifest.init[p]
-            tensors = await ex.fetch_tensors(ref)
-            assert tensors is not None
+            tensors = (await state_at(ex, p, latest.get(p), manifest)).theta
             for n in names:
                 out[n] = torch.frombuffer(bytearray(tensors[n].data), dtype=torch.float32).reshape(
                     tensors[n].shape
@@ -444,8 +444,9 @@ def test_global_batch_size_is_split_over_live_learners() -> None:
     learner.close()
 
 
+@pytest.mark.parametrize("checkpoint_every", [1, 20], ids=["published", "replicated"])
 @pytest.mark.parametrize("fmt", ["BF16", "F8_E4M3", "F4"])
-def test_quantized_deltas_and_commit_updates(fmt: str) -> None:
+def test_quantized_deltas_and_commit_updates(fmt: str, checkpoint_every: int) -> None:
     mailbox = MemoryMailbox()
     alg = DiLoCo(
         sync_every=4,
@@ -455,6 +456,7 @@ def test_quantized_deltas_and_commit_updates(fmt: str) -> None:
         quorum_size=2,
         delta_dtype=fmt,
         commit_dtype=fmt,
+        checkpoint_every=checkpoint_every,
     )
     rec = Recorder()
     models = [make_model(seed=w, width=64) for w in range(2)]
@@ -489,16 +491,26 @@ def test_quantized_deltas_and_commit_updates(fmt: str) -> None:
     in_threads(work(0), work(1))
     records = all_records(mailbox)
     assert len(records) >= 10
-    assert all(r.update is not None and r.update.format == fmt for r in records)
     assert all(len(r.participants) == 2 for r in records)
-    published = rec.of(ev.SnapshotPublished)
-    theta_bytes = {r.round: r.theta.size for r in records}
-    update_bytes = {r.round: r.update.payload.size for r in records if r.update}
-    # deltas travel quantized: far below the F32 theta of the same fragment
-    assert all(e.bytes < 0.6 * theta_bytes[e.round] for e in published if e.round in theta_bytes)
     aligned = rec.of(ev.FragmentAligned)
-    rebuilt = [e for e in aligned if e.bytes == update_bytes.get(e.round)]
-    assert len(rebuilt) >= len(aligned) - 4  # all but each fragment's first per learner
+    if checkpoint_every == 1:
+        assert all(r.update is not None and r.update.format == fmt for r in records)
+        published = rec.of(ev.SnapshotPublished)
+        theta_bytes = {r.round: r.theta.size for r in records if r.theta}
+        update_bytes = {r.round: r.update.payload.size for r in records if r.update}
+        # deltas travel quantized: far below the F32 theta of the same fragment
+        assert all(e.bytes < 0.6 * theta_bytes[e.round]
+                   for e in published if e.round in theta_bytes)
+        rebuilt = [e for e in aligned if e.bytes == update_bytes.get(e.round)]
+        assert len(rebuilt) >= len(aligned) - 4  # all but each fragment's first per learner
+    else:
+        # The commits carry the merged Δ in the commit format, and no theta: each learner
+        # applies the step to its own state (the closer holds its result already).
+        assert all(r.step is not None and r.step.format == fmt and r.update is None
+                   and not r.checkpoint for r in records)
+        step_bytes = {r.round: r.step.payload.size for r in records if r.step}
+        assert all(e.bytes in (0, step_bytes[e.round]) for e in aligned)
+        assert sum(e.bytes > 0 for e in aligned) >= len(records) - 4
     for w, learner in enumerate(learners):
         want = newest_theta(mailbox, learner.rounds_seen)
         for name, p in models[w].named_parameters():
@@ -533,15 +545,10 @@ def test_flush_on_close_publishes_final_snapshots() -> None:
     assert (part.learner, part.steps, part.tokens) == ("leaver", 3, 30)
 
     # the final round moved the master by Δ alone and kept the momentum
-    async def outer(r: RoundRecord) -> dict[str, Any]:
-        tensors = await Exchange(mailbox).fetch_tensors(r.outer)
-        assert tensors is not None
-        return tensors
+    async def momentum(r: RoundRecord) -> Any:
+        return (await state_at(Exchange(mailbox), r.fragment, r)).momentum
 
-    before, after = run(outer(first)), run(outer(last))
-    assert {k: v for k, v in before.items() if k.startswith("momentum/")} == {
-        k: v for k, v in after.items() if k.startswith("momentum/")
-    }
+    assert run(momentum(first)) == run(momentum(last))
     want = newest_theta(mailbox)
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), want[name]), name
@@ -705,3 +712,77 @@ def test_a_blocked_learner_looks_for_its_commit_sooner_backing_off() -> None:
     assert [poll_delay(1.0, k) for k in range(1, 8)] == [0.02, 0.04, 0.08, 0.16, 0.32, 0.64,
                                                          1.0]
     assert poll_delay(0.005, 3) == 0.005  # never slower than the poll interval
+
+
+class KeyLog(CountingMailbox):
+    """Counts like CountingMailbox and logs (operation, key, bytes) of every payload."""
+
+    def __init__(self, inner: Mailbox) -> None:
+        super().__init__(inner)
+        self.log: list[tuple[str, str, int]] = []
+
+    async def get(self, key: str) -> bytes | None:
+        data = await super().get(key)
+        if data is not None:
+            self.log.append(("get", key, len(data)))
+        return data
+
+    async def put(self, key: str, data: bytes) -> None:
+        self.log.append(("put", key, len(data)))
+        await super().put(key, data)
+
+    async def create(self, key: str, data: bytes) -> bool:
+        self.log.append(("create", key, len(data)))
+        return await super().create(key, data)
+
+
+def test_rounds_move_no_outer_state_but_their_checkpoints() -> None:
+    """Standard DiLoCo, two learners, a checkpoint every 5 versions: theta and the outer
+    state are written at versions 5 and 10 only and read by no one (both hold the state
+    from Θ⁰ on); each learner downloads the step of every round it did not close, and
+    its delta goes up once per round. Both end on the committed model."""
+    mailbox = MemoryMailbox()
+    alg = DiLoCo.standard(4, 2, checkpoint_every=5)
+    logs = [KeyLog(mailbox) for _ in range(2)]
+    models = [make_model(seed=w) for w in range(2)]
+    learners = [Learner(TorchAdapter(m), alg, logs[w], f"r{w}", keep_versions=1000, **FAST)
+                for w, m in enumerate(models)]
+    ready = threading.Barrier(2)
+
+    def work(w: int) -> Callable[[], None]:
+        def go() -> None:
+            learners[w].start()
+            ready.wait(timeout=30)
+            assert wait_for(lambda: len(learners[w].live_learners) == 2)
+            opt = torch.optim.SGD(models[w].parameters(), lr=0.05)
+            for step in range(44):
+                train_step(models[w], opt, 17 * w + step)
+                learners[w].step(4)
+            learners[w].close()
+
+        return go
+
+    in_threads(work(0), work(1))
+    records = all_records(mailbox)
+    assert [r.version for r in records] == list(range(1, len(records) + 1))
+    assert len(records) >= 10 and all(len(r.participants) == 2 for r in records)
+    assert [r.version for r in records if r.checkpoint] == [v for v in (5, 10)
+                                                            if v <= len(records)]
+    written = sorted(key for log in logs for op, key, _ in log.log
+                     if op != "get" and key.startswith(("theta/", "outer/")))
+    assert written == sorted(f"{kind}/0/{v:010d}-000000.safetensors"
+                             for kind in ("theta", "outer") for v in (5, 10)
+                             if v <= len(records))
+    for w, log in enumerate(logs):
+        got = [key for op, key, _ in log.log if op == "get"]
+        assert not [k for k in got if k.startswith(("theta/", "outer/", "updates/"))]
+        others = {f"steps/0/{r.version:010d}-000000.safetensors" for r in records
+                  if r.closer != f"r{w}"}
+        assert {k for k in got if k.startswith("steps/")} == others
+        assert len([k for k in got if k.startswith("steps/")]) == len(others)  # once each
+        mine = [k for op, k, _ in log.log if op != "get" and k.startswith("payloads/")]
+        assert len(mine) == len(records)  # the learner's delta, once a round
+    want = newest_theta(mailbox)
+    for model in models:
+        for name, p in model.named_parameters():
+            assert torch.equal(p.detach(), want[name]), name

@@ -28,6 +28,7 @@ from gradientmail.errors import ConfigError, RunConfigMismatch
 from gradientmail.mailbox import LocalMailbox
 from gradientmail.protocol import Exchange
 from gradientmail.records import RoundRecord
+from gradientmail.replica import state_at
 from gradientmail_lightning import DiLoCoCallback
 from gradientmail_lightning.callback import (
     PROGRESS_BAR,
@@ -171,8 +172,7 @@ def test_crash_then_resume_from_checkpoint_rejoins_as_the_same_learner(tmp_path:
     before = records(box)
     assert [r.round for r in before] == [0]
     # Read now: the sweep deletes old versions once the run moves on.
-    theta = asyncio.run(Exchange(LocalMailbox(box)).fetch_tensors(before[0].theta))
-    assert theta is not None
+    theta = asyncio.run(state_at(Exchange(LocalMailbox(box)), 0, before[0])).theta
     want = torch.cat(
         [
             torch.frombuffer(bytearray(theta[n].data), dtype=torch.float32)

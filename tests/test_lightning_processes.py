@@ -29,6 +29,7 @@ from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.learner import Learner
 from gradientmail.mailbox import LocalMailbox, Mailbox, S3Mailbox
 from gradientmail.protocol import Exchange
+from gradientmail.replica import state_at
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = ROOT / "tests" / "workers"
@@ -69,9 +70,7 @@ def newest_theta(mailbox: Mailbox) -> dict[str, torch.Tensor]:
         latest = await ex.latest_commit_per_fragment(len(manifest.plan))
         out: dict[str, torch.Tensor] = {}
         for p, names in enumerate(manifest.plan):
-            ref = latest[p].theta if p in latest else manifest.init[p]
-            tensors = await ex.fetch_tensors(ref)
-            assert tensors is not None
+            tensors = (await state_at(ex, p, latest.get(p), manifest)).theta
             for n in names:
                 t = tensors[n]
                 out[n] = torch.frombuffer(bytearray(t.data), dtype=torch.float32).reshape(t.shape)
@@ -152,8 +151,7 @@ def test_two_gpt2_learners_commit_rounds_and_end_on_the_last_commits(
         assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.3, losses
         # close() reset the model to the newest commit it had seen (kept: keep_versions).
         last = recs[state["rounds_seen"]]
-        theta = asyncio.run(Exchange(box).fetch_tensors(last.theta))
-        assert theta is not None
+        theta = dict(asyncio.run(state_at(Exchange(box), last.fragment, last)).theta)
         final = load_file(outs[i] + ".safetensors")
         assert set(final) == set(theta)
         for name, value in final.items():

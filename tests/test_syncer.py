@@ -35,6 +35,7 @@ from gradientmail.mailbox import Mailbox, MemoryMailbox
 from gradientmail.mailbox.wrappers import FaultPlan, FaultyMailbox
 from gradientmail.protocol import Exchange, round_key
 from gradientmail.records import Arrival, Manifest, RoundRecord, SnapshotRecord
+from gradientmail.replica import state_at
 from gradientmail.serialization import ParameterSpec, Schema, TensorBytes
 from gradientmail.syncer import Syncer
 from gradientmail.syncer_state import ESTIMATE_DECAY
@@ -150,7 +151,7 @@ class Run:
 def fingerprint(records: list[RoundRecord]) -> list[tuple[Any, ...]]:
     """What must not depend on who closed a round or when: the committed bytes (by their
     SHA-256), the versions, who took part with what weight, who was dropped and why."""
-    return [(r.round, r.fragment, r.version, r.theta.sha256, r.outer.sha256,
+    return [(r.round, r.fragment, r.version, [ref.sha256 for ref in r.payload_refs()],
              r.participants, r.dropped, r.mean_cosine, r.all_final) for r in records]
 
 
@@ -193,8 +194,7 @@ def test_a_round_closes_once_the_quorum_is_in_and_merges_exactly_it(mailbox: Mai
         assert (rec.round, rec.fragment, rec.version, rec.closer) == (0, 0, 1, "s1")
         assert rec.arrival == Arrival(window=3.0, latency=3.0, first="a", missed=("c",))
         # The committed bytes are the aggregator's on the same inputs.
-        theta = await r.ex.fetch_tensors(rec.theta)
-        assert theta is not None
+        theta = (await state_at(r.ex, 0, rec)).theta
         names = r.plan[0]
         want = r.alg.aggregator().close_round(
             r.alg.initial_state(0, {n: init_tensors()[n] for n in names}),
@@ -473,7 +473,8 @@ def test_a_claim_without_a_record_is_taken_over_after_the_timeout(mailbox: Mailb
         assert (event.closer, event.round, event.attempt, event.waited) == ("s1", 0, 1, 5.0)
         rec = await r.ex.read_round(0)
         assert rec is not None and rec.closer == "s1"
-        assert rec.theta.key.endswith("-000001.safetensors")
+        assert rec.payload_refs()
+        assert all(ref.key.endswith("-000001.safetensors") for ref in rec.payload_refs())
         claim = await r.ex.read_round_claim(0, 0)
         assert claim is None  # swept with the round
 
@@ -537,8 +538,8 @@ def test_a_claim_slot_freed_by_the_sweep_is_not_a_license_to_close(mailbox: Mail
         assert not await task
         rec = await r.ex.read_round(0)
         assert rec is not None and rec.closer == "s1"
-        assert await r.ex.fetch_tensors(rec.theta) is not None  # bytes match the record
-        assert await r.ex.fetch_tensors(rec.outer) is not None
+        for ref in rec.payload_refs():
+            assert await r.ex.fetch_tensors(ref) is not None  # bytes match the record
         assert r.of(CommitLost) == []
         assert s2.rounds_closed == 0
 
@@ -601,7 +602,7 @@ def test_bad_contributions_are_dropped_with_an_event_and_a_record_entry(
             assert e.key == f"payloads/0000000000/{learner}.safetensors"
             assert e.reason.startswith(reasons[learner][:40])
         # The good contribution alone moved the fragment.
-        theta = await r.ex.fetch_tensors(rec.theta)
+        theta = (await state_at(r.ex, rec.fragment, rec)).theta
         init = init_tensors()
         assert theta is not None and theta["w"] != init["w"]
 
@@ -619,9 +620,9 @@ def test_a_round_whose_contributions_are_all_dropped_still_commits(mailbox: Mail
         assert rec is not None
         assert (rec.version, rec.participants, rec.mean_cosine, rec.update) == (1, (), None, None)
         assert sorted(d.learner for d in rec.dropped) == sorted(expected)
-        theta = await r.ex.fetch_tensors(rec.theta)
+        theta = (await state_at(r.ex, 0, rec)).theta
         init = await r.ex.fetch_tensors(manifest.init[0])
-        assert theta is not None and init is not None
+        assert init is not None
         assert theta == init  # the same theta, one version on
         # The learners can go on: round 1 (the other fragment) and round 2 (version 1 of
         # fragment 0) close normally.
@@ -659,8 +660,8 @@ def test_an_unparseable_contribution_record_is_dropped_by_name(mailbox: Mailbox)
 def test_records_carry_the_measured_quorum_and_sync_seconds(mailbox: Mailbox) -> None:
     async def main() -> None:
         clock = FakeClock(START)
-        # Uploading theta takes 1.5 s on the fake clock: that is the close time measured.
-        slow = FaultyMailbox(mailbox, FaultPlan().delay("put", "theta/*", 1.5, clock))
+        # Uploading the step takes 1.5 s on the fake clock: that is the close time measured.
+        slow = FaultyMailbox(mailbox, FaultPlan().delay("put", "steps/*", 1.5, clock))
         r = Run(mailbox, algorithm(fragments=1, quorum_size=2), clock)
         await r.create()
         s = r.syncer(mailbox=slow)
@@ -688,7 +689,7 @@ def test_records_carry_the_measured_quorum_and_sync_seconds(mailbox: Mailbox) ->
 
 def test_the_sweep_keeps_the_newest_versions_and_open_rounds(mailbox: Mailbox) -> None:
     async def main() -> None:
-        r = Run(mailbox, algorithm(fragments=1, quorum_size=1))
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=1, checkpoint_every=1))
         manifest = await r.create()
         s = r.syncer(keep_versions=2)
         live = frozenset({"a"})
@@ -716,7 +717,7 @@ def test_the_sweep_keeps_the_newest_versions_and_open_rounds(mailbox: Mailbox) -
 
 def test_a_syncer_that_does_not_sweep_leaves_everything(mailbox: Mailbox) -> None:
     async def main() -> None:
-        r = Run(mailbox, algorithm(fragments=1, quorum_size=1))
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=1, checkpoint_every=1))
         await r.create()
         s = r.syncer(sweep=False)
         for rnd in range(3):
@@ -748,9 +749,13 @@ def test_a_syncer_on_an_empty_mailbox_waits_for_the_run(mailbox: Mailbox) -> Non
     run(main())
 
 
-def test_a_syncer_started_late_continues_from_the_stored_outer_state(mailbox: Mailbox) -> None:
+@pytest.mark.parametrize("checkpoint_every", [1, 20], ids=["published", "replicated"])
+def test_a_syncer_started_late_continues_from_the_stored_outer_state(
+    mailbox: Mailbox, checkpoint_every: int
+) -> None:
     """Closing rounds 0-3 with one syncer, or 0-1 with one and 2-3 with a fresh one (which
-    must load momentum from the mailbox), commits the same bytes."""
+    must load momentum from the mailbox: the stored outer state, or Θ⁰ and the steps
+    since), commits the same bytes."""
 
     async def close(r: Run, switch_at: int) -> list[tuple[Any, ...]]:
         await r.create()
@@ -765,10 +770,11 @@ def test_a_syncer_started_late_continues_from_the_stored_outer_state(mailbox: Ma
         return fingerprint(await r.records())
 
     async def main() -> None:
-        one = await close(Run(MemoryMailbox(), algorithm(fragments=2)), switch_at=-1)
-        two = await close(Run(mailbox, algorithm(fragments=2)), switch_at=2)
+        alg = algorithm(fragments=2, checkpoint_every=checkpoint_every)
+        one = await close(Run(MemoryMailbox(), alg), switch_at=-1)
+        two = await close(Run(mailbox, alg), switch_at=2)
         assert one == two
-        assert one[2][2] == 2 and one[2][5][0].weight == 40 * 40 / 4
+        assert one[2][2] == 2 and one[2][4][0].weight == 40 * 40 / 4
 
     run(main())
 
@@ -806,8 +812,38 @@ def test_an_outer_step_that_overflows_drops_the_round_instead_of_retrying_foreve
         assert rec is not None and rec.participants == () and rec.version == 1
         (dropped,) = rec.dropped
         assert dropped.learner == "a" and "outer step overflowed" in dropped.reason
-        theta = await r.ex.fetch_tensors(rec.theta)
+        theta = (await state_at(r.ex, 0, rec)).theta
         assert theta == await r.ex.fetch_tensors(manifest.init[0])
+
+    run(main())
+
+
+def test_the_sweep_keeps_the_newest_checkpoint_and_the_steps_after_it(
+        mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=1, checkpoint_every=3))
+        await r.create()
+        s = r.syncer(keep_versions=2)
+        live = frozenset({"a"})
+        for rnd in range(5):
+            await r.contribute(rnd, "a")
+            assert await s.poll(live=live)
+        recs = await r.records()
+        assert [x.version for x in recs] == [1, 2, 3, 4, 5]
+        # Version 3 is the checkpoint: theta and outer state uploaded, and every version
+        # carries its step.
+        assert [x.checkpoint for x in recs] == [False, False, True, False, False]
+        assert all(x.step is not None for x in recs)
+        keys = await mailbox.list("")
+        assert [k for k in keys if k.startswith(("theta/", "outer/"))] == [
+            recs[2].outer.key, recs[2].theta.key]  # type: ignore[union-attr]
+        steps = [k for k in keys if k.startswith("steps/")]
+        assert steps == [x.step.payload.key for x in recs[2:]]  # type: ignore[union-attr]
+        # A reader with no state starts from the checkpoint and replays: the closer's bytes.
+        closer_state = await s._fragment_state(0)
+        fresh = await state_at(r.ex, 0, recs[4])
+        assert fresh.version == 5
+        assert (fresh.theta, fresh.momentum) == (closer_state.theta, closer_state.momentum)
 
     run(main())
 

@@ -112,7 +112,7 @@ def check_race(r: Run, syncers: list[Syncer], rounds: int) -> None:
     recs, keys, fetched = asyncio.run(records())
     assert keys == [round_key(i) for i in range(rounds)]
     assert fingerprint(recs) == reference(rounds)
-    assert fetched == [True] * 4
+    assert fetched and all(fetched)
     closed = r.of(RoundClosed)
     assert sorted(e.round for e in closed) == list(range(rounds))  # one closer per round
     assert sum(s.rounds_closed for s in syncers) == rounds
@@ -148,7 +148,7 @@ def test_two_syncers_racing_on_s3_commit_what_one_would(s3_mailboxes: list[S3Mai
 
 
 def test_a_closer_cancelled_after_its_claim_is_taken_over(mailbox: Mailbox) -> None:
-    """`a` claims round 3 and is cancelled while uploading its theta; `b` supersedes the
+    """`a` claims round 3 and is cancelled while uploading its step; `b` supersedes the
     claim once the takeover timeout has passed on the fake clock, and the run goes on
     with the same bytes as an uninterrupted one."""
     rounds = 6
@@ -158,7 +158,7 @@ def test_a_closer_cancelled_after_its_claim_is_taken_over(mailbox: Mailbox) -> N
         await publish_all(r, rounds)
         gate = GateClock()  # never opened: the upload hangs until cancelled
         stuck = FaultyMailbox(mailbox, FaultPlan().delay(
-            "put", "theta/1/0000000002-*", 1.0, gate))  # round 3: fragment 1, version 2
+            "put", "steps/1/0000000002-*", 1.0, gate))  # round 3: fragment 1, version 2
         a, b = r.syncer("a-closer", mailbox=stuck), r.syncer("b-closer")
         for _ in range(3):
             assert await a.poll(live=LIVE)
@@ -178,7 +178,8 @@ def test_a_closer_cancelled_after_its_claim_is_taken_over(mailbox: Mailbox) -> N
         assert (superseded.closer, superseded.round, superseded.attempt) == ("b-closer", 3, 1)
         rec3 = await r.ex.read_round(3)
         assert rec3 is not None and rec3.closer == "b-closer"
-        assert rec3.theta.key == "theta/1/0000000002-000001.safetensors"
+        assert rec3.step is not None
+        assert rec3.step.payload.key == "steps/1/0000000002-000001.safetensors"
         # Both go on: a (its cache of fragment 1 is stale) closes round 4, b round 5.
         assert await a.poll(live=LIVE)
         assert await b.poll(live=LIVE)

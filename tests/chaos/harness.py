@@ -44,6 +44,7 @@ from gradientmail.mailbox.local import TEMP_PREFIX
 from gradientmail.mailbox.wrappers import FaultPlan
 from gradientmail.protocol import Exchange, round_key
 from gradientmail.records import RoundRecord
+from gradientmail.replica import Replica, state_at
 from gradientmail.serialization import ParameterSpec, Schema, TensorBytes
 
 __all__ = [
@@ -415,8 +416,9 @@ def verify_run(mailbox: Mailbox, prefix: str = "") -> RunFigures:
         ex = Exchange(mailbox, prefix=prefix)
         manifest = await ex.read_manifest()
         assert manifest is not None, f"no run in {mailbox.url}"
-        schedule = algorithm_from_json(dict(manifest.algorithm)).schedule_for(
-            len(manifest.plan))
+        alg = algorithm_from_json(dict(manifest.algorithm))
+        schedule = alg.schedule_for(len(manifest.plan))
+        replica = Replica(ex, manifest, alg)
         keys = [k[len(prefix):] for k in await mailbox.list(prefix + "rounds/")]
         records = await ex.rounds_after(-1)
         assert keys == [round_key(i) for i in range(len(records))], (
@@ -430,8 +432,9 @@ def verify_run(mailbox: Mailbox, prefix: str = "") -> RunFigures:
             for ref in rec.payload_refs():
                 blob = await ex.fetch_payload(ref)  # raises CorruptPayload on a mismatch
                 assert blob is not None, f"round {i}: payload {ref.key} is missing"
-            theta = await ex.fetch_tensors(rec.theta)
-            assert theta is not None
+            state = await replica.at(rec.fragment, rec)  # checks a step's theta digest
+            assert state is not None
+            theta = state.theta
             for name in manifest.plan[rec.fragment]:
                 arr = theta[name].to_numpy()
                 assert np.isfinite(arr).all(), f"round {i}: {name} is not finite"
@@ -450,9 +453,7 @@ def theta_digests(mailbox: Mailbox, upto: int) -> dict[str, str]:
         latest = await ex.latest_commit_per_fragment(len(manifest.plan), upto)
         out: dict[str, str] = {}
         for p, names in enumerate(manifest.plan):
-            ref = latest[p].theta if p in latest else manifest.init[p]
-            tensors = await ex.fetch_tensors(ref)
-            assert tensors is not None, ref.key
+            tensors = (await state_at(ex, p, latest.get(p), manifest)).theta
             out.update((n, hashlib.sha256(tensors[n].data).hexdigest()) for n in names)
         return out
 

@@ -12,7 +12,9 @@ Faults:
   --bad-delta N                   the Nth delta this learner computes holds NaN and Inf
   --fsize BYTES@K                 at step K, limit files this process writes to BYTES
                                   (RLIMIT_FSIZE: writes fail with EFBIG, as on a full disk)
-  --fsize-restore K               at step K, lift the limit again
+  --fsize-restore K               lift the limit again at step K, or later, once a publish
+                                  has failed under it (however slow a loaded machine makes
+                                  the communication thread)
   --ready-at K                    write OUT.json.ready at step K (the test's cue) and go on
 """
 
@@ -104,13 +106,21 @@ def main() -> None:
         time.sleep(0.01)
     step_max, step_max_at = 0.0, -1
     stalls: list[list[float]] = []
+    limited = False
+
+    def publish_failed() -> bool:
+        with lock:
+            return any(e["type"] == "PublishFailed" for e in events)
+
     for step in range(args.start_step, args.start_step + args.steps):
         if step == args.ready_at:
             Path(args.out + ".ready").write_text(str(os.getpid()))
         if step == fsize_at:
+            limited = args.fsize_restore >= 0
             resource.setrlimit(resource.RLIMIT_FSIZE,
                                (fsize_limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-        if step == args.fsize_restore:
+        if limited and step >= args.fsize_restore and publish_failed():
+            limited = False
             hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
             resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
         train_step(adapter, args.worker, step)

@@ -36,6 +36,7 @@ from chaos.harness import (
     train_step,
     verify_run,
 )
+from gradientmail.algorithms.base import algorithm_from_json
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.errors import CorruptPayload
 from gradientmail.events import ContributionDropped, Event, FragmentAligned, PollFailed
@@ -43,6 +44,7 @@ from gradientmail.learner import Learner
 from gradientmail.mailbox import FaultPlan, FaultyMailbox, LocalMailbox, Mailbox, MemoryMailbox
 from gradientmail.protocol import Exchange
 from gradientmail.records import PayloadRef
+from gradientmail.replica import Replica
 from gradientmail.serialization import TensorBytes
 
 SNAP = "snapshots/0000000000/{}.json"
@@ -159,13 +161,13 @@ def test_bad_payloads_and_records_are_dropped_by_key(tmp_path: Path) -> None:
         assert await clean.syncer().poll(live=frozenset({"good"}))
         alone = await clean.ex.read_round(0)
         assert alone is not None
-        return r, expected, alone.theta.sha256
+        return r, expected, [ref.sha256 for ref in alone.payload_refs()]
 
     r, expected, alone = asyncio.run(main())
     figures = verify_run(r.mailbox)
     [rec] = figures.records
     assert [p.learner for p in rec.participants] == ["good"]
-    assert rec.theta.sha256 == alone  # the run unharmed
+    assert [ref.sha256 for ref in rec.payload_refs()] == alone  # the run unharmed
     events = {e.learner: e for e in r.of(ContributionDropped)}
     assert sorted(events) == sorted(expected)
     reasons = {d.learner: d.reason for d in rec.dropped}
@@ -213,12 +215,13 @@ def committed(mailbox: Mailbox) -> list[dict[str, str]]:
         ex = Exchange(mailbox)
         manifest = await ex.read_manifest()
         assert manifest is not None
-        refs = [*manifest.init, *(rec.theta for rec in await ex.rounds_after(-1))]
+        replica = Replica(ex, manifest, algorithm_from_json(dict(manifest.algorithm)))
+        states = [await replica.at(p, None) for p in range(len(manifest.plan))]
+        states += [await replica.at(rec.fragment, rec) for rec in await ex.rounds_after(-1)]
         out = []
-        for ref in refs:
-            tensors = await ex.fetch_tensors(ref)
-            assert tensors is not None
-            out.append({n: hashlib.sha256(t.data).hexdigest() for n, t in tensors.items()})
+        for state in states:
+            assert state is not None
+            out.append({n: hashlib.sha256(t.data).hexdigest() for n, t in state.theta.items()})
         return out
 
     return asyncio.run(go())
@@ -257,9 +260,10 @@ def in_threads(*targets: Callable[[], None], timeout: float = 120) -> None:
         raise errors[0]
 
 
-@pytest.mark.parametrize("commit_dtype", [None, "BF16"], ids=["theta", "update"])
+@pytest.mark.parametrize(("commit_dtype", "checkpoint_every"), [(None, 1), ("BF16", 1), (None, 20)],
+                         ids=["theta", "update", "step"])
 def test_a_corrupted_commit_seen_by_a_learner_is_never_applied(
-    tmp_path: Path, commit_dtype: str | None
+    tmp_path: Path, commit_dtype: str | None, checkpoint_every: int
 ) -> None:
     """The reader's mailbox flips bits in (or cuts short) the commit payloads and a round
     record it reads, a few times each. It reports each, applies none, and ends on the
@@ -269,8 +273,11 @@ def test_a_corrupted_commit_seen_by_a_learner_is_never_applied(
             .corrupt("theta/*", nth=2, times=3)
             .truncate("theta/*", 100, nth=8, times=1)
             .corrupt("updates/*", nth=2, times=3)
+            .corrupt("steps/*", nth=2, times=3)
+            .truncate("steps/*", 100, nth=8, times=1)
             .corrupt("rounds/*", nth=5, times=1))
-    alg = DiLoCo(sync_every=4, fragments=2, commit_dtype=commit_dtype)
+    alg = DiLoCo(sync_every=4, fragments=2, commit_dtype=commit_dtype,
+                 checkpoint_every=checkpoint_every)
     seen: dict[str, list[Event]] = {"writer": [], "reader": []}
     adapters = {"writer": ToyAdapter(0), "reader": ToyAdapter(1)}
     writer = Learner(adapters["writer"], alg, LocalMailbox(box), "writer",
@@ -289,13 +296,16 @@ def test_a_corrupted_commit_seen_by_a_learner_is_never_applied(
         "corrupt theta/*": ("theta/", "SHA-256"),
         "truncate theta/*": ("theta/", "but its record says"),
         "corrupt updates/*": ("updates/", "SHA-256"),
+        "corrupt steps/*": ("steps/", "SHA-256"),
+        "truncate steps/*": ("steps/", "but its record says"),
         "corrupt rounds/*": ("rounds/", "is not valid JSON"),
     }
     for rule, count in fired.items():
         key, words = wanted[rule]
         reported = [f for f in failures if key in f and words in f]
         assert len(reported) == count, (rule, count, failures)
-    main = "corrupt updates/*" if commit_dtype else "corrupt theta/*"
+    main = ("corrupt steps/*" if checkpoint_every > 1 else
+            "corrupt updates/*" if commit_dtype else "corrupt theta/*")
     assert fired[main] == 3 and fired["corrupt rounds/*"] == 1
     good = committed(mailbox)
     applied = adapters["reader"].applied
@@ -304,7 +314,8 @@ def test_a_corrupted_commit_seen_by_a_learner_is_never_applied(
         learner, adapter = (writer, reader)[name == "reader"], adapters[name]
         assert adapter.digests() == theta_digests(mailbox, learner.rounds_seen), name
     aligned = [e for e in seen["reader"] if isinstance(e, FragmentAligned)]
-    conclude(f"corrupted commit {'update' if commit_dtype else 'theta'} payloads and a "
+    kind = "step" if checkpoint_every > 1 else "update" if commit_dtype else "theta"
+    conclude(f"corrupted commit {kind} payloads and a "
              "corrupted record, seen by a learner", figures,
              [event_dict(e) for e in seen["writer"] + seen["reader"]], None,
              faults_injected=sum(fired.values()), poll_failures=len(failures),
@@ -344,11 +355,14 @@ def test_a_nan_and_inf_delta_is_rejected_and_the_run_unharmed(tmp_path: Path) ->
              bad_back_in_round=min(x for x in figures.participants("bad") if x > r))
 
 
-def test_a_corrupted_commit_read_at_join_is_refused_not_applied(tmp_path: Path) -> None:
-    """Joining reads each fragment's newest theta once: a corrupted read fails `start()`
-    with the key named, and nothing reaches the model (a later start joins normally)."""
+@pytest.mark.parametrize("kind", ["theta", "steps"])
+def test_a_corrupted_commit_read_at_join_is_refused_not_applied(tmp_path: Path,
+                                                                 kind: str) -> None:
+    """Joining reads each fragment's newest theta once (or Θ⁰ and the steps since): a
+    corrupted read fails `start()` with the key named, and nothing reaches the model (a
+    later start joins normally)."""
     box = tmp_path / "run"
-    alg = DiLoCo(sync_every=4, fragments=2)
+    alg = DiLoCo(sync_every=4, fragments=2, checkpoint_every=1 if kind == "theta" else 20)
     first = ToyAdapter(0)
     writer = Learner(first, alg, LocalMailbox(box), "writer", on_event=lambda e: None, **FAST)
     writer.start()
@@ -361,9 +375,9 @@ def test_a_corrupted_commit_read_at_join_is_refused_not_applied(tmp_path: Path) 
     assert newest >= 1
     late = ToyAdapter(1)
     before = late.digests()
-    faulty = FaultyMailbox(LocalMailbox(box), FaultPlan().corrupt("theta/*", times=1))
+    faulty = FaultyMailbox(LocalMailbox(box), FaultPlan().corrupt(f"{kind}/*", times=1))
     joiner = Learner(late, alg, faulty, "late", on_event=lambda e: None, **FAST)
-    with pytest.raises(CorruptPayload, match=r"payload 'theta/\d/\d{10}-000000.safetensors' "
+    with pytest.raises(CorruptPayload, match=rf"payload '{kind}/\d/\d{{10}}-000000.safetensors' "
                                              r"has SHA-256 [0-9a-f]{16}\.\.\., its record says"):
         joiner.start()
     joiner.close()

@@ -31,7 +31,7 @@ def write_run(box: Path, rounds: int) -> None:
 # Round 3 trains fragment 1 (rounds alternate fragments) at its version 2.
 KILL_POINTS = {
     "after-claim": "create:claims/round/0000000003/*:1:after",
-    "after-upload": "put:outer/1/0000000002-*:1:after",
+    "after-upload": "put:steps/1/0000000002-*:1:after",
     "before-record": "create:rounds/0000000003.json:1",
 }
 
@@ -57,10 +57,11 @@ def test_a_closer_killed_after_its_claim_is_taken_over(tmp_path: Path, point: st
     superseded = [e for e in result["events"] if e["type"] == "ClaimSuperseded"]
     assert [(e["closer"], e["round"], e["attempt"]) for e in superseded] == [("b-closer", 3, 1)]
     rec3 = figures.records[3]
-    assert rec3.theta.key == "theta/1/0000000002-000001.safetensors"
+    assert rec3.step is not None
+    assert rec3.step.payload.key == "steps/1/0000000002-000001.safetensors"
     # The superseded attempt's uploads are referenced by nothing and were swept.
-    keys = asyncio.run(LocalMailbox(box).list("outer/1/"))
-    assert "outer/1/0000000002-000000.safetensors" not in keys
+    keys = asyncio.run(LocalMailbox(box).list("steps/1/"))
+    assert "steps/1/0000000002-000000.safetensors" not in keys
     conclude(f"closer SIGKILLed {point}", figures, result["events"], None,
            takeover_after=f"{superseded[0]['waited']:.2f} s (predicted {10 * POLL:.2f} s)",
            closer_b_total=f"{waited:.1f} s")

@@ -73,8 +73,9 @@ def failures(res: LearnerResult) -> list[dict[str, object]]:
 def test_a_learner_whose_writes_fail_with_efbig_goes_on_once_they_succeed(
     tmp_path: Path,
 ) -> None:
-    """From step 30 to step 70 every non-empty file the `full` learner writes fails
-    (its leases are empty files: it stays live). The other learner runs the rounds."""
+    """From step 30 to step 70 (or later, until one of its publishes has failed) every
+    non-empty file the `full` learner writes fails (its leases are empty files: it stays
+    live). The other learner runs the rounds."""
     box = tmp_path / "run"
     steady = spawn_learner(box, "steady", tmp_path / "steady.json", "--worker", "0",
                            "--steps", "140", "--wait-for", "2", *RUN)

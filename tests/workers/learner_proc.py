@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from toy import inner_step, make_model
 
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
-from gradientmail.events import Event
+from gradientmail.events import Event, RoundRecorded
 from gradientmail.learner import Learner
 
 
@@ -43,6 +44,9 @@ def main() -> None:
     ap.add_argument("--pause-at", type=int, default=-1)
     ap.add_argument("--start-step", type=int, default=0)
     ap.add_argument("--wait-for", type=int, default=0, help="wait for this many live learners")
+    ap.add_argument("--until-merged", action="store_true",
+                    help="after --steps, go on training until a commit has merged this "
+                    "learner's contribution (at most 120 s more)")
     args = ap.parse_args()
 
     if args.standard:
@@ -59,8 +63,11 @@ def main() -> None:
             sync_every=args.sync_every, fragments=args.fragments, in_flight=min(2, args.fragments)
         )
     seen: list[dict[str, object]] = []
+    merged = threading.Event()
 
     def on_event(e: Event) -> None:
+        if isinstance(e, RoundRecorded) and args.learner_id in e.participants:
+            merged.set()
         seen.append(
             {
                 "type": type(e).__name__,
@@ -96,6 +103,14 @@ def main() -> None:
         learner.step(5)
         if args.sleep:
             time.sleep(args.sleep)
+    # However slowly a loaded machine runs this process, it trains on until it has taken
+    # part in a round (the test's claim), not for a number of steps that may end first.
+    step, deadline = args.start_step + args.steps, time.monotonic() + 120
+    while args.until_merged and not merged.is_set() and time.monotonic() < deadline:
+        inner_step(model, opt, args.worker, step)
+        learner.step(5)
+        step += 1
+        time.sleep(max(args.sleep, 0.01))
     learner.close()
     params = {n: p.detach().reshape(-1).tolist() for n, p in model.named_parameters()}
     Path(args.out).write_text(
