@@ -314,8 +314,8 @@ def audit(box: Path, cs: ChaosSettings) -> dict[str, Any]:
     """Check the run's records and payloads; its figures (`problems` lists what is lost)."""
     import numpy as np
 
-    from gradientmail.algorithms.base import algorithm_from_json
     from gradientmail.algorithms.diloco import grace_window
+    from gradientmail.algorithms.registry import algorithm_from_json
     from gradientmail.errors import GradientmailError
     from gradientmail.mailbox import LocalMailbox
     from gradientmail.protocol import Exchange, round_key

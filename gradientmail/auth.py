@@ -29,20 +29,18 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from gradientmail.errors import AuthenticationError, ConfigError, RemoteProtocolError
 from gradientmail.record_json import MAX_MANIFEST_BYTES, parse_json
 from gradientmail.records import Manifest
-
-if TYPE_CHECKING:
-    from gradientmail.protocol import Seal
 
 __all__ = [
     "MAX_SEALED_BYTES",
     "MIN_KEY_BYTES",
     "SCHEME",
     "HmacSeal",
+    "Seal",
     "check_run_key",
     "is_sealed",
     "key_fingerprint",
@@ -123,6 +121,16 @@ def _split(data: bytes) -> tuple[bytes, bytes] | None:
             or not data.endswith(b"}") or len(data) < start + len(_MID) + 1:
         return None
     return data[len(_HEAD) : start], data[start + len(_MID) : -1]
+
+
+class Seal(Protocol):
+    """Turns a record's bytes into what is stored, and back (raising RemoteProtocolError)."""
+
+    fingerprint: str | None
+
+    def seal(self, key: str, data: bytes) -> bytes: ...
+
+    def open(self, key: str, data: bytes) -> bytes: ...
 
 
 class HmacSeal:

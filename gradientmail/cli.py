@@ -31,13 +31,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from gradientmail import __version__
-from gradientmail.algorithms.base import algorithm_from_json
 from gradientmail.errors import ConfigError, GradientmailError
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
 from gradientmail.protocol import Exchange
 from gradientmail.records import Manifest, check_learner_id
-from gradientmail.replica import Replica
+from gradientmail.replica import newest_model
 from gradientmail.serialization import TensorBytes, pack
 
 __all__ = [
@@ -149,7 +148,7 @@ async def read_status(ex: Exchange, url: str) -> dict[str, Any]:
         })
     algorithm = dict(manifest.algorithm)
     try:
-        from gradientmail.algorithms.base import algorithm_from_json
+        from gradientmail.algorithms.registry import algorithm_from_json
 
         open_fragment: int | None = algorithm_from_json(algorithm).schedule_for(
             len(plan)).fragment_of(open_round)
@@ -245,44 +244,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 # -- export ------------------------------------------------------------------------------
-
-
-async def newest_model(ex: Exchange, url: str) -> tuple[dict[str, TensorBytes], dict[str, str]]:
-    """Every parameter at its fragment's newest committed version (Θ⁰ for a fragment
-    never committed), in schema order, and metadata naming the round and versions.
-
-    A payload swept while it is read means a newer commit exists: it reads again.
-    """
-    manifest = await require_manifest(ex, url)
-    replica = Replica(ex, manifest, algorithm_from_json(dict(manifest.algorithm)))
-    seen = -2
-    while True:
-        newest = await ex.newest_round(max(seen, -1))
-        latest = await ex.latest_commit_per_fragment(len(manifest.plan), newest)
-        values: dict[str, TensorBytes] = {}
-        versions = []
-        for p, names in enumerate(manifest.plan):
-            rec = latest.get(p)
-            state = await replica.at(p, rec)
-            if state is None:
-                if newest == seen:
-                    raise GradientmailError(
-                        f"a payload of fragment {p} in {url!r} is missing, though round "
-                        f"{newest} is the newest; the run is damaged"
-                    )
-                break
-            values.update((n, state.theta[n]) for n in names)
-            versions.append(rec.version if rec is not None else 0)
-        else:
-            ordered = {n: values[n] for n in manifest.schema.names}
-            metadata = {
-                "format": "pt",
-                "gradientmail.url": url,
-                "gradientmail.round": str(newest),
-                "gradientmail.versions": json.dumps(versions),
-            }
-            return ordered, metadata
-        seen = newest
 
 
 def write_safetensors(path: str, tensors: dict[str, TensorBytes],

@@ -203,9 +203,9 @@ def _committed_model(mailbox: str, vocab: int, block: int) -> tuple[Any, int]:
     import torch
 
     from gradientmail.adapters.torch import to_torch
-    from gradientmail.cli import newest_model
     from gradientmail.mailbox import open_mailbox
     from gradientmail.protocol import Exchange
+    from gradientmail.replica import newest_model
 
     async def newest() -> tuple[dict[str, Any], int]:
         ex = Exchange(open_mailbox(mailbox))

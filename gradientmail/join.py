@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from gradientmail.adapters.base import Adapter
-from gradientmail.algorithms.base import Algorithm, algorithm_from_json
+from gradientmail.algorithms.base import Algorithm
+from gradientmail.algorithms.registry import algorithm_from_json
 from gradientmail.errors import RunConfigMismatch, SchemaMismatch
 from gradientmail.events import (
     AwaitingCreator,

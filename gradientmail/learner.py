@@ -46,7 +46,7 @@ from gradientmail.mailman import BACKUP_EVERY, Mailman, _Commit, _Job
 from gradientmail.protocol import Exchange
 from gradientmail.records import RoundRecord, check_learner_id
 from gradientmail.serialization import TensorBytes
-from gradientmail.syncer_state import SLOW_FACTOR, effective_quorum
+from gradientmail.syncer_state import effective_quorum, much_slower
 
 __all__ = ["BACKUP_EVERY", "Learner", "default_learner_id"]
 
@@ -77,7 +77,7 @@ def _wait_steps(algorithm: Algorithm, estimates: Estimates, schedule: RoundSched
     much slower than the run's pace) or its pace is unknown."""
     if not step_seconds:
         return None
-    if estimates.step and step_seconds > SLOW_FACTOR * estimates.step:
+    if much_slower(step_seconds, estimates.step):
         return None
     window = algorithm.grace_window(estimates, schedule, round_, poll_interval)
     return int(window / step_seconds)

@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from gradientmail.algorithms.schedule import RoundSchedule
-from gradientmail.syncer_state import SLOW_FACTOR
+from gradientmail.syncer_state import much_slower
 
 __all__ = [
     "FragmentCounters",
@@ -194,8 +194,7 @@ def due_round(
     # M = 4). Behind a barrier (overlap_steps=0) a contribution carries the plain gap.
     if state.phase_step is None:
         since = state.local_step - state.last_publish_step
-        waited = not (state.step_seconds and run_step) or (
-            state.step_seconds <= SLOW_FACTOR * run_step)
+        waited = not much_slower(state.step_seconds, run_step)
     else:
         since, waited = state.local_step - state.phase_step, False
     if schedule.overlap_steps == 0 or waited:

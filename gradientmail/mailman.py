@@ -549,9 +549,10 @@ class Mailman:
             return "absent", None
         return "closed", None
 
-    def _published(self, job: _Job, record: SnapshotRecord, t0: float) -> None:
+    def _published(self, job: _Job, record: SnapshotRecord, t0: float,
+                   tensors: dict[str, TensorBytes] | None = None) -> None:
         if self._syncer is not None:
-            self._syncer.note_contribution(job.round, self.learner_id)
+            self._syncer.note_contribution(job.round, self.learner_id, record.payload, tensors)
         self.on_event(
             SnapshotPublished(
                 self.learner_id,
@@ -587,7 +588,7 @@ class Mailman:
             delta_format=fmt,
             step_seconds=job.step_seconds,
         )
-        self._published(job, record, t0)
+        self._published(job, record, t0, tensors)
 
     def _encode_delta(self, job: _Job, fmt: str) -> dict[str, TensorBytes]:
         delta = self.adapter.delta(job.anchor, job.snapshot)

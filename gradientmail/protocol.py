@@ -30,10 +30,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Iterable, Mapping
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from gradientmail import compression as codec
-from gradientmail.auth import HmacSeal, open_manifest, refuse_sealed
+from gradientmail.auth import HmacSeal, Seal, open_manifest, refuse_sealed
 from gradientmail.clock import Clock, MonotonicClock
 from gradientmail.errors import (
     AlreadyContributed,
@@ -96,16 +96,6 @@ __all__ = [
 _R = TypeVar("_R", bound=Record)
 
 
-class Seal(Protocol):
-    """Turns a record's bytes into what is stored, and back (raising RemoteProtocolError)."""
-
-    fingerprint: str | None
-
-    def seal(self, key: str, data: bytes) -> bytes: ...
-
-    def open(self, key: str, data: bytes) -> bytes: ...
-
-
 class PlainSeal:
     """No authentication: records are stored as their canonical JSON bytes."""
 
@@ -116,6 +106,19 @@ class PlainSeal:
 
     def open(self, key: str, data: bytes) -> bytes:
         return refuse_sealed(key, data)
+
+
+def check_delta(tensors: dict[str, TensorBytes], snapshot: SnapshotRecord, schema: Schema,
+                names: Iterable[str]) -> dict[str, TensorBytes]:
+    """`tensors`, checked to hold exactly `names` in the record's `delta_format` (plus
+    `<name>.scale` entries of quantized formats); `SchemaMismatch` naming every missing,
+    extra or mis-shaped tensor."""
+    names = list(names)
+    wanted = set(names)
+    scales = {f"{n}.scale" for n in names}
+    main = {n: t for n, t in tensors.items() if n in wanted or n not in scales}
+    validate(schema, main, names, dtype=snapshot.delta_format)
+    return tensors
 
 
 def delta_bound(schema: Schema, names: Iterable[str]) -> int:
@@ -464,11 +467,7 @@ class Exchange:
         tensors = await self.fetch_tensors(snapshot.payload, delta_bound(schema, names))
         if tensors is None:
             return None
-        wanted = set(names)
-        scales = {f"{n}.scale" for n in names}
-        main = {n: t for n, t in tensors.items() if n in wanted or n not in scales}
-        validate(schema, main, names, dtype=snapshot.delta_format)
-        return tensors
+        return check_delta(tensors, snapshot, schema, names)
 
     # -- closing rounds --------------------------------------------------------------
 

@@ -19,10 +19,20 @@ from gradientmail.errors import GradientmailError, LocalProtocolError, RemotePro
 __all__ = [
     "CODECS",
     "FORMAT_VERSION",
+    "HINT",
     "MAX_MANIFEST_BYTES",
     "MAX_RECORD_BYTES",
+    "Fields",
+    "build_record",
     "canonical_json",
+    "check_count",
+    "check_format",
     "check_learner_id",
+    "check_seconds",
+    "check_sha256",
+    "check_text",
+    "is_int",
+    "is_number",
     "parse_json",
 ]
 
@@ -41,7 +51,7 @@ _FORMAT = re.compile("[A-Za-z0-9_]{1,32}")
 _MAX_INT = (1 << 63) - 1
 _MAX_TEXT = 1000
 _T = TypeVar("_T")
-_HINT = "the writer does not speak gradientmail record format v1, or the object was damaged"
+HINT = "the writer does not speak gradientmail record format v1, or the object was damaged"
 
 
 def check_learner_id(learner: object) -> str:
@@ -96,7 +106,7 @@ def parse_json(data: bytes, key: str, max_bytes: int = MAX_RECORD_BYTES) -> dict
     """
     if len(data) > max_bytes:
         raise RemoteProtocolError(
-            f"record {key!r} is {len(data)} bytes; records are at most {max_bytes} bytes ({_HINT})"
+            f"record {key!r} is {len(data)} bytes; records are at most {max_bytes} bytes ({HINT})"
         )
     try:
         obj = json.loads(
@@ -106,10 +116,10 @@ def parse_json(data: bytes, key: str, max_bytes: int = MAX_RECORD_BYTES) -> dict
             object_pairs_hook=_no_duplicates,
         )
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise RemoteProtocolError(f"record {key!r} is not valid JSON: {exc} ({_HINT})") from exc
+        raise RemoteProtocolError(f"record {key!r} is not valid JSON: {exc} ({HINT})") from exc
     if not isinstance(obj, dict):
         raise RemoteProtocolError(
-            f"record {key!r} is a JSON {type(obj).__name__}, not an object ({_HINT})"
+            f"record {key!r} is a JSON {type(obj).__name__}, not an object ({HINT})"
         )
     return obj
 
@@ -118,15 +128,15 @@ _JSON_TYPE = {type(None): "null", bool: "boolean", int: "number", float: "number
               str: "string", list: "array", dict: "object"}
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
+def is_number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
-class _Fields:
+class Fields:
     """Strict reader of one JSON object at `path` inside the record at `key`."""
 
     def __init__(self, obj: Any, key: str, path: str, names: tuple[str, ...]) -> None:
@@ -141,7 +151,7 @@ class _Fields:
             where = f"field {path!r}" if path else "the record"
             raise RemoteProtocolError(
                 f"record {key!r}: {where} must have exactly the fields {sorted(names)}; "
-                f"missing {missing}, unexpected {extra} ({_HINT})"
+                f"missing {missing}, unexpected {extra} ({HINT})"
             )
         self.obj: dict[str, Any] = obj
 
@@ -152,7 +162,7 @@ class _Fields:
         where = self.at(name) if name else self.path
         raise RemoteProtocolError(
             f"record {self.key!r}: field {where!r} {rule}, got {value!r:.100} "
-            f"({_JSON_TYPE.get(type(value), 'value')}) ({_HINT})"
+            f"({_JSON_TYPE.get(type(value), 'value')}) ({HINT})"
         )
 
     def get(self, name: str, ok: Callable[[Any], bool], rule: str, null: bool = False) -> Any:
@@ -162,13 +172,13 @@ class _Fields:
         return v
 
     def get_int(self, name: str) -> int:
-        return int(self.get(name, _is_int, "must be an integer"))
+        return int(self.get(name, is_int, "must be an integer"))
 
     def get_float(self, name: str) -> float:
-        return float(self.get(name, _is_number, "must be a number"))
+        return float(self.get(name, is_number, "must be a number"))
 
     def get_opt_float(self, name: str) -> float | None:
-        v = self.get(name, _is_number, "must be a number", null=True)
+        v = self.get(name, is_number, "must be a number", null=True)
         return None if v is None else float(v)
 
     def get_str(self, name: str, null: bool = False) -> Any:
@@ -189,36 +199,36 @@ class _Fields:
             )
 
 
-def _build(cls: type[_T], key: str, path: str, /, **kwargs: Any) -> _T:
+def build_record(cls: type[_T], key: str, path: str, /, **kwargs: Any) -> _T:
     """Construct a record from parsed fields, turning value-rule failures into remote errors."""
     try:
         return cls(**kwargs)
     except (GradientmailError, ValueError) as exc:
         where = f" field {path!r}:" if path else ""
-        raise RemoteProtocolError(f"record {key!r}:{where} {exc} ({_HINT})") from exc
+        raise RemoteProtocolError(f"record {key!r}:{where} {exc} ({HINT})") from exc
 
 
-def _check_count(what: str, value: int, low: int = 0) -> None:
+def check_count(what: str, value: int, low: int = 0) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= _MAX_INT:
         raise LocalProtocolError(f"{what}={value!r} must be an integer in [{low}, 2**63 - 1]")
 
 
-def _check_sha256(what: str, value: str) -> None:
+def check_sha256(what: str, value: str) -> None:
     if not isinstance(value, str) or not _SHA256.fullmatch(value):
         raise LocalProtocolError(f"{what}={value!r} must be 64 lowercase hex digits (SHA-256)")
 
 
-def _check_format(what: str, value: str) -> None:
+def check_format(what: str, value: str) -> None:
     if not isinstance(value, str) or not _FORMAT.fullmatch(value):
         raise LocalProtocolError(f"{what}={value!r} must match [A-Za-z0-9_]{{1,32}}, e.g. 'BF16'")
 
 
-def _check_text(what: str, value: str) -> None:
+def check_text(what: str, value: str) -> None:
     if not isinstance(value, str) or len(value) > _MAX_TEXT:
         raise LocalProtocolError(f"{what}={value!r:.100} must be a string of at most {_MAX_TEXT}")
 
 
-def _seconds(name: str, v: Any) -> float:
+def check_seconds(name: str, v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
         raise LocalProtocolError(f"{name}={v!r} must be a finite number >= 0")
     return float(v)

@@ -26,21 +26,21 @@ from gradientmail.errors import (
 )
 from gradientmail.mailbox.base import check_key
 from gradientmail.record_json import (
-    _HINT,
     CODECS,
     FORMAT_VERSION,
+    HINT,
     MAX_MANIFEST_BYTES,
     MAX_RECORD_BYTES,
-    _build,
-    _check_count,
-    _check_format,
-    _check_sha256,
-    _check_text,
-    _Fields,
-    _is_number,
-    _seconds,
+    Fields,
+    build_record,
     canonical_json,
+    check_count,
+    check_format,
     check_learner_id,
+    check_seconds,
+    check_sha256,
+    check_text,
+    is_number,
     parse_json,
 )
 from gradientmail.serialization import Schema
@@ -101,8 +101,8 @@ class PayloadRef:
 
     def __post_init__(self) -> None:
         check_key(self.key)
-        _check_count("payload size", self.size)
-        _check_sha256("payload sha256", self.sha256)
+        check_count("payload size", self.size)
+        check_sha256("payload sha256", self.sha256)
 
     @classmethod
     def of(cls, key: str, data: bytes) -> PayloadRef:
@@ -114,8 +114,8 @@ class PayloadRef:
 
     @classmethod
     def from_json(cls, obj: Any, key: str, path: str = "payload") -> PayloadRef:
-        f = _Fields(obj, key, path, ("key", "sha256", "size"))
-        return _build(cls, key, path, key=f.get_str("key"), size=f.get_int("size"),
+        f = Fields(obj, key, path, ("key", "sha256", "size"))
+        return build_record(cls, key, path, key=f.get_str("key"), size=f.get_int("size"),
                       sha256=f.get_str("sha256"))
 
 
@@ -127,7 +127,7 @@ class CreationClaim(Record):
     learner: str
 
     def __post_init__(self) -> None:
-        _check_count("attempt", self.attempt)
+        check_count("attempt", self.attempt)
         check_learner_id(self.learner)
 
     def to_json(self) -> dict[str, Any]:
@@ -135,8 +135,9 @@ class CreationClaim(Record):
 
     @classmethod
     def from_json(cls, obj: Any, key: str) -> Self:
-        f = _Fields(obj, key, "", ("attempt", "learner", "v"))
-        return _build(cls, key, "", attempt=f.get_int("attempt"), learner=f.get_str("learner"))
+        f = Fields(obj, key, "", ("attempt", "learner", "v"))
+        return build_record(cls, key, "", attempt=f.get_int("attempt"),
+                            learner=f.get_str("learner"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,8 +149,8 @@ class RoundClaim(Record):
     closer: str
 
     def __post_init__(self) -> None:
-        _check_count("round", self.round)
-        _check_count("attempt", self.attempt)
+        check_count("round", self.round)
+        check_count("attempt", self.attempt)
         check_learner_id(self.closer)
 
     def to_json(self) -> dict[str, Any]:
@@ -158,8 +159,8 @@ class RoundClaim(Record):
 
     @classmethod
     def from_json(cls, obj: Any, key: str) -> Self:
-        f = _Fields(obj, key, "", ("attempt", "closer", "round", "v"))
-        return _build(cls, key, "", round=f.get_int("round"), attempt=f.get_int("attempt"),
+        f = Fields(obj, key, "", ("attempt", "closer", "round", "v"))
+        return build_record(cls, key, "", round=f.get_int("round"), attempt=f.get_int("attempt"),
                       closer=f.get_str("closer"))
 
 
@@ -206,7 +207,7 @@ class Manifest(Record):
         if self.codec not in CODECS:
             raise LocalProtocolError(f"codec={self.codec!r} must be one of {CODECS}")
         if self.key_fingerprint is not None:
-            _check_sha256("key_fingerprint", self.key_fingerprint)
+            check_sha256("key_fingerprint", self.key_fingerprint)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -222,7 +223,7 @@ class Manifest(Record):
 
     @classmethod
     def from_json(cls, obj: Any, key: str) -> Self:
-        f = _Fields(obj, key, "", ("algorithm", "codec", "creator", "init", "key_fingerprint",
+        f = Fields(obj, key, "", ("algorithm", "codec", "creator", "init", "key_fingerprint",
                                    "plan", "schema", "v"))
         plan = []
         for p, fragment in enumerate(f.get_list("plan")):
@@ -237,10 +238,10 @@ class Manifest(Record):
         try:
             schema = Schema.from_dict(f.obj["schema"])
         except RemoteProtocolError as exc:
-            raise RemoteProtocolError(f"record {key!r}: field 'schema': {exc} ({_HINT})") from exc
+            raise RemoteProtocolError(f"record {key!r}: field 'schema': {exc} ({HINT})") from exc
         init = tuple(PayloadRef.from_json(r, key, f"init[{p}]")
                      for p, r in enumerate(f.get_list("init")))
-        return _build(
+        return build_record(
             cls, key, "", schema=schema, plan=tuple(plan), algorithm=f.obj["algorithm"],
             creator=f.get_str("creator"), init=init, codec=f.get_str("codec"),
             key_fingerprint=f.get_str("key_fingerprint", null=True),
@@ -274,11 +275,11 @@ class SnapshotRecord(Record):
     def __post_init__(self) -> None:
         check_learner_id(self.learner)
         for name in ("round", "fragment", "base_version", "local_step", "steps", "tokens"):
-            _check_count(name, getattr(self, name))
+            check_count(name, getattr(self, name))
         if not isinstance(self.final, bool):
             raise LocalProtocolError(f"final={self.final!r} must be a bool")
-        _check_sha256("schema_digest", self.schema_digest)
-        _check_format("delta_format", self.delta_format)
+        check_sha256("schema_digest", self.schema_digest)
+        check_format("delta_format", self.delta_format)
         s = self.step_seconds
         if s is not None:
             if isinstance(s, bool) or not isinstance(s, int | float) or not math.isfinite(s) \
@@ -305,10 +306,10 @@ class SnapshotRecord(Record):
 
     @classmethod
     def from_json(cls, obj: Any, key: str) -> Self:
-        f = _Fields(obj, key, "", ("base_version", "delta_format", "final", "fragment",
+        f = Fields(obj, key, "", ("base_version", "delta_format", "final", "fragment",
                                    "learner", "local_step", "payload", "round",
                                    "schema_digest", "step_seconds", "steps", "tokens", "v"))
-        return _build(
+        return build_record(
             cls, key, "", learner=f.get_str("learner"), round=f.get_int("round"),
             fragment=f.get_int("fragment"), base_version=f.get_int("base_version"),
             local_step=f.get_int("local_step"), steps=f.get_int("steps"),
@@ -337,10 +338,11 @@ class Participant:
     def __post_init__(self) -> None:
         check_learner_id(self.learner)
         for name in ("local_step", "steps", "tokens"):
-            _check_count(name, getattr(self, name))
-        object.__setattr__(self, "weight", _seconds("weight", self.weight))
+            check_count(name, getattr(self, name))
+        object.__setattr__(self, "weight", check_seconds("weight", self.weight))
         if self.step_seconds is not None:
-            object.__setattr__(self, "step_seconds", _seconds("step_seconds", self.step_seconds))
+            object.__setattr__(self, "step_seconds",
+                               check_seconds("step_seconds", self.step_seconds))
 
     def to_json(self) -> dict[str, Any]:
         out = {"learner": self.learner, "local_step": self.local_step, "steps": self.steps,
@@ -352,12 +354,12 @@ class Participant:
     @classmethod
     def from_json(cls, obj: Any, key: str, path: str) -> Participant:
         optional = ("step_seconds",) if isinstance(obj, dict) and "step_seconds" in obj else ()
-        f = _Fields(obj, key, path,
+        f = Fields(obj, key, path,
                     ("learner", "local_step", "steps", "tokens", "weight", *optional))
-        return _build(cls, key, path, learner=f.get_str("learner"),
+        return build_record(cls, key, path, learner=f.get_str("learner"),
                       local_step=f.get_int("local_step"), steps=f.get_int("steps"),
                       tokens=f.get_int("tokens"), weight=float(f.get(
-                          "weight", _is_number, "must be a number")),
+                          "weight", is_number, "must be a number")),
                       step_seconds=f.get_float("step_seconds") if optional else None)
 
 
@@ -376,8 +378,8 @@ class Arrival:
     missed: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "window", _seconds("window", self.window))
-        object.__setattr__(self, "latency", _seconds("latency", self.latency))
+        object.__setattr__(self, "window", check_seconds("window", self.window))
+        object.__setattr__(self, "latency", check_seconds("latency", self.latency))
         object.__setattr__(self, "missed", tuple(sorted(self.missed)))
         for learner in (*self.missed, *([] if self.first is None else [self.first])):
             check_learner_id(learner)
@@ -388,11 +390,11 @@ class Arrival:
 
     @classmethod
     def from_json(cls, obj: Any, key: str, path: str) -> Arrival:
-        f = _Fields(obj, key, path, ("first", "latency", "missed", "window"))
+        f = Fields(obj, key, path, ("first", "latency", "missed", "window"))
         missed = f.get_list("missed")
         if not all(isinstance(m, str) for m in missed):
             f.fail("missed", "must be a list of learner ids", missed)
-        return _build(cls, key, path, window=f.get_float("window"),
+        return build_record(cls, key, path, window=f.get_float("window"),
                       latency=f.get_float("latency"), first=f.get_str("first", null=True),
                       missed=tuple(missed))
 
@@ -406,15 +408,15 @@ class Dropped:
 
     def __post_init__(self) -> None:
         check_learner_id(self.learner)
-        _check_text("reason", self.reason)
+        check_text("reason", self.reason)
 
     def to_json(self) -> dict[str, Any]:
         return {"learner": self.learner, "reason": self.reason}
 
     @classmethod
     def from_json(cls, obj: Any, key: str, path: str) -> Dropped:
-        f = _Fields(obj, key, path, ("learner", "reason"))
-        return _build(cls, key, path, learner=f.get_str("learner"),
+        f = Fields(obj, key, path, ("learner", "reason"))
+        return build_record(cls, key, path, learner=f.get_str("learner"),
                       reason=f.get_str("reason"))
 
 
@@ -428,8 +430,8 @@ class UpdateRef:
     theta_sha256: str
 
     def __post_init__(self) -> None:
-        _check_format("update format", self.format)
-        _check_sha256("theta_sha256", self.theta_sha256)
+        check_format("update format", self.format)
+        check_sha256("theta_sha256", self.theta_sha256)
 
     def to_json(self) -> dict[str, Any]:
         return {"format": self.format, "payload": self.payload.to_json(),
@@ -437,8 +439,8 @@ class UpdateRef:
 
     @classmethod
     def from_json(cls, obj: Any, key: str, path: str) -> UpdateRef:
-        f = _Fields(obj, key, path, ("format", "payload", "theta_sha256"))
-        return _build(cls, key, path, format=f.get_str("format"),
+        f = Fields(obj, key, path, ("format", "payload", "theta_sha256"))
+        return build_record(cls, key, path, format=f.get_str("format"),
                       theta_sha256=f.get_str("theta_sha256"),
                       payload=PayloadRef.from_json(f.obj["payload"], key, f"{path}.payload"))
 
@@ -455,10 +457,10 @@ class StepRef:
     theta_sha256: str
 
     def __post_init__(self) -> None:
-        _check_format("step format", self.format)
+        check_format("step format", self.format)
         if self.rule not in ("nesterov", "average"):
             raise LocalProtocolError(f"step rule={self.rule!r} must be 'nesterov' or 'average'")
-        _check_sha256("theta_sha256", self.theta_sha256)
+        check_sha256("theta_sha256", self.theta_sha256)
 
     def to_json(self) -> dict[str, Any]:
         return {"format": self.format, "payload": self.payload.to_json(), "rule": self.rule,
@@ -466,8 +468,8 @@ class StepRef:
 
     @classmethod
     def from_json(cls, obj: Any, key: str, path: str) -> StepRef:
-        f = _Fields(obj, key, path, ("format", "payload", "rule", "theta_sha256"))
-        return _build(cls, key, path, format=f.get_str("format"), rule=f.get_str("rule"),
+        f = Fields(obj, key, path, ("format", "payload", "rule", "theta_sha256"))
+        return build_record(cls, key, path, format=f.get_str("format"), rule=f.get_str("rule"),
                       theta_sha256=f.get_str("theta_sha256"),
                       payload=PayloadRef.from_json(f.obj["payload"], key, f"{path}.payload"))
 
@@ -503,9 +505,9 @@ class RoundRecord(Record):
     step: StepRef | None = None
 
     def __post_init__(self) -> None:
-        _check_count("round", self.round)
-        _check_count("fragment", self.fragment)
-        _check_count("version", self.version, low=1)
+        check_count("round", self.round)
+        check_count("fragment", self.fragment)
+        check_count("version", self.version, low=1)
         if (self.theta is None) != (self.outer is None):
             raise LocalProtocolError("theta and outer are both set (a checkpoint) or both null")
         if self.theta is None and self.step is None:
@@ -563,18 +565,18 @@ class RoundRecord(Record):
     @classmethod
     def from_json(cls, obj: Any, key: str) -> Self:
         optional = tuple(k for k in ("arrival", "step") if isinstance(obj, dict) and k in obj)
-        f = _Fields(obj, key, "", ("all_final", "closer", "dropped", "estimates", "fragment",
+        f = Fields(obj, key, "", ("all_final", "closer", "dropped", "estimates", "fragment",
                                    "mean_cosine", "outer", "participants", "round", "theta",
                                    "update", "v", "version", *optional))
         try:
             estimates = Estimates.from_json(f.obj["estimates"])
         except GradientmailError as exc:
             raise RemoteProtocolError(
-                f"record {key!r}: field 'estimates': {exc} ({_HINT})"
+                f"record {key!r}: field 'estimates': {exc} ({HINT})"
             ) from exc
         update, theta, outer, step = (f.obj.get(k)
                                       for k in ("update", "theta", "outer", "step"))
-        return _build(
+        return build_record(
             cls, key, "", round=f.get_int("round"), fragment=f.get_int("fragment"),
             version=f.get_int("version"),
             theta=None if theta is None else PayloadRef.from_json(theta, key, "theta"),

@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 
 from gradientmail.algorithms.base import Algorithm, FragmentState
-from gradientmail.errors import RemoteProtocolError
+from gradientmail.algorithms.registry import algorithm_from_json
+from gradientmail.backends.numpy_backend import NumpyBackend
+from gradientmail.errors import ConfigError, GradientmailError, RemoteProtocolError
 from gradientmail.protocol import Exchange, payload_bound
 from gradientmail.records import Manifest, RoundRecord
 from gradientmail.serialization import TensorBytes
 
-__all__ = ["Replica", "state_at", "theta_digest"]
+__all__ = ["Replica", "newest_model", "state_at", "theta_digest"]
 
 
 def theta_digest(theta: Mapping[str, TensorBytes], names: Sequence[str]) -> str:
@@ -56,6 +59,9 @@ class Replica:
         self.algorithm = algorithm
         self.states: dict[int, FragmentState] = {}
         self.bytes_down = 0
+        # One thread (training owns the others); its pool reuses the arrays of states
+        # nothing holds any more, round after round.
+        self._backend = NumpyBackend(threads=1)
         self._locks: dict[int, asyncio.Lock] = {}
 
     def held(self, fragment: int) -> FragmentState | None:
@@ -157,7 +163,7 @@ class Replica:
             return None
         self.bytes_down += step.payload.size
         new = await asyncio.to_thread(
-            self.algorithm.apply_step, state, entries, step.format, step.rule
+            self.algorithm.apply_step, state, entries, step.format, step.rule, self._backend
         )
         digest = await asyncio.to_thread(theta_digest, new.theta, names)
         if digest != step.theta_sha256:
@@ -178,8 +184,6 @@ async def state_at(
     checkpoint at or before it and the steps since (for tools and tests; a party that
     follows the run keeps a `Replica`). `RemoteProtocolError` when the run has no
     manifest or a payload is gone."""
-    from gradientmail.algorithms.base import algorithm_from_json
-
     if manifest is None:
         manifest = await exchange.read_manifest()
         if manifest is None:
@@ -190,3 +194,47 @@ async def state_at(
         where = "Θ⁰" if rec is None else f"round {rec.round}"
         raise RemoteProtocolError(f"a payload of {where} (fragment {fragment}) was swept")
     return state
+
+
+async def newest_model(ex: Exchange, url: str) -> tuple[dict[str, TensorBytes], dict[str, str]]:
+    """Every parameter at its fragment's newest committed version (Θ⁰ for a fragment
+    never committed), in schema order, and metadata naming the round and versions.
+
+    A payload swept while it is read means a newer commit exists: it reads again.
+    """
+    manifest = await ex.read_manifest()
+    if manifest is None:
+        raise ConfigError(
+            f"no run found in {url!r}: it holds no manifest.json. Check the URL (and "
+            "--endpoint-url or AWS_ENDPOINT_URL for S3); a run is created by its first "
+            "learner"
+        )
+    replica = Replica(ex, manifest, algorithm_from_json(dict(manifest.algorithm)))
+    seen = -2
+    while True:
+        newest = await ex.newest_round(max(seen, -1))
+        latest = await ex.latest_commit_per_fragment(len(manifest.plan), newest)
+        values: dict[str, TensorBytes] = {}
+        versions = []
+        for p, names in enumerate(manifest.plan):
+            rec = latest.get(p)
+            state = await replica.at(p, rec)
+            if state is None:
+                if newest == seen:
+                    raise GradientmailError(
+                        f"a payload of fragment {p} in {url!r} is missing, though round "
+                        f"{newest} is the newest; the run is damaged"
+                    )
+                break
+            values.update((n, state.theta[n]) for n in names)
+            versions.append(rec.version if rec is not None else 0)
+        else:
+            ordered = {n: values[n] for n in manifest.schema.names}
+            metadata = {
+                "format": "pt",
+                "gradientmail.url": url,
+                "gradientmail.round": str(newest),
+                "gradientmail.versions": json.dumps(versions),
+            }
+            return ordered, metadata
+        seen = newest

@@ -50,7 +50,7 @@ from typing import Any, Self
 
 from gradientmail.errors import LocalProtocolError
 from gradientmail.keyspace import CALL_KEY
-from gradientmail.record_json import FORMAT_VERSION, _build, _check_count, _Fields, _is_int
+from gradientmail.record_json import FORMAT_VERSION, Fields, build_record, check_count, is_int
 from gradientmail.records import Record, check_learner_id
 
 __all__ = [
@@ -110,8 +110,8 @@ class Call(Record):
     gone: tuple[tuple[str, int], ...] | None = None
 
     def __post_init__(self) -> None:
-        _check_count("round", self.round)
-        _check_count("call number", self.number)
+        check_count("round", self.round)
+        check_count("call number", self.number)
         check_learner_id(self.caller)
         if self.gone is not None:
             names = [x for x, _ in self.gone]
@@ -120,7 +120,7 @@ class Call(Record):
                     f"gone={self.gone!r} must list each learner once, sorted by id")
             for learner, counter in self.gone:
                 check_learner_id(learner)
-                if not _is_int(counter) or not 0 <= counter < _COUNTER_LIMIT:
+                if not is_int(counter) or not 0 <= counter < _COUNTER_LIMIT:
                     raise LocalProtocolError(
                         f"gone counter of {learner!r}={counter!r} must be an integer in "
                         f"[0, 10**12), a lease counter")
@@ -141,9 +141,9 @@ class Call(Record):
 
     @classmethod
     def from_json(cls, obj: Any, key: str) -> Self:
-        f = _Fields(obj, key, "", ("caller", "gone", "number", "round", "v"))
+        f = Fields(obj, key, "", ("caller", "gone", "number", "round", "v"))
         gone = f.get("gone", lambda v: isinstance(v, dict), "must be an object", null=True)
-        return _build(cls, key, "", round=f.get_int("round"), number=f.get_int("number"),
+        return build_record(cls, key, "", round=f.get_int("round"), number=f.get_int("number"),
                       caller=f.get_str("caller"),
                       gone=None if gone is None else tuple(sorted(gone.items())))
 

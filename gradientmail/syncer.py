@@ -24,9 +24,9 @@ from gradientmail.algorithms.base import (
     Contribution,
     FragmentState,
     RoundResult,
-    algorithm_from_json,
 )
 from gradientmail.algorithms.diloco import merged_step, outliers, step_format
+from gradientmail.algorithms.registry import algorithm_from_json
 from gradientmail.algorithms.schedule import Estimates, RoundSchedule
 from gradientmail.backends.base import Backend
 from gradientmail.backends.numpy_backend import NumpyBackend
@@ -46,12 +46,13 @@ from gradientmail.events import (
 from gradientmail.lease import LeaseTracker
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
-from gradientmail.protocol import Exchange
+from gradientmail.protocol import Exchange, check_delta
 from gradientmail.quantization import dequantize
 from gradientmail.records import (
     Arrival,
     Dropped,
     Manifest,
+    PayloadRef,
     RoundRecord,
     SnapshotRecord,
     StepRef,
@@ -161,6 +162,8 @@ class Syncer:
         self._caller = RollCaller(exchange, self._tracker, self.closer_id, self.poll_interval,
                                   on_event)
         self._noted: dict[int, dict[str, float]] = {}  # note_contribution, by round
+        # The embedding learner's own deltas, by round: (payload SHA-256, its entries).
+        self._own: dict[int, tuple[str, dict[str, TensorBytes]]] = {}
         self._manifest: Manifest | None = None
         self._algorithm: Algorithm | None = None
         self._schedule: RoundSchedule | None = None
@@ -307,13 +310,19 @@ class Syncer:
     async def _observe_leases(self) -> frozenset[str]:
         return await self.exchange.observe_leases(self._tracker)
 
-    def note_contribution(self, round_: int, learner: str) -> None:
+    def note_contribution(self, round_: int, learner: str, payload: PayloadRef | None = None,
+                          tensors: dict[str, TensorBytes] | None = None) -> None:
         """`learner` (the embedding learner) published to `round_`: seen now, without
         waiting for a listing (a backup closer lists every `backup_every` polls), so that
-        a round short of its quorum is called on time."""
+        a round short of its quorum is called on time. With the `tensors` it uploaded as
+        `payload`, closing that round merges them from memory: a closer does not download
+        its own delta."""
         if round_ > self._cursor:
             self._noted.setdefault(round_, {}).setdefault(learner, self.clock.now())
+            if payload is not None and tensors is not None and learner == self.closer_id:
+                self._own[round_] = (payload.sha256, tensors)
         self._noted = {k: v for k, v in self._noted.items() if k > self._cursor}
+        self._own = {k: v for k, v in self._own.items() if k > self._cursor}
         if round_ == self._open.round and self._open.preferred:
             # A contribution is in: the preferred closer looks at the next poll (as
             # `watch_polls` has it), not up to `watch_every` polls later.
@@ -571,8 +580,13 @@ class Syncer:
         if snap.steps < 1:
             self._drop(r, snap.learner, key, "no steps trained", dropped)
             return None
+        own = self._own.get(r)
         try:
-            entries = await self.exchange.fetch_delta(snap, schema, names)
+            if own is not None and snap.learner == self.closer_id \
+                    and own[0] == snap.payload.sha256:
+                entries: dict[str, TensorBytes] | None = check_delta(own[1], snap, schema, names)
+            else:
+                entries = await self.exchange.fetch_delta(snap, schema, names)
         except SchemaMismatch as exc:
             self._drop(r, snap.learner, key, f"mis-shaped: {exc}", dropped)
             return None

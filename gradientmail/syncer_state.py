@@ -19,6 +19,7 @@ __all__ = [
     "awaited",
     "close_time",
     "effective_quorum",
+    "much_slower",
     "next_claim_attempt",
     "preferred_closer",
     "updated_estimates",
@@ -88,6 +89,16 @@ def close_time(
 SLOW_FACTOR = 1.5
 
 
+def much_slower(step_seconds: float | None, pace: float | None,
+                slow_factor: float = SLOW_FACTOR) -> bool:
+    """Whether a learner stepping `step_seconds` is much slower than the run's `pace`
+    (over `slow_factor` times): rounds do not wait for it, and it counts its gap at the
+    run's pace. False while either is unknown: a learner of unknown pace is waited for."""
+    if not step_seconds or not pace:
+        return False
+    return step_seconds > slow_factor * pace
+
+
 def awaited(
     live: Collection[str], paces: Mapping[str, float], slow_factor: float = SLOW_FACTOR
 ) -> frozenset[str]:
@@ -102,7 +113,7 @@ def awaited(
     if not known:
         return frozenset(live)
     pace = known[(len(known) - 1) // 2]
-    return frozenset(x for x in live if x not in paces or paces[x] <= slow_factor * pace)
+    return frozenset(x for x in live if not much_slower(paces.get(x), pace, slow_factor))
 
 
 def next_claim_attempt(

@@ -88,6 +88,8 @@ _DILOCO_KINDS = {
     "commit_dtype": "str?",
     "flush_on_close": "bool",
     "rebase": "bool?",
+    "outlier_factor": "float?",
+    "checkpoint_every": "int",
 }
 _YAML_KEYS = (*_PLUGIN_KINDS, "diloco")
 _COMPRESSIONS = ("off", "zstd")

@@ -48,6 +48,8 @@ def diloco_callback(
     commit_dtype: Literal["BF16", "F8_E4M3", "F4"] | None = None,
     flush_on_close: bool = True,
     rebase: bool | None = None,
+    outlier_factor: float | None = None,
+    checkpoint_every: int = 20,
     sync: bool = True,
     poll_interval: float = 1.0,
     compression: Literal["off", "zstd"] = "off",
@@ -76,6 +78,8 @@ def diloco_callback(
         commit_dtype=commit_dtype,
         flush_on_close=flush_on_close,
         rebase=rebase,
+        outlier_factor=outlier_factor,
+        checkpoint_every=checkpoint_every,
     )
     keyed: dict[str, Any] = {}
     run_key = os.environ.get(RUN_KEY_VARIABLE)

@@ -164,7 +164,8 @@ def test_unknown_keys_are_named_with_the_valid_ones(tmp_path: Path) -> None:
     )
     msg = bad_yaml(tmp_path, "mailbox: m\ndiloco:\n  sync_evry: 3\n  outer_lrr: 1\n")
     assert "unknown keys diloco.sync_evry, diloco.outer_lrr; valid keys: sync_every, " in msg
-    assert msg.endswith("delta_dtype, commit_dtype, flush_on_close, rebase")
+    assert msg.endswith("delta_dtype, commit_dtype, flush_on_close, rebase, outlier_factor, "
+                        "checkpoint_every")
     msg = bad_yaml(tmp_path, "mailbox: m\ndiloco:\n  merge: {type: rda, pattern: x}\n")
     assert msg.endswith("diloco.merge: unknown option pattern for rda; its options: direct_pattern")
     msg = bad_yaml(tmp_path, "mailbox: m\ndiloco:\n  merge: {type: weighted_mean, x: 1}\n")
@@ -283,7 +284,7 @@ def test_plugin_fields_are_validated_in_code() -> None:
 
 
 configs = st.builds(
-    lambda h, p, tau, overlap, q, merge, part, fmt, flush: DiLoCo(
+    lambda h, p, tau, overlap, q, merge, part, fmt, flush, k, outlier: DiLoCo(
         sync_every=h * p,
         fragments=p,
         in_flight=min(tau, p),
@@ -293,6 +294,8 @@ configs = st.builds(
         partition=part,
         delta_dtype=fmt,
         flush_on_close=flush,
+        checkpoint_every=k,
+        outlier_factor=outlier,
     ),
     st.integers(1, 50),
     st.integers(1, 4),
@@ -303,6 +306,10 @@ configs = st.builds(
     st.sampled_from([ByBytes(), Strided(), Strided(r"layer(\d+)")]),
     st.sampled_from([None, "BF16", "F8_E4M3", "F4"]),
     st.booleans(),
+    # 1 is left out of a manifest's JSON (runs from before replication), where a YAML
+    # section without the key takes DiLoCo's default: written out, it round-trips.
+    st.sampled_from([2, 20, 50]),
+    st.none() | st.floats(1.5, 10.0),
 )
 
 

@@ -89,14 +89,16 @@ def test_the_bounds_hold_every_honest_payload_even_incompressible_under_zstd() -
               for n in names}
     update = {k: v for n in names for k, v in quantize(n, floats[n], "F4").items()}
     for compression in codec.COMPRESSIONS:
-        for kind, tensors in (("theta", noise), ("outer", outer), ("updates", update)):
+        for kind, tensors in (("theta", noise), ("outer", outer), ("updates", update),
+                              ("steps", update), ("steps", floats)):
             blob = codec.encode(tensors, compression)
             assert len(blob) <= payload_bound(schema, names, kind), (kind, compression)
             assert codec.decode(blob, compression,
                                 max_bytes=payload_bound(schema, names, kind)) == tensors
     with pytest.raises(LocalProtocolError) as e:
         payload_bound(schema, names, "delta")
-    assert str(e.value) == "payload kind 'delta' must be 'theta', 'outer' or 'updates'"
+    assert str(e.value) == ("payload kind 'delta' must be 'theta', 'outer', 'updates' or "
+                            "'steps'")
 
 
 def test_a_delta_declared_over_its_bound_is_not_downloaded() -> None:

@@ -60,6 +60,17 @@ def mailbox() -> Any:
     MemoryMailbox.forget(name)
 
 
+async def started(mailbox: Mailbox, *ids: str, alg: Any = None) -> tuple[Run, list[Peer]]:
+    """A run (standard DiLoCo for two by default) and a peer for each id, each beaten
+    once: every one holds a lease before the syncer first lists them."""
+    r = Run(mailbox, DiLoCo.standard(4, 2) if alg is None else alg)
+    await r.create()
+    peers = [Peer(mailbox, x) for x in ids]
+    for peer in peers:
+        await peer.beat()
+    return r, peers
+
+
 async def tick(r: Run, syncer: Any, peers: list[Peer], seconds: float = 1.0) -> bool:
     """One poll interval: the live peers answer the call, the syncer polls."""
     fake(r).advance(seconds)
@@ -71,11 +82,7 @@ async def tick(r: Run, syncer: Any, peers: list[Peer], seconds: float = 1.0) -> 
 def test_a_dead_learner_is_judged_gone_and_the_barrier_closes_without_it(
         mailbox: Mailbox) -> None:
     async def main() -> None:
-        r = Run(mailbox, DiLoCo.standard(4, 2))
-        await r.create()
-        a, dead = Peer(mailbox, "a"), Peer(mailbox, "dead")
-        await a.beat()
-        await dead.beat()  # then SIGKILLed: it never beats again
+        r, (a, _) = await started(mailbox, "a", "dead")  # then "dead" is SIGKILLed
         s = r.syncer()  # a standalone syncer: it lists the leases every poll
         assert not await s.poll()
         await r.contribute(0, "a")
@@ -114,11 +121,7 @@ def test_a_dead_learner_is_judged_gone_and_the_barrier_closes_without_it(
 
 def test_a_slow_learner_answers_the_call_and_is_waited_for(mailbox: Mailbox) -> None:
     async def main() -> None:
-        r = Run(mailbox, DiLoCo.standard(4, 2))
-        await r.create()
-        a, slow = Peer(mailbox, "a"), Peer(mailbox, "slow")
-        await a.beat()
-        await slow.beat()
+        r, (a, slow) = await started(mailbox, "a", "slow")
         s = r.syncer()
         assert not await s.poll()
         await r.contribute(0, "a")
@@ -143,10 +146,7 @@ def test_a_dead_preferred_closer_of_a_full_round_is_called_by_a_waiting_backup(
     # contributed, then died before closing; "b", whose learner waits at the barrier, is
     # a backup with a 30-poll head start to give: it calls instead, and closes.
     async def main() -> None:
-        r = Run(mailbox, DiLoCo.standard(4, 2))
-        await r.create()
-        dead = Peer(mailbox, "a")
-        await dead.beat()
+        r, _ = await started(mailbox, "a")
         tracker = LeaseTracker(120.0)
         await r.ex.beat("b")
         s = r.syncer("b", embedded=True, leases=tracker)
@@ -180,11 +180,7 @@ def test_a_dead_preferred_closer_of_a_full_round_is_called_by_a_waiting_backup(
 def test_a_learner_wrongly_judged_gone_is_merged_and_live_again_once_it_beats(
         mailbox: Mailbox) -> None:
     async def main() -> None:
-        r = Run(mailbox, DiLoCo.standard(4, 2))
-        await r.create()
-        a, mute = Peer(mailbox, "a"), Peer(mailbox, "mute")
-        await a.beat()
-        await mute.beat()  # alive, but deaf to the call for a while
+        r, (a, mute) = await started(mailbox, "a", "mute")  # mute: deaf to calls a while
         s = r.syncer()
         assert not await s.poll()
         await r.contribute(0, "a")
@@ -211,11 +207,7 @@ def test_a_learner_wrongly_judged_gone_is_merged_and_live_again_once_it_beats(
 def test_a_round_with_its_quorum_is_never_called(mailbox: Mailbox) -> None:
     # Decoupled: quorum 1, the grace window bounds the wait for a missing live learner.
     async def main() -> None:
-        r = Run(mailbox, algorithm(fragments=2, quorum_size=1))
-        await r.create()
-        a, b = Peer(mailbox, "a"), Peer(mailbox, "b")
-        await a.beat()
-        await b.beat()
+        r, (a, b) = await started(mailbox, "a", "b", alg=algorithm(fragments=2, quorum_size=1))
         s = r.syncer()
         for round_ in range(3):
             await r.contribute(round_, "a")
@@ -230,11 +222,7 @@ def test_a_round_with_its_quorum_is_never_called(mailbox: Mailbox) -> None:
 def test_a_call_someone_else_posted_counts_and_an_abandoned_one_is_taken_over(
         mailbox: Mailbox) -> None:
     async def main() -> None:
-        r = Run(mailbox, DiLoCo.standard(4, 2))
-        await r.create()
-        a, dead = Peer(mailbox, "a"), Peer(mailbox, "dead")
-        await a.beat()
-        await dead.beat()
+        r, (a, _) = await started(mailbox, "a", "dead")
         s = r.syncer()
         assert not await s.poll()
         await r.contribute(0, "a")

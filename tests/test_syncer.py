@@ -32,7 +32,7 @@ from gradientmail.events import (
     Swept,
 )
 from gradientmail.mailbox import Mailbox, MemoryMailbox
-from gradientmail.mailbox.wrappers import FaultPlan, FaultyMailbox
+from gradientmail.mailbox.wrappers import CountingMailbox, FaultPlan, FaultyMailbox
 from gradientmail.protocol import Exchange, round_key
 from gradientmail.records import Arrival, Manifest, RoundRecord, SnapshotRecord
 from gradientmail.replica import state_at
@@ -814,6 +814,38 @@ def test_an_outer_step_that_overflows_drops_the_round_instead_of_retrying_foreve
         assert dropped.learner == "a" and "outer step overflowed" in dropped.reason
         theta = (await state_at(r.ex, 0, rec)).theta
         assert theta == await r.ex.fetch_tensors(manifest.init[0])
+
+    run(main())
+
+
+def test_an_embedded_closer_merges_its_own_delta_from_memory(mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=2))
+        await r.create()
+        mine = await r.contribute(0, "a")
+        await r.contribute(0, "b")
+        gets: list[str] = []
+
+        class Logged(CountingMailbox):
+            async def get(self, key: str) -> bytes | None:
+                gets.append(key)
+                return await super().get(key)
+
+        s = r.syncer("a", mailbox=Logged(mailbox))
+        s.note_contribution(0, "a", mine.payload, delta(0, "a", r.plan[0]))
+        assert await s.poll(live=frozenset({"a", "b"}))
+        # Its own delta is not downloaded; b's is.
+        assert [k for k in gets if k.startswith("payloads/")] == [
+            "payloads/0000000000/b.safetensors"]
+        rec = await r.ex.read_round(0)
+        assert rec is not None and [p.learner for p in rec.participants] == ["a", "b"]
+        # The same bytes as a closer that downloaded both.
+        other = Run(MemoryMailbox(), algorithm(fragments=1, quorum_size=2))
+        await other.create()
+        await other.contribute(0, "a")
+        await other.contribute(0, "b")
+        assert await other.syncer("a").poll(live=frozenset({"a", "b"}))
+        assert fingerprint([rec]) == fingerprint(await other.records())
 
     run(main())
 

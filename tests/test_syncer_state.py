@@ -10,6 +10,7 @@ from gradientmail.syncer_state import (
     awaited,
     close_time,
     effective_quorum,
+    much_slower,
     next_claim_attempt,
     updated_estimates,
     watch_polls,
@@ -47,6 +48,13 @@ def test_the_window_waits_only_for_the_awaited_learners() -> None:
     assert close_time(w, live, quorum_size=2, grace=5.0, awaited={"a", "b"}) == 12.5
     # an awaited learner that is not in keeps the round open for the window
     assert close_time(w, live, quorum_size=1, grace=5.0, awaited={"a", "c"}) == 15.0
+
+
+def test_much_slower_is_over_one_and_a_half_times_the_pace_and_never_unknown() -> None:
+    assert much_slower(0.31, 0.2) and not much_slower(0.3, 0.2)
+    assert not much_slower(None, 0.2) and not much_slower(5.0, None)
+    assert not much_slower(0.0, 0.2) and not much_slower(5.0, 0.0)
+    assert much_slower(0.25, 0.2, slow_factor=1.2)
 
 
 def test_awaited_leaves_out_much_slower_learners_only() -> None:

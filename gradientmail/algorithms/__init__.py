@@ -13,8 +13,8 @@ from gradientmail.algorithms.base import (
     Contribution,
     FragmentState,
     RoundResult,
-    algorithm_from_json,
 )
+from gradientmail.algorithms.registry import algorithm_from_json
 from gradientmail.algorithms.schedule import Estimates, RoundSchedule
 
 __all__ = [

@@ -30,7 +30,6 @@ __all__ = [
     "Contribution",
     "FragmentState",
     "RoundResult",
-    "algorithm_from_json",
 ]
 
 MOMENTUM_PREFIX = "momentum/"
@@ -285,7 +284,8 @@ class Algorithm(Protocol):
         ...
 
     def apply_step(
-        self, state: FragmentState, step: Mapping[str, TensorBytes], fmt: str, rule: str
+        self, state: FragmentState, step: Mapping[str, TensorBytes], fmt: str, rule: str,
+        backend: Backend | None = None,
     ) -> FragmentState:
         """The fragment one version on after a replicated commit's step."""
         ...
@@ -314,16 +314,3 @@ class Algorithm(Protocol):
         ...
 
     def to_json(self) -> dict[str, Any]: ...
-
-
-def algorithm_from_json(obj: Any) -> Algorithm:
-    """The algorithm a JSON record describes, by its "type"; `RemoteProtocolError` for an
-    unknown type or a record of another shape."""
-    kind = obj.get("type") if isinstance(obj, dict) else None
-    if kind == "diloco":
-        from gradientmail.algorithms.diloco import DiLoCo
-
-        return DiLoCo.from_json(obj)
-    raise RemoteProtocolError(
-        f"algorithm record {obj!r:.100} has type {kind!r}; known algorithms: 'diloco'"
-    )

@@ -32,6 +32,14 @@ from gradientmail.algorithms.merge import (
     weight,
     weighted_mean,
 )
+from gradientmail.algorithms.outer import (
+    STEP_RULES,
+    apply_step,
+    check_master,
+    merged_step,
+    rebuild_theta,
+    step_format,
+)
 from gradientmail.algorithms.partition import (
     ByBytes,
     Partition,
@@ -359,10 +367,13 @@ class DiLoCo:
         return version % self.checkpoint_every == 0
 
     def apply_step(
-        self, state: FragmentState, step: Mapping[str, TensorBytes], fmt: str, rule: str
+        self, state: FragmentState, step: Mapping[str, TensorBytes], fmt: str, rule: str,
+        backend: Backend | None = None,
     ) -> FragmentState:
-        """`apply_step` under this configuration."""
-        return apply_step(self, state, step, fmt, rule)
+        """`outer.apply_step` under this configuration."""
+        keep = self.keeps_master([state.theta[n].dtype for n in state.names])
+        return apply_step(state, step, fmt, rule, lr=self.outer_lr,
+                          momentum=self.outer_momentum, keep_master=keep, backend=backend)
 
     def initial_state(self, fragment: int, theta: Mapping[str, TensorBytes]) -> FragmentState:
         keep = self.keeps_master([t.dtype for t in theta.values()])
@@ -481,112 +492,6 @@ def _json_field(name: str, v: Any) -> Any:
     return v
 
 
-def rebuild_theta(
-    theta_old: Mapping[str, TensorBytes],
-    update: Mapping[str, TensorBytes],
-    fmt: str,
-    backend: Backend | None = None,
-) -> dict[str, TensorBytes]:
-    """Θ_new from Θ_old and a commit's quantized update: to_dtype(Θ_old + dequantize(u)),
-    in float32, each tensor back in Θ_old's dtype. The closer publishes exactly this."""
-    from gradientmail.quantization import dequantize
-
-    be = NumpyBackend() if backend is None else backend
-    return {
-        n: (be.load(t) + be.load(dequantize(update, n, fmt))).to_bytes(t.dtype)
-        for n, t in theta_old.items()
-    }
-
-
-#: How a replicated commit's Δ moves the master: DiLoCo's Nesterov outer step, or the
-#: plain average of final or light rounds (Θ ← Θ − Δ, momentum kept).
-STEP_RULES = ("nesterov", "average")
-
-
-def step_format(commit_dtype: str | None, dtypes: Sequence[str]) -> str:
-    """The format a replicated commit's Δ travels in: `commit_dtype` when set, else the
-    model's own precision (BF16 when every tensor of the fragment is BF16, else F32)."""
-    if commit_dtype is not None:
-        return commit_dtype
-    return "BF16" if dtypes and all(d == "BF16" for d in dtypes) else "F32"
-
-
-def merged_step(name: str, merged: TensorBytes, fmt: str) -> dict[str, TensorBytes]:
-    """The entries that carry tensor `name` of a merged Δ (F32) in format `fmt`."""
-    if fmt == "F32":
-        return {name: merged}
-    from gradientmail.quantization import quantize
-
-    return quantize(name, merged, fmt, backend="numpy")
-
-
-def apply_step(
-    config: DiLoCo, state: FragmentState, step: Mapping[str, TensorBytes], fmt: str,
-    rule: str,
-) -> FragmentState:
-    """The fragment one version on, after a replicated commit's Δ (`step`, in `fmt`).
-
-    Every party of a run computes exactly these bytes — the closer that merged Δ, each
-    learner and any standalone syncer — with numpy in float32, one operation at a time:
-    `nesterov` is m ← β·m + Δ; Θ ← Θ − η·(Δ + β·m) on the fp32 master (theta when the
-    master is not kept apart), `average` is Θ ← Θ − Δ with the momentum kept. Theta is
-    the new master cast to its schema dtype.
-
-    Raises `ConfigError` (an unknown rule), `RemoteProtocolError` (entries missing or
-    mis-shaped) and `NonFiniteError` (an outer step that overflows float32).
-    """
-    from gradientmail.quantization import dequantize
-
-    if rule not in STEP_RULES:
-        raise ConfigError(f"rule={rule!r} must be one of {STEP_RULES}")
-    be = NumpyBackend(threads=1)
-    names = state.names
-    keep = config.keeps_master([state.theta[n].dtype for n in names])
-    theta: dict[str, TensorBytes] = {}
-    master: dict[str, TensorBytes] = {}
-    momentum: dict[str, TensorBytes] = {}
-    for name in names:
-        t = step.get(name)
-        if fmt == "F32":
-            if not isinstance(t, TensorBytes) or t.dtype != "F32":
-                raise RemoteProtocolError(f"the step has no F32 entry {name!r}")
-            d = t
-        else:
-            d = dequantize(step, name, fmt)
-        if d.shape != state.theta[name].shape:
-            raise RemoteProtocolError(
-                f"the step's {name!r} has shape {list(d.shape)}, the fragment holds "
-                f"{list(state.theta[name].shape)}"
-            )
-        delta = be.load(d)
-        base = be.load((state.master or state.theta)[name])
-        if rule == "average":
-            new_master = base - delta
-            momentum[name] = state.momentum[name]
-        else:
-            new_master, new_mom = be.outer_step(
-                base, be.load(state.momentum[name]), [delta], [1.0],
-                config.outer_lr, config.outer_momentum,
-            )
-            momentum[name] = new_mom.to_bytes("F32")
-        _check_master(be, new_master, name, state.fragment)
-        theta[name] = new_master.to_bytes(state.theta[name].dtype)
-        if keep:
-            master[name] = new_master.to_bytes("F32")
-    return FragmentState(
-        state.fragment, state.version + 1, theta, master if keep else None, momentum
-    )
-
-
-def _check_master(be: Backend, new_master: Value, name: str, fragment: int) -> None:
-    # The momentum cannot overflow alone: a non-finite m makes Θ non-finite (η > 0).
-    if not be.all_finite(new_master):
-        raise NonFiniteError(
-            f"the outer step overflowed float32 in {name!r} of fragment {fragment}; the "
-            "deltas are too large (lower outer_lr or the inner learning rate)"
-        )
-
-
 class DiLoCoAggregator:
     """Closes DiLoCo rounds over a backend's Value arithmetic; pure and deterministic."""
 
@@ -668,13 +573,13 @@ class DiLoCoAggregator:
                     base, mom, deltas, coeffs, cfg.outer_lr, cfg.outer_momentum
                 )
                 momentum[name] = new_mom.to_bytes("F32")
-            _check_master(be, new_master, name, state.fragment)
+            check_master(be, new_master, name, state.fragment)
             theta[name] = self._publish(name, new_master, state.theta[name], update)
             if keep_master:
                 master[name] = new_master.to_bytes("F32")
         rule = "average" if averaged else "nesterov"
         if fmt is not None:
-            new_state = apply_step(cfg, state, step, fmt, rule)
+            new_state = cfg.apply_step(state, step, fmt, rule, be)
         else:
             new_state = FragmentState(
                 state.fragment, state.version + 1, theta, master if keep_master else None,

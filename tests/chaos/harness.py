@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from gradientmail.algorithms.base import algorithm_from_json
+from gradientmail.algorithms.registry import algorithm_from_json
 from gradientmail.errors import SchemaMismatch
 from gradientmail.events import Event
 from gradientmail.mailbox.base import Mailbox

@@ -36,8 +36,8 @@ from chaos.harness import (
     train_step,
     verify_run,
 )
-from gradientmail.algorithms.base import algorithm_from_json
 from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.registry import algorithm_from_json
 from gradientmail.errors import CorruptPayload
 from gradientmail.events import ContributionDropped, Event, FragmentAligned, PollFailed
 from gradientmail.learner import Learner
