@@ -10,15 +10,16 @@ and counts only that learner's requests, through a CountingMailbox:
   key per poll (rounds are gap-free, so no LIST), one GET of the manifest every
   `MANIFEST_EVERY` polls (a run removed under it stops it), one LIST of the leases per
   lease period, one LIST of the next round's contributions every `BACKUP_EVERY` polls
-  unless its closer already watches that round, the theta of each commit (GET);
+  unless its closer already watches that round, the step of each commit (GET; theta
+  where the run uploads it with every commit);
 - its lease loop as `Mailman._lease_loop` runs it: a beat (PUT + free DELETE) per lease
   period, one GET of the roll call (`rollcall.json`) every `READ_EVERY` polls, and a beat
   for each call it answers (`gradientmail.rollcall.reply`);
 - its embedded closer: the real `Syncer(embedded=True)`, which watches a round closely
   only when it is the round's preferred closer (1 in N rounds) and closes those rounds
-  (claim, contributions, theta/outer, record, sweep), and calls the roll when a round
-  waits short of its quorum (never here: quorum 1; the `calls/h` column counts the calls
-  it answered or made);
+  (claim, contributions, step, record, sweep; theta and outer state every 20 versions),
+  and calls the roll when a round waits short of its quorum (never here: quorum 1; the
+  `calls/h` column counts the calls it answered or made);
 - its publishes: one per round of its schedule (payload + record).
 
 Every learner publishes once a gap (H/P steps), the N of them within 2 s of each other:
