@@ -7,6 +7,7 @@ coordination.
 """
 
 from gradientmail.algorithms.diloco import ByBytes, DiLoCo, Rda, Strided, WeightedMean
+from gradientmail.committed import load_committed
 from gradientmail.errors import GradientmailError
 from gradientmail.learner import Learner
 from gradientmail.mailbox import open_mailbox
@@ -24,5 +25,6 @@ __all__ = [
     "Syncer",
     "WeightedMean",
     "__version__",
+    "load_committed",
     "open_mailbox",
 ]

@@ -1,0 +1,86 @@
+"""`gradientmail.load_committed`: the newest committed model, in one call."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import gradientmail
+from gradientmail.adapters import TorchAdapter
+from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.errors import AuthenticationError, ConfigError, SchemaMismatch
+from gradientmail.learner import Learner
+from gradientmail.mailbox import LocalMailbox
+from gradientmail.protocol import Exchange
+from gradientmail.replica import newest_model
+
+KEY = "a run key of sixteen bytes or more"
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def train(directory: Path, run_key: str | None = None) -> torch.nn.Module:
+    """One learner, standard DiLoCo with a checkpoint every 2 versions, 5 rounds."""
+    model = make_model()
+    alg = DiLoCo(2, 1, in_flight=1, overlap_steps=0, merge=WeightedMean(), checkpoint_every=2,
+                 flush_on_close=False)
+    learner = Learner(TorchAdapter(model), alg, str(directory), "solo", poll_interval=0.01,
+                      run_key=run_key, on_event=lambda e: None)
+    learner.start()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(11):  # 5 rounds; the 11th step waits for the 5th commit
+        opt.zero_grad()
+        x = torch.randn(4, 6, generator=gen)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        learner.step(4)
+    learner.close()
+    return model
+
+
+def test_the_newest_commit_as_tensors_and_into_a_model(tmp_path: Path) -> None:
+    box = tmp_path / "run"
+    trained = train(box)
+    state = gradientmail.load_committed(str(box))
+    import asyncio
+
+    want, meta = asyncio.run(newest_model(Exchange(LocalMailbox(box)), str(box)))
+    assert int(meta["gradientmail.round"]) == 4  # version 5: a checkpoint at 4, one step
+    assert list(state) == list(want)
+    for name, t in state.items():
+        assert t.dtype == torch.float32 and t.device.type == "cpu"
+        assert t.numpy().tobytes() == want[name].data
+    # The learner ended on that commit (a barrier: nothing trained past it).
+    for name, p in trained.named_parameters():
+        assert torch.equal(p.detach(), state[name])
+    fresh = make_model()
+    loaded = gradientmail.load_committed(LocalMailbox(box), fresh)
+    assert all(torch.equal(loaded[n], state[n]) for n in state)
+    for name, p in fresh.named_parameters():
+        assert torch.equal(p.detach(), state[name])
+
+
+def test_a_model_of_another_shape_a_wrong_key_and_no_run_are_named(tmp_path: Path) -> None:
+    box = tmp_path / "run"
+    train(box, run_key=KEY)
+    other = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    before = [p.detach().clone() for p in other.parameters()]
+    with pytest.raises(SchemaMismatch) as info:
+        gradientmail.load_committed(str(box), other, run_key=KEY)
+    assert str(info.value) == (
+        f"this model does not match the run in file://{box}: '2.weight' is [3, 8] in the "
+        "model, [2, 8] in the run; '2.bias' is [3] in the model, [2] in the run. Use the "
+        "run's model definition")
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters(), strict=True))
+    with pytest.raises(AuthenticationError):
+        gradientmail.load_committed(str(box))  # an authenticated run needs its key
+    with pytest.raises(AuthenticationError):
+        gradientmail.load_committed(str(box), run_key="another key of sixteen bytes")
+    with pytest.raises(ConfigError, match="no run found in"):
+        gradientmail.load_committed(str(tmp_path / "empty"))
