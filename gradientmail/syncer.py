@@ -64,6 +64,7 @@ from gradientmail.syncer_state import (
     RoundWatch,
     awaited,
     close_time,
+    completes,
     effective_quorum,
     next_claim_attempt,
     preferred_closer,
@@ -275,6 +276,9 @@ class Syncer:
             # The window is open: look every poll, so the round closes as soon as the
             # last learner it waits for is in (one LIST a poll, for one closer a round).
             self._next_watch = -math.inf
+        if not close and due is not None and self.embedded and completes(
+                watch, self.closer_id, live, alg.quorum_size, expected):
+            close = True  # its own contribution completed the set: no head start to give
         held = None
         if due is not None and not close:
             # A backup closer gives the preferred one a head start before it claims (and
@@ -323,9 +327,9 @@ class Syncer:
                 self._own[round_] = (payload.sha256, tensors)
         self._noted = {k: v for k, v in self._noted.items() if k > self._cursor}
         self._own = {k: v for k, v in self._own.items() if k > self._cursor}
-        if round_ == self._open.round and self._open.preferred:
-            # A contribution is in: the preferred closer looks at the next poll (as
-            # `watch_polls` has it), not up to `watch_every` polls later.
+        if round_ == self._open.round:
+            # Its own contribution is in: look at the round at the next poll (one LIST a
+            # round), preferred closer or not: if it completed the set, it closes now.
             self._next_watch = -math.inf
 
     # -- state --------------------------------------------------------------------------

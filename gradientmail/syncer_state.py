@@ -18,6 +18,7 @@ __all__ = [
     "RoundWatch",
     "awaited",
     "close_time",
+    "completes",
     "effective_quorum",
     "much_slower",
     "next_claim_attempt",
@@ -82,6 +83,19 @@ def close_time(
     t_first = watch.first_time()
     assert t_first is not None  # the quorum is in, so something was seen
     return max(t_quorum, t_first + max(grace, 0.0))
+
+
+def completes(watch: RoundWatch, me: str, live: Collection[str], quorum_size: int,
+              awaited: Collection[str]) -> bool:
+    """Whether the round's set is complete with `me` in it: `me` and the effective quorum
+    have contributed, and so has every awaited live learner. A learner whose embedded
+    closer sees this closes the round at once, preferred closer or not: the last arrival
+    needs no hop to another closer's next look (the claim election keeps it one close)."""
+    if me not in watch.first_seen or not live:
+        return False
+    if watch.quorum_time(effective_quorum(quorum_size, len(live))) is None:
+        return False
+    return not set(awaited) - set(watch.first_seen)
 
 
 #: A live learner whose step time exceeds this many times the run's pace is not waited

@@ -9,6 +9,7 @@ from gradientmail.syncer_state import (
     RoundWatch,
     awaited,
     close_time,
+    completes,
     effective_quorum,
     much_slower,
     next_claim_attempt,
@@ -48,6 +49,18 @@ def test_the_window_waits_only_for_the_awaited_learners() -> None:
     assert close_time(w, live, quorum_size=2, grace=5.0, awaited={"a", "b"}) == 12.5
     # an awaited learner that is not in keeps the round open for the window
     assert close_time(w, live, quorum_size=1, grace=5.0, awaited={"a", "c"}) == 15.0
+
+
+def test_the_contribution_that_completes_the_set_closes() -> None:
+    live = {"a", "b", "c"}
+    w = RoundWatch(0, {"a": 1.0, "b": 2.0})
+    assert not completes(w, "b", live, 2, live)  # c is awaited and not in
+    assert completes(w, "b", live, 2, {"a", "b"})  # c is too slow to be awaited
+    assert not completes(w, "c", live, 2, {"a", "b"})  # c has not contributed
+    w = RoundWatch(0, {"a": 1.0, "b": 2.0, "c": 3.0})
+    assert completes(w, "a", live, 3, live) and completes(w, "c", live, 3, live)
+    assert not completes(RoundWatch(0, {"a": 1.0}), "a", {"a", "b"}, 2, {"a"})  # no quorum
+    assert not completes(RoundWatch(0, {"a": 1.0}), "a", set(), 1, set())  # nobody live
 
 
 def test_much_slower_is_over_one_and_a_half_times_the_pace_and_never_unknown() -> None:
