@@ -66,6 +66,7 @@ from gradientmail.syncer_state import (
     close_time,
     completes,
     effective_quorum,
+    head_start,
     next_claim_attempt,
     preferred_closer,
     updated_estimates,
@@ -283,16 +284,21 @@ class Syncer:
         if due is not None and not close:
             # A backup closer gives the preferred one a head start before it claims (and
             # before it lists claims every poll): rounds close once, at no extra cost.
-            held, due = due, due + self.backup_every * self.poll_interval
+            polls = head_start(self.closer_id in watch.first_seen, self.backup_every)
+            held, due = due, due + polls * self.poll_interval
         if calling and (due is None or (waiting and held is not None and now < due)):
             await self._caller.maybe_call(r, self._open.first_seen, alg.quorum_size, live,
                                           refresh_live, now, held, waiting and not close)
         if due is None or now < due:
             return False
-        for claim in await ex.round_claims(r):
-            self._open.claims.setdefault(claim, now)
         timeout = self._estimates().takeover_timeout(self.poll_interval)
-        attempt = next_claim_attempt(self._open.claims, now, timeout)
+        claims = self._open.claims
+        if not claims or now >= max(claims.values()) + timeout:
+            # A claim seen is current for a takeover timeout: no LIST a poll meanwhile
+            # (a backup past its head start waits out a preferred closer's long merge).
+            for claim in await ex.round_claims(r):
+                claims.setdefault(claim, now)
+        attempt = next_claim_attempt(claims, now, timeout)
         if attempt is None:
             return False
         if attempt > 0:

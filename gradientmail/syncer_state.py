@@ -14,12 +14,14 @@ from collections.abc import Collection, Mapping
 from gradientmail.algorithms.schedule import Estimates
 
 __all__ = [
+    "CONTRIBUTOR_HEAD_START",
     "SLOW_FACTOR",
     "RoundWatch",
     "awaited",
     "close_time",
     "completes",
     "effective_quorum",
+    "head_start",
     "much_slower",
     "next_claim_attempt",
     "preferred_closer",
@@ -96,6 +98,20 @@ def completes(watch: RoundWatch, me: str, live: Collection[str], quorum_size: in
     if watch.quorum_time(effective_quorum(quorum_size, len(live))) is None:
         return False
     return not set(awaited) - set(watch.first_seen)
+
+
+#: Polls of head start a backup closer gives the preferred one on a round it contributed
+#: to (on others: `backup_every`). A live preferred closer watches the round every poll
+#: once it is due and claims within one; a dead one (its lease not yet expired, and with
+#: quorum 1 no roll call) kept the decoupled survivor's rounds waiting 30 polls each.
+CONTRIBUTOR_HEAD_START = 3
+
+
+def head_start(contributed: bool, backup_every: int) -> int:
+    """Polls a backup closer waits past a round's due time before it looks at the claims:
+    `CONTRIBUTOR_HEAD_START` on a round with its own contribution, `backup_every` on
+    others (where it watches rarely and has nothing of its own to lose)."""
+    return min(CONTRIBUTOR_HEAD_START, backup_every) if contributed else backup_every
 
 
 #: A live learner whose step time exceeds this many times the run's pace is not waited

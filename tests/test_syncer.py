@@ -38,7 +38,7 @@ from gradientmail.records import Arrival, Manifest, RoundRecord, SnapshotRecord
 from gradientmail.replica import state_at
 from gradientmail.serialization import ParameterSpec, Schema, TensorBytes
 from gradientmail.syncer import Syncer
-from gradientmail.syncer_state import ESTIMATE_DECAY
+from gradientmail.syncer_state import ESTIMATE_DECAY, head_start
 
 T = TypeVar("T")
 SCHEMA = Schema((ParameterSpec("w", "F32", (2, 3)), ParameterSpec("b", "F32", (3,))))
@@ -429,6 +429,33 @@ def test_the_contribution_that_completes_a_round_is_closed_at_the_next_poll(
         assert rec is not None and [p.learner for p in rec.participants] == ["a", "b"]
         # a was first seen at t=104 (the listing 4 polls after t=100), b at t=106
         assert rec.arrival is not None and rec.arrival.latency == 2.0
+
+    run(main())
+
+
+def test_a_backup_that_contributed_closes_soon_after_a_silent_preferred_closer(
+    mailbox: Mailbox,
+) -> None:
+    # Decoupled (quorum 1): "a" is round 0's preferred closer, live by its lease but
+    # silent (killed); "b" contributed. Its window is 3 polls; then it gives "a" a head
+    # start of 3 polls (on a round without its own contribution: 30) and closes.
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=1))
+        await r.create()
+        s = r.syncer("b", embedded=True)
+        live = frozenset({"a", "b"})
+        await r.contribute(0, "b")
+        s.note_contribution(0, "b")
+        t0 = fake(r).now()
+        while not await s.poll(live=live):
+            assert fake(r).now() - t0 <= 10.0, "the backup gave a silent closer 30 polls"
+            fake(r).advance(1.0)
+        assert fake(r).now() - t0 == 6.0  # the window (3 polls), then 3 polls of head start
+        rec = await r.ex.read_round(0)
+        assert rec is not None and rec.closer == "b"
+        assert [p.learner for p in rec.participants] == ["b"]
+        assert head_start(False, 30) == 30 and head_start(True, 30) == 3
+        assert head_start(True, 2) == 2
 
     run(main())
 
