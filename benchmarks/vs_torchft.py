@@ -253,7 +253,7 @@ def _torchft_worker(job: Job, model: Any, opt: Any, batches: Iterator[Any]) -> N
     from datetime import timedelta
 
     import torch
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not re-exported
     from torchft import Manager, ProcessGroupGloo
     from torchft.local_sgd import DiLoCo
 
@@ -622,15 +622,24 @@ def reading(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _require(arms: list[Arm]) -> None:
-    import importlib.util
+    import importlib
 
-    if any(a.system == "torchft" for a in arms) and importlib.util.find_spec("torchft") is None:
-        raise SystemExit(f"torchft is not installed; the torchft arms need it: {PEERS_HINT} "
-                         "(torchft==0.2.0), or choose gradientmail arms with --arms")
-    if any(a.store.startswith("S3") for a in arms) and (
-            importlib.util.find_spec("moto") is None or importlib.util.find_spec("boto3") is None):
-        raise SystemExit("the S3 arm runs moto's server: pip install 'gradientmail[dev]' "
-                         "(moto[server], boto3), or leave standard-s3 out of --arms")
+    def missing(module: str) -> bool:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            return True
+        return False
+
+    if any(a.system == "torchft" for a in arms) and missing("torchft"):
+        raise SystemExit(f"torchft is not installed, and the torchft arms need it: "
+                         f"{PEERS_HINT} (torchft==0.2.0); or choose gradientmail arms only "
+                         "with --arms")
+    if any(a.store.startswith("S3") for a in arms) and (missing("moto.server")
+                                                       or missing("boto3")):
+        raise SystemExit("the S3 arm runs moto's server on 127.0.0.1: pip install "
+                         "'gradientmail[dev]' (moto[server], boto3); or leave standard-s3 out "
+                         "of --arms")
 
 
 def main(argv: list[str] | None = None) -> None:
