@@ -362,9 +362,12 @@ def _lighthouse(heartbeat_ms: int) -> Iterator[str]:
 
 @contextmanager
 def _moto() -> Iterator[str]:
+    import logging
+
     import boto3
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
     os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
                       AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -390,21 +393,23 @@ def _steps(path: Path) -> list[tuple[float, float, float, float, int, int]]:
 
 
 def kill_step(s: conv.Settings) -> int:
-    """The victim's step at which it is SIGKILLed: half way, mid-round."""
+    """The victim's default step to be SIGKILLed at: half way, mid-round."""
     return s.steps // 2 + s.sync_every // 2
 
 
-def launch(jobs: list[Job], kill: bool, timeout: float = 3600.0) -> tuple[float, float | None]:
-    """Run the learners to the end, SIGKILLing the victim mid-run when `kill`; the wall
-    seconds and the time of the kill."""
+def launch(jobs: list[Job], kill_at: int | None,
+           timeout: float = 3600.0) -> tuple[float, float | None]:
+    """Run the learners to the end, SIGKILLing the victim once it has logged `kill_at`
+    steps (None: no kill); the wall seconds and the time of the kill."""
     ctx = _context(any(j.arm.system == "torchft" for j in jobs))
     t0 = time.perf_counter()
     procs = [ctx.Process(target=_worker, args=(j,), daemon=True) for j in jobs]
     for p in procs:
         p.start()
     t_kill = None
-    if kill:
-        victim, at = procs[VICTIM], kill_step(jobs[0].settings)
+    kill = kill_at is not None
+    if kill_at is not None:
+        victim, at = procs[VICTIM], kill_at
         while len(_steps(jobs[VICTIM].path("log"))) < at:
             if not victim.is_alive() or time.perf_counter() - t0 > timeout:
                 raise SystemExit(f"{jobs[0].arm.name}: the victim ended before its step {at} "
@@ -511,12 +516,13 @@ def summarize(arm: Arm, s: conv.Settings, jobs: list[Job], wall: float,
         "overhead_median": statistics.median(window_overheads),
         "overhead_p90": _quantile(window_overheads, 0.9),
         "stall": per_learner[SURVIVOR].get("stall") if t_kill is not None else None,
+        "close": json.loads(jobs[SURVIVOR].path("json").read_text())["close_seconds"],
         "records": len(records) if arm.system == "gradientmail" else None,
     }
 
 
 def run_arm(arm: Arm, s: conv.Settings, workdir: Path, vocab: int, val: Any, poll: float,
-            heartbeat_ms: int, endpoint: str) -> dict[str, Any]:
+            heartbeat_ms: int, endpoint: str, kill_at: int) -> dict[str, Any]:
     import torch
 
     def jobs(lighthouse: str = "") -> list[Job]:
@@ -530,11 +536,11 @@ def run_arm(arm: Arm, s: conv.Settings, workdir: Path, vocab: int, val: Any, pol
     if arm.system == "torchft":
         with _lighthouse(heartbeat_ms) as address:
             js = jobs(address)
-            wall, t_kill = launch(js, arm.kill)
+            wall, t_kill = launch(js, kill_at if arm.kill else None)
         model.load_state_dict(torch.load(js[SURVIVOR].path("pt")))
     else:
         js = jobs()
-        wall, t_kill = launch(js, arm.kill)
+        wall, t_kill = launch(js, kill_at if arm.kill else None)
         state, records = _global_state(js[SURVIVOR])
         conv.load_into(model, state)
     loss = conv.evaluate(model, val)
@@ -595,11 +601,11 @@ def reading(rows: list[dict[str, Any]]) -> list[str]:
         each = [total(std, k) / tft_bytes for k in sorted(std["learners"])]
         mean = statistics.fmean(each)
         out.append(f"bytes up + down per learner per round at F32 (standard, closing "
-                   f"included) vs torchft's {_mb(tft_bytes)}: mean {mean:.2f}x, per learner "
-                   f"{' / '.join(f'{x:.2f}x' for x in each)} (goal mean <= 1.25x: "
+                   f"included) vs torchft's {_mb(tft_bytes)}: mean {mean:.3f}x, per learner "
+                   f"{' / '.join(f'{x:.3f}x' for x in each)} (goal mean <= 1.25x: "
                    f"{'met' if mean <= 1.25 else 'NOT met'})")
         roles = [(k, std["learners"][k].get("other")) for k in sorted(std["learners"])]
-        other = [f"learner-{k} {v / tft_bytes:.2f}x" for k, v in roles if v is not None]
+        other = [f"learner-{k} {v / tft_bytes:.3f}x" for k, v in roles if v is not None]
         if other:
             worst = max(v / tft_bytes for _, v in roles if v is not None)
             out.append(f"bytes of a learner in the rounds it did not close vs torchft: "
@@ -616,8 +622,12 @@ def reading(rows: list[dict[str, Any]]) -> list[str]:
     kills = [(n, by[n]["stall"]) for n in ("torchft-kill", "standard-kill", "decoupled-kill")
              if n in by]
     if kills:
-        out.append("survivor's longest stall after the SIGKILL: " + ", ".join(
-            f"{n} {_sec(x)}" for n, x in kills))
+        out.append("survivor's longest step call after the SIGKILL: " + ", ".join(
+            f"{n} {_sec(x)} (its close() {_sec(by[n]['close'])})" for n, x in kills)
+            + ". torchft's lighthouse counts the heartbeat timeout from the victim's last "
+            "heartbeat, so the training between the kill and the survivor's next sync comes "
+            "off its stall; gradientmail's closer calls the roll only once the survivor's "
+            "round waits short of its quorum, and judges the call after its answer deadline")
     return out
 
 
@@ -649,6 +659,8 @@ def main(argv: list[str] | None = None) -> None:
     size.add_argument("--smoke", action="store_true", help="tiny sizes (seconds; no append)")
     ap.add_argument("--arms", default=",".join(a.name for a in ARMS))
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per learner")
+    ap.add_argument("--kill-at", type=int, default=None,
+                    help="the victim's step to SIGKILL it at (default S/2 + H/2, mid-round)")
     ap.add_argument("--poll", type=float, default=1.0,
                     help="gradientmail's poll interval in seconds (default: the library's 1.0)")
     ap.add_argument("--heartbeat-ms", type=int, default=5000,
@@ -668,9 +680,13 @@ def main(argv: list[str] | None = None) -> None:
     if s.steps % s.sync_every or s.sync_every % s.fragments:
         raise SystemExit(f"--steps {s.steps} must be a multiple of H={s.sync_every} (and H of "
                          f"P={s.fragments}), so that both systems end on a sync")
-    _require(arms)
-    # torchft's Rust servers log every quorum at INFO to stderr; warnings still show.
+    # torchft's Rust servers log every quorum at INFO to stderr (read once, at import);
+    # warnings still show.
     os.environ.setdefault("RUST_LOG", "warn")
+    kill_at = args.kill_at if args.kill_at is not None else kill_step(s)
+    if not 0 < kill_at < s.steps:
+        raise SystemExit(f"--kill-at {kill_at} must be within the {s.steps} steps")
+    _require(arms)
 
     import torch
 
@@ -686,7 +702,7 @@ def main(argv: list[str] | None = None) -> None:
     with _moto() if any(a.store.startswith("S3") for a in arms) else _nothing() as endpoint:
         for arm in arms:
             rows.append(run_arm(arm, s, workdir, vocab, val, args.poll, args.heartbeat_ms,
-                                endpoint))
+                                endpoint, kill_at))
             r = rows[-1]
             print(f"{arm.name}: loss {r['loss']:.4f}, sync overhead {r['overhead']:.3f} s per "
                   f"round, stall {_sec(r['stall'])}, {r['wall']:.0f} s", flush=True)
@@ -705,7 +721,7 @@ def main(argv: list[str] | None = None) -> None:
         f"(replica group of 1), ProcessGroupGloo timeout 10 s, manager timeout 10 s, "
         f"lighthouse min_replicas 1, join timeout 10 s, heartbeat timeout "
         f"{args.heartbeat_ms} ms. Kill arms: learner 1 SIGKILLed at its step "
-        f"{kill_step(s)}. Sync overhead: seconds of `optimizer.step()` (+ `Learner.step()`, "
+        f"{kill_at}. Sync overhead: seconds of `optimizer.step()` (+ `Learner.step()`, "
         f"+ `close()`) beyond the AdamW update, per round of H steps. Bytes: gradientmail "
         f"counted by `CountingMailbox` after joining (records and leases included); torchft "
         f"= params × 4 bytes each way per 2-replica allreduce. Preset `{preset}`, "
