@@ -37,8 +37,10 @@ Arms (`--arms`, default all):
 Measured (each worker appends one line per step with a raw `os.write`):
 
 - held-out loss of the global model at the end: gradientmail, the newest committed theta of
-  every fragment, read from the store after the run; torchft, learner 0's model after its
-  last sync (its parameters are the synced global ones: `fragment_update_alpha` = 0);
+  every fragment: the model of the last learner to close, which `close()` resets to the
+  newest commits after waiting for its rounds and reading every record (for the standard
+  arms both learners end on the same bytes); torchft, learner 0's model after its last
+  sync (its parameters are the synced global ones: `fragment_update_alpha` = 0);
 - sync overhead per round: the step call is `optimizer.step()` plus, for gradientmail,
   `Learner.step()` (torchft syncs inside `optimizer.step()`, in its post-hook); the plain
   step is the AdamW update itself, timed by a pre-hook registered after torchft's and a
@@ -213,12 +215,20 @@ def _gradientmail_worker(job: Job, model: Any, opt: Any, batches: Iterator[Any])
     import torch
 
     from gradientmail.adapters import TorchAdapter
+    from gradientmail.events import Event, RoundRecorded, log_events
     from gradientmail.learner import Learner
     from gradientmail.mailbox.wrappers import CountingMailbox
 
+    closers: dict[int, str] = {}
+
+    def on_event(e: Event) -> None:
+        if isinstance(e, RoundRecorded):
+            closers[e.round] = e.closer
+        log_events(e)
+
     box = CountingMailbox(_mailbox(job))
     learner = Learner(TorchAdapter(model), _algorithm(job.arm.config, job.settings), box,
-                      f"learner-{job.rank}", poll_interval=job.poll,
+                      f"learner-{job.rank}", poll_interval=job.poll, on_event=on_event,
                       compression="zstd" if job.arm.config == "f4" else "off")
     learner.start()
     learner.wait_for_learners(job.settings.learners, timeout=600)
@@ -243,8 +253,12 @@ def _gradientmail_worker(job: Job, model: Any, opt: Any, batches: Iterator[Any])
     closing = time.perf_counter() - t
     c = box.snapshot()
     log.close()
-    result = {"loop_seconds": loop, "close_seconds": closing, "bytes_up": c.bytes_up,
-              "bytes_down": c.bytes_down}
+    # close() reset the model to the newest commit of every fragment it knows of; the last
+    # learner to close knows of them all (it waited for its rounds, then read every record).
+    torch.save(model.state_dict(), job.path("pt"))
+    result = {"loop_seconds": loop, "close_seconds": closing, "closed_at": time.time(),
+              "bytes_up": c.bytes_up, "bytes_down": c.bytes_down,
+              "closers": {str(r): who for r, who in sorted(closers.items())}}
     job.path("json").write_text(json.dumps(result))
     asyncio.run(box.close())
 
@@ -431,49 +445,26 @@ def launch(jobs: list[Job], kill_at: int | None,
     return wall, t_kill
 
 
-def _global_state(job: Job) -> tuple[dict[str, Any], list[Any]]:
-    """Each fragment's newest committed theta, and every record, read from the store."""
-    from gradientmail.adapters.torch import to_torch
-    from gradientmail.protocol import Exchange
-
-    async def go() -> tuple[dict[str, Any], list[Any]]:
-        box = _mailbox(job)
-        try:
-            ex = Exchange(box)
-            manifest = await ex.read_manifest()
-            assert manifest is not None, f"no run in {box.url}"
-            records = await ex.rounds_after(-1)
-            latest = await ex.latest_commit_per_fragment(len(manifest.plan), len(records) - 1)
-            out: dict[str, Any] = {}
-            for p, names in enumerate(manifest.plan):
-                ref = latest[p].theta if p in latest else manifest.init[p]
-                tensors = await ex.fetch_tensors(ref)
-                assert tensors is not None, f"theta {ref.key} was swept"
-                out.update({n: to_torch(tensors[n]) for n in names})
-            return out, records
-        finally:
-            await box.close()
-
-    return asyncio.run(go())
-
-
 def _quantile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
 
 
 def summarize(arm: Arm, s: conv.Settings, jobs: list[Job], wall: float,
-              t_kill: float | None, loss: float, records: list[Any],
-              allreduce_bytes: int) -> dict[str, Any]:
+              t_kill: float | None, loss: float, allreduce_bytes: int) -> dict[str, Any]:
     """One table row from the workers' logs and results."""
     h = s.sync_every
     rounds = s.steps // h
     finished = [j for j in jobs if j.path("json").exists()]
+    results = {j.rank: json.loads(j.path("json").read_text()) for j in finished}
+    closers: dict[int, str] = {}  # round → its closer, the records as the learners read them
+    for result in results.values():
+        closers.update({int(r): who for r, who in result.get("closers", {}).items()})
     per_learner: dict[int, dict[str, Any]] = {}
     window_overheads: list[float] = []
     for j in finished:
         steps = _steps(j.path("log"))
-        result = json.loads(j.path("json").read_text())
+        result = results[j.rank]
         # Round k (1..R) is steps [kH − H/2, kH + H/2); the steps before H/2 count in round
         # 1 and the close in round R.
         windows = [0.0] * (rounds + 1)
@@ -493,13 +484,13 @@ def summarize(arm: Arm, s: conv.Settings, jobs: list[Job], wall: float,
         window_overheads += windows[1:]
         row: dict[str, Any] = {"overhead": sum(windows) / rounds}
         if arm.system == "gradientmail":
-            committed = len(records) / (s.fragments if arm.config == "decoupled" else 1)
+            committed = len(closers) / (s.fragments if arm.config == "decoupled" else 1)
             row["up"] = result["bytes_up"] / committed
             row["down"] = result["bytes_down"] / committed
-            if arm.config != "decoupled" and len(records) >= rounds:
+            if arm.config != "decoupled" and len(closers) >= rounds:
                 me = f"learner-{j.rank}"
-                closed = [k for k in range(1, rounds + 1) if records[k - 1].closer == me]
-                other = [k for k in range(1, rounds + 1) if records[k - 1].closer != me]
+                closed = [k for k in range(1, rounds + 1) if closers[k - 1] == me]
+                other = [k for k in range(1, rounds + 1) if closers[k - 1] != me]
                 for name, ks in (("closer", closed), ("other", other)):
                     if ks:
                         row[name] = sum(ups[k] + downs[k] for k in ks) / len(ks)
@@ -516,8 +507,8 @@ def summarize(arm: Arm, s: conv.Settings, jobs: list[Job], wall: float,
         "overhead_median": statistics.median(window_overheads),
         "overhead_p90": _quantile(window_overheads, 0.9),
         "stall": per_learner[SURVIVOR].get("stall") if t_kill is not None else None,
-        "close": json.loads(jobs[SURVIVOR].path("json").read_text())["close_seconds"],
-        "records": len(records) if arm.system == "gradientmail" else None,
+        "close": results[SURVIVOR]["close_seconds"],
+        "records": len(closers) if arm.system == "gradientmail" else None,
     }
 
 
@@ -532,19 +523,19 @@ def run_arm(arm: Arm, s: conv.Settings, workdir: Path, vocab: int, val: Any, pol
 
     model = conv.build_model(s, vocab)
     allreduce_bytes = sum(p.numel() * 4 for p in model.parameters())
-    records: list[Any] = []
     if arm.system == "torchft":
         with _lighthouse(heartbeat_ms) as address:
             js = jobs(address)
             wall, t_kill = launch(js, kill_at if arm.kill else None)
-        model.load_state_dict(torch.load(js[SURVIVOR].path("pt")))
+        final = js[SURVIVOR]
     else:
         js = jobs()
         wall, t_kill = launch(js, kill_at if arm.kill else None)
-        state, records = _global_state(js[SURVIVOR])
-        conv.load_into(model, state)
+        final = max((j for j in js if j.path("json").exists()),
+                    key=lambda j: float(json.loads(j.path("json").read_text())["closed_at"]))
+    model.load_state_dict(torch.load(final.path("pt")))
     loss = conv.evaluate(model, val)
-    return summarize(arm, s, js, wall, t_kill, loss, records, allreduce_bytes)
+    return summarize(arm, s, js, wall, t_kill, loss, allreduce_bytes)
 
 
 def _mb(n: float | None) -> str:
