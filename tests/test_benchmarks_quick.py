@@ -5,7 +5,9 @@ steps) and benchmarks/chaos.py kills learners of a two-learner run; each appends
 to a results file of the test's own. The numbers of so small a run say nothing about
 convergence; the tests check what must hold at any size: every arm trained the same
 tokens, the DDP-equivalent's bytes follow its formula, F4 sends fewer bytes than F32, the
-chaos run killed learners and lost no commit.
+chaos run killed learners and lost no commit. benchmarks/vs_torchft.py (skipped without the
+`peers` extra) runs gradientmail and torchft side by side: standard DiLoCo and torchft's
+DiLoCo follow one trajectory, and torchft's bytes follow their formula.
 """
 
 from __future__ import annotations
