@@ -5,7 +5,9 @@ steps) and benchmarks/chaos.py kills learners of a two-learner run; each appends
 to a results file of the test's own. The numbers of so small a run say nothing about
 convergence; the tests check what must hold at any size: every arm trained the same
 tokens, the DDP-equivalent's bytes follow its formula, F4 sends fewer bytes than F32, the
-chaos run killed learners and lost no commit.
+chaos run killed learners and lost no commit. benchmarks/vs_torchft.py (skipped without the
+`peers` extra) runs gradientmail and torchft side by side: standard DiLoCo and torchft's
+DiLoCo follow one trajectory, and torchft's bytes follow their formula.
 """
 
 from __future__ import annotations
@@ -116,3 +118,43 @@ def test_liveness_smoke_kills_a_learner_and_the_roll_call_lets_its_peer_go_on(
     for cells in table.values():
         assert cells[8] == "learner-1"  # judged gone by the roll call
         assert int(cells[7]) >= 1 and cells[2] != "—"  # called; a round closed without it
+
+
+@pytest.mark.timeout(900)
+def test_vs_torchft_smoke_runs_both_systems_on_the_same_trajectory(tmp_path: Path) -> None:
+    pytest.importorskip("torchft", reason="the peers extra: pip install 'gradientmail[peers]'")
+    pytest.importorskip("moto.server", reason="the S3 arm runs moto's server")
+    # --smoke prints its table and appends nothing.
+    results = tmp_path / "RESULTS.md"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "vs_torchft.py"), "--smoke", "--results",
+         str(results)], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not results.exists()
+    assert "Command: `python benchmarks/vs_torchft.py --smoke" in proc.stdout
+    table = {(c[0], c[1], c[2]): c for c in (
+        [x.strip() for x in line.strip().strip("|").split("|")]
+        for line in proc.stdout.splitlines() if line.startswith("| "))
+        if c[0] in ("gradientmail", "torchft")}
+    assert len(table) == 8, table
+    tft = table["torchft", "DiLoCo (1 fragment, Manager + gloo)", "gloo allreduce"]
+    std = table["gradientmail", "standard DiLoCo (`DiLoCo.standard(H, 2)`)", "local directory"]
+    s3 = table["gradientmail", "standard DiLoCo (`DiLoCo.standard(H, 2)`)", "S3 (moto)"]
+    # The same model, data, seeds and outer step: standard DiLoCo and torchft's DiLoCo
+    # follow one trajectory (up to float32 rounding), on either store.
+    for cells in (std, s3):
+        assert abs(float(cells[3]) - float(tft[3])) < 0.01, (cells[3], tft[3])
+    kills = {k[1]: c for k, c in table.items() if k[1].endswith("+ SIGKILL")}
+    assert len(kills) == 3
+    for cells in kills.values():
+        assert cells[7].endswith(" s"), cells  # the survivor's stall after the kill
+    # torchft's bytes follow their formula: params × 4 each way per 2-replica allreduce.
+    found = re.search(r"([\d,]+) parameters", proc.stdout)
+    assert found is not None
+    per_round = f"{int(found.group(1).replace(',', '')) * 4 / 1e6:.2f} MB"
+    assert tft[5] == f"{per_round} / {per_round}; {per_round} / {per_round}"
+    assert int(std[8]) == 4  # S / H = 24 / 6 rounds, one record each
+    for line in ("- sync overhead per round, standard DiLoCo", "- bytes up + down per learner",
+                 "- survivor's longest step call after the SIGKILL"):
+        assert line in proc.stdout
