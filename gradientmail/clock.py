@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Clock", "FakeClock", "MonotonicClock"]
+__all__ = ["Clock", "FakeClock", "MonotonicClock", "sleep_unless"]
 
 
 @runtime_checkable
@@ -54,3 +54,29 @@ class FakeClock:
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(0)
         self.advance(max(seconds, 0.0))
+
+
+async def sleep_unless(clock: Clock, seconds: float, event: asyncio.Event | None) -> None:
+    """Sleep `seconds` on `clock`, waking early when `event` is set (a SIGTERM must not
+    wait out a long poll interval; a learner that starts waiting for a commit must not
+    wait out the one its loop began before)."""
+    if event is None:
+        await clock.sleep(seconds)
+        return
+    if event.is_set():
+        await asyncio.sleep(0)
+        return
+    own = getattr(clock, "sleep_unless", None)
+    if own is not None:
+        # A clock that knows how (a simulated one that tracks its sleepers by task):
+        # the caller's own task sleeps, not a helper task.
+        await own(seconds, event)
+        return
+    sleeper = asyncio.ensure_future(clock.sleep(seconds))
+    waker = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({sleeper, waker}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (sleeper, waker):
+            task.cancel()
+        await asyncio.gather(sleeper, waker, return_exceptions=True)

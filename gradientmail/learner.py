@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import math
 import os
 import queue
@@ -174,6 +175,7 @@ class Learner(Mailman):
         self._host: dict[int, tuple[int, dict[str, TensorBytes]]] = {}
         # Each fragment's state, followed commit by commit (shared with the closer).
         self._replica = None
+        self._wake = None
         # Publishes handed over and finished: each counter has a single writer thread.
         self._handed = 0
         self._finished = 0
@@ -494,6 +496,11 @@ class Learner(Mailman):
         meanwhile; False when `limit` seconds passed first."""
         t0 = time.monotonic()
         self._blocked = True
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None:
+            # The mailman may be sleeping out a poll interval begun before this wait.
+            with contextlib.suppress(RuntimeError):  # its loop closed: nothing to wake
+                loop.call_soon_threadsafe(wake.set)
         try:
             while waiting():
                 if limit is not None and time.monotonic() - t0 > limit:

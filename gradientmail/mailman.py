@@ -32,7 +32,7 @@ from gradientmail.algorithms.base import Algorithm
 from gradientmail.algorithms.diloco import rebuild_theta
 from gradientmail.algorithms.schedule import RoundSchedule
 from gradientmail.auth import HmacSeal
-from gradientmail.clock import Clock
+from gradientmail.clock import Clock, sleep_unless
 from gradientmail.errors import LocalProtocolError, RemoteProtocolError, RunVanished
 from gradientmail.events import (
     EventSink,
@@ -139,6 +139,7 @@ class Mailman:
     _jobs: asyncio.Queue[_Job | None] | None
     _dead: BaseException | None
     _stop: asyncio.Event | None
+    _wake: asyncio.Event | None
     _others: tuple[int, int]
     _live: frozenset[str]
     _tracker: LeaseTracker
@@ -163,6 +164,7 @@ class Mailman:
         asyncio.set_event_loop(loop)
         self._jobs = asyncio.Queue()
         self._stop = asyncio.Event()
+        self._wake = asyncio.Event()
         try:
             loop.run_until_complete(self._main(joined))
         except BaseException as exc:
@@ -276,6 +278,8 @@ class Mailman:
         next_manifest = self.clock.now() + MANIFEST_EVERY * self.poll_interval
         blocked = 0
         while True:
+            assert self._wake is not None
+            self._wake.clear()
             now = self.clock.now()
             if now >= next_manifest:
                 await self._check_run_exists()
@@ -301,7 +305,10 @@ class Mailman:
             except Exception as exc:
                 self.on_event(PollFailed(self.learner_id, repr(exc)))
             blocked = blocked + 1 if self._blocked else 0
-            await self.clock.sleep(poll_delay(self.poll_interval, blocked))
+            # Woken early when the training thread starts waiting for a commit, or this
+            # learner's contribution is in (its closer looks whether it completed the
+            # set): neither waits out a poll interval begun before.
+            await sleep_unless(self.clock, poll_delay(self.poll_interval, blocked), self._wake)
 
     async def _lease_loop(self) -> None:
         """Beat the lease every `lease_every`, and answer roll calls: the call key is read
@@ -558,6 +565,8 @@ class Mailman:
                    tensors: dict[str, TensorBytes] | None = None) -> None:
         if self._syncer is not None:
             self._syncer.note_contribution(job.round, self.learner_id, record.payload, tensors)
+            if self._wake is not None:
+                self._wake.set()
         self.on_event(
             SnapshotPublished(
                 self.learner_id,

@@ -31,7 +31,7 @@ from gradientmail.algorithms.schedule import Estimates, RoundSchedule
 from gradientmail.backends.base import Backend
 from gradientmail.backends.numpy_backend import NumpyBackend
 from gradientmail.caller import RollCaller
-from gradientmail.clock import Clock, MonotonicClock
+from gradientmail.clock import Clock, MonotonicClock, sleep_unless
 from gradientmail.errors import ConfigError, GradientmailError, NonFiniteError, SchemaMismatch
 from gradientmail.events import (
     ClaimSuperseded,
@@ -194,7 +194,7 @@ class Syncer:
                 self.on_event(PollFailed(self.closer_id, repr(exc)))
             except OSError as exc:
                 self.on_event(PollFailed(self.closer_id, repr(exc)))
-            await _sleep_unless(self.clock, self.poll_interval, stop)
+            await sleep_unless(self.clock, self.poll_interval, stop)
 
     async def poll(
         self,
@@ -625,22 +625,6 @@ def _constant(live: frozenset[str]) -> Callable[[], Awaitable[frozenset[str]]]:
         return live
 
     return refresh
-
-
-async def _sleep_unless(clock: Clock, seconds: float, stop: asyncio.Event | None) -> None:
-    """Sleep `seconds` on `clock`, waking early when `stop` is set (a SIGTERM must not
-    wait out a long poll interval)."""
-    if stop is None:
-        await clock.sleep(seconds)
-        return
-    sleeper = asyncio.ensure_future(clock.sleep(seconds))
-    stopper = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in (sleeper, stopper):
-            task.cancel()
-        await asyncio.gather(sleeper, stopper, return_exceptions=True)
 
 
 def _dequantized(

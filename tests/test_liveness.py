@@ -261,11 +261,17 @@ class SimClock:
         return self.t
 
     async def sleep(self, seconds: float) -> None:
+        await self.sleep_unless(seconds, None)
+
+    async def sleep_unless(self, seconds: float, event: asyncio.Event | None) -> None:
+        """Sleep in the caller's task until time passes `seconds` or `event` is set
+        (what `gradientmail.clock.sleep_unless` asks a clock that knows how)."""
         key = id(asyncio.current_task())
         with self._lock:
             self._wake[key] = self.t + max(seconds, 0.0)
         try:
-            while self.t < self._wake[key] - 1e-9:
+            while self.t < self._wake[key] - 1e-9 and not (event is not None
+                                                             and event.is_set()):
                 await asyncio.sleep(0.0005)
         except asyncio.CancelledError:
             with self._lock:
@@ -405,6 +411,30 @@ def test_a_killed_learner_holds_its_peer_for_seconds(ids: tuple[str, str]) -> No
         assert survivor.rounds_seen == 2
     finally:
         shut(clock, survivor, victim)
+
+
+def test_a_healthy_barrier_costs_a_fraction_of_a_poll() -> None:
+    # Standard DiLoCo, both learners healthy, the default poll interval of 1 s: from the
+    # last contribution of a round to both learners training on its commit. The learner
+    # whose contribution completes the set closes at once (its loop woken by its own
+    # publish), and the other, woken when its training started to wait, looks every
+    # 0.16 s at most: neither waits out a poll interval.
+    clock = SimClock()
+    rec = Stamped(clock)
+    _, (a, b), (model_a, model_b) = pair(clock, rec, ("a", "b"))
+    try:
+        for k in (1, 2, 3):
+            clock.run_until(background(train(a, model_a, 4, 100 * k),
+                                       train(b, model_b, 4, 100 * k + 50)), limit=30,
+                            pause=0.001)
+            last = max(t for t, e in rec.of(ev.SnapshotPublished) if e.round == k)
+            aligned = [t for t, e in rec.of(ev.FragmentAligned) if e.round == k]
+            assert len(aligned) == 2
+            assert max(aligned) - last <= 0.5, (
+                f"round {k}: trained on {max(aligned) - last:.2f} fake s after its last "
+                "contribution")
+    finally:
+        shut(clock, a, b)
 
 
 def test_a_slow_learner_answers_and_is_not_dropped() -> None:
