@@ -35,8 +35,8 @@ from gradientmail.errors import ConfigError, GradientmailError
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
 from gradientmail.protocol import Exchange
-from gradientmail.records import Manifest, check_learner_id
-from gradientmail.replica import newest_model
+from gradientmail.records import check_learner_id
+from gradientmail.replica import newest_model, require_manifest
 from gradientmail.serialization import TensorBytes, pack
 
 __all__ = [
@@ -67,18 +67,6 @@ def _open(args: argparse.Namespace) -> Mailbox:
     if args.endpoint_url:
         options["endpoint_url"] = args.endpoint_url
     return open_mailbox(args.url, **options)
-
-
-async def require_manifest(ex: Exchange, url: str) -> Manifest:
-    """The run's manifest, or a `ConfigError` saying that `url` holds no run."""
-    manifest = await ex.read_manifest()
-    if manifest is None:
-        raise ConfigError(
-            f"no run found in {url!r}: it holds no manifest.json. Check the URL (and "
-            "--endpoint-url or AWS_ENDPOINT_URL for S3); a run is created by its first "
-            "learner"
-        )
-    return manifest
 
 
 def _with_mailbox(args: argparse.Namespace, work: Callable[[Exchange], Awaitable[T]]) -> T:

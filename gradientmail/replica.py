@@ -28,7 +28,7 @@ from gradientmail.protocol import Exchange, payload_bound
 from gradientmail.records import Manifest, RoundRecord
 from gradientmail.serialization import TensorBytes
 
-__all__ = ["Replica", "newest_model", "state_at", "theta_digest"]
+__all__ = ["Replica", "newest_model", "require_manifest", "state_at", "theta_digest"]
 
 
 def theta_digest(theta: Mapping[str, TensorBytes], names: Sequence[str]) -> str:
@@ -196,12 +196,8 @@ async def state_at(
     return state
 
 
-async def newest_model(ex: Exchange, url: str) -> tuple[dict[str, TensorBytes], dict[str, str]]:
-    """Every parameter at its fragment's newest committed version (Θ⁰ for a fragment
-    never committed), in schema order, and metadata naming the round and versions.
-
-    A payload swept while it is read means a newer commit exists: it reads again.
-    """
+async def require_manifest(ex: Exchange, url: str) -> Manifest:
+    """The run's manifest, or a `ConfigError` saying that `url` holds no run."""
     manifest = await ex.read_manifest()
     if manifest is None:
         raise ConfigError(
@@ -209,6 +205,16 @@ async def newest_model(ex: Exchange, url: str) -> tuple[dict[str, TensorBytes], 
             "--endpoint-url or AWS_ENDPOINT_URL for S3); a run is created by its first "
             "learner"
         )
+    return manifest
+
+
+async def newest_model(ex: Exchange, url: str) -> tuple[dict[str, TensorBytes], dict[str, str]]:
+    """Every parameter at its fragment's newest committed version (Θ⁰ for a fragment
+    never committed), in schema order, and metadata naming the round and versions.
+
+    A payload swept while it is read means a newer commit exists: it reads again.
+    """
+    manifest = await require_manifest(ex, url)
     replica = Replica(ex, manifest, algorithm_from_json(dict(manifest.algorithm)))
     seen = -2
     while True:

@@ -392,6 +392,28 @@ class ManualClock:
         await asyncio.sleep(0.001)
 
 
+def train_together(learners: list[Learner], models: list[torch.nn.Module], steps: int,
+                   seed_stride: int) -> None:
+    """Start the learners in threads, wait until each sees them all live, train `steps`
+    SGD steps each (4 samples a step), and close them."""
+    ready = threading.Barrier(len(learners))
+
+    def work(w: int) -> Callable[[], None]:
+        def go() -> None:
+            learners[w].start()
+            ready.wait(timeout=30)
+            assert wait_for(lambda: len(learners[w].live_learners) == len(learners))
+            opt = torch.optim.SGD(models[w].parameters(), lr=0.05)
+            for step in range(steps):
+                train_step(models[w], opt, seed_stride * w + step)
+                learners[w].step(4)
+            learners[w].close()
+
+        return go
+
+    in_threads(*(work(w) for w in range(len(learners))))
+
+
 def wait_for(cond: Callable[[], bool], seconds: float = 20.0) -> bool:
     deadline = time.monotonic() + seconds
     while not cond():
@@ -473,22 +495,7 @@ def test_quantized_deltas_and_commit_updates(fmt: str, checkpoint_every: int) ->
         )
         for w, m in enumerate(models)
     ]
-    ready = threading.Barrier(2)
-
-    def work(w: int) -> Callable[[], None]:
-        def go() -> None:
-            learners[w].start()
-            ready.wait(timeout=30)
-            assert wait_for(lambda: len(learners[w].live_learners) == 2)
-            opt = torch.optim.SGD(models[w].parameters(), lr=0.05)
-            for step in range(24):
-                train_step(models[w], opt, 31 * w + step)
-                learners[w].step(4)
-            learners[w].close()
-
-        return go
-
-    in_threads(work(0), work(1))
+    train_together(learners, models, 24, seed_stride=31)
     records = all_records(mailbox)
     assert len(records) >= 10
     assert all(len(r.participants) == 2 for r in records)
@@ -748,22 +755,7 @@ def test_rounds_move_no_outer_state_but_their_checkpoints() -> None:
     models = [make_model(seed=w) for w in range(2)]
     learners = [Learner(TorchAdapter(m), alg, logs[w], f"r{w}", keep_versions=1000, **FAST)
                 for w, m in enumerate(models)]
-    ready = threading.Barrier(2)
-
-    def work(w: int) -> Callable[[], None]:
-        def go() -> None:
-            learners[w].start()
-            ready.wait(timeout=30)
-            assert wait_for(lambda: len(learners[w].live_learners) == 2)
-            opt = torch.optim.SGD(models[w].parameters(), lr=0.05)
-            for step in range(44):
-                train_step(models[w], opt, 17 * w + step)
-                learners[w].step(4)
-            learners[w].close()
-
-        return go
-
-    in_threads(work(0), work(1))
+    train_together(learners, models, 44, seed_stride=17)
     records = all_records(mailbox)
     assert [r.version for r in records] == list(range(1, len(records) + 1))
     assert len(records) >= 10 and all(len(r.participants) == 2 for r in records)
