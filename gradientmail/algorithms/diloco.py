@@ -35,7 +35,6 @@ from gradientmail.algorithms.merge import (
 from gradientmail.algorithms.outer import (
     STEP_RULES,
     apply_step,
-    check_master,
     merged_step,
     rebuild_theta,
     step_format,
@@ -533,15 +532,10 @@ class DiLoCoAggregator:
         )
         all_final = all(c.final for c in contribs)
         averaged = all_final or light(shares, [c.steps for c in contribs], cfg.sync_every)
-        keep_master = cfg.keeps_master([state.theta[n].dtype for n in names])
         dtypes = [state.theta[n].dtype for n in names]
-        fmt = step_format(cfg.commit_dtype, dtypes) if cfg.replicated else None
+        fmt = step_format(cfg.commit_dtype, dtypes) if cfg.replicated else "F32"
         m = len(contribs)
         frag_gram = [[0.0] * m for _ in range(m)]
-        theta: dict[str, TensorBytes] = {}
-        master: dict[str, TensorBytes] = {}
-        momentum: dict[str, TensorBytes] = {}
-        update: dict[str, TensorBytes] = {}
         step: dict[str, TensorBytes] = {}
         for name in names:
             deltas = [be.load(c.delta[name]) for c in contribs]
@@ -559,40 +553,27 @@ class DiLoCoAggregator:
                 for j in range(m):
                     frag_gram[i][j] += gram[i][j]
             coeffs = self._coefficients(name, gram, shares, spans, averaged)
-            if fmt is not None:
-                merged = be.lincomb(deltas, coeffs).to_bytes("F32")
-                step.update(merged_step(name, merged, fmt))
-                continue
-            base = be.load((state.master or state.theta)[name])
-            if averaged:
-                new_master = base - be.lincomb(deltas, coeffs)
-                momentum[name] = state.momentum[name]
-            else:
-                mom = be.load(state.momentum[name])
-                new_master, new_mom = be.outer_step(
-                    base, mom, deltas, coeffs, cfg.outer_lr, cfg.outer_momentum
-                )
-                momentum[name] = new_mom.to_bytes("F32")
-            check_master(be, new_master, name, state.fragment)
-            theta[name] = self._publish(name, new_master, state.theta[name], update)
-            if keep_master:
-                master[name] = new_master.to_bytes("F32")
+            merged = be.lincomb(deltas, coeffs).to_bytes("F32")
+            step.update(merged_step(name, merged, fmt))
+        # One outer step for both ways of publishing it: what every party of a replicated
+        # run applies, and (at F32, byte for byte the same) what a published one uploads.
         rule = "average" if averaged else "nesterov"
-        if fmt is not None:
-            new_state = cfg.apply_step(state, step, fmt, rule, be)
-        else:
-            new_state = FragmentState(
-                state.fragment, state.version + 1, theta, master if keep_master else None,
-                momentum,
-            )
+        new_state = cfg.apply_step(state, step, fmt, rule, be)
+        update: dict[str, TensorBytes] | None = None
+        if not cfg.replicated and cfg.commit_dtype is not None:
+            assert new_state.master is not None  # kept apart when commits carry an update
+            update = {}
+            theta = {n: self._publish(n, be.load(new_state.master[n]), state.theta[n], update)
+                     for n in names}
+            new_state = dataclasses.replace(new_state, theta=theta)
         return RoundResult(
             state=new_state,
-            update=update if cfg.commit_dtype is not None and fmt is None else None,
+            update=update,
             participants=participants,
             mean_cosine=mean_cosine(frag_gram),
             all_final=all_final,
-            step=step if fmt is not None else None,
-            step_format=fmt,
+            step=step if cfg.replicated else None,
+            step_format=fmt if cfg.replicated else None,
             rule=rule,
         )
 
