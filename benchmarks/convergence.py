@@ -324,6 +324,20 @@ PRELOAD = ["torch", "transformers.models.gpt2.modeling_gpt2", "gradientmail.lear
            "gradientmail.adapters.torch", "accelerate"]
 
 
+def kill_at_step(victim: Any, logged: Any, at: int, deadline: float, label: str) -> float:
+    """SIGKILL the process `victim` once `logged()` (its steps logged so far) reaches
+    `at`; the wall-clock time of the kill. `SystemExit` naming `label` when the victim
+    ends first, or `time.monotonic()` passes `deadline`."""
+    while logged() < at:
+        if not victim.is_alive() or time.monotonic() > deadline:
+            raise SystemExit(f"{label}: the victim ended before its step {at} "
+                             f"(exit code {victim.exitcode}); see its output")
+        time.sleep(0.005)
+    t_kill = time.time()
+    victim.kill()
+    return t_kill
+
+
 def worker_context() -> Any:
     """A forkserver context with the heavy imports preloaded: the server is a clean
     single-threaded process, so forking it is safe (unlike forking this one, whose torch

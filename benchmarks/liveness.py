@@ -132,13 +132,8 @@ def run_once(s: conv.Settings, workdir: Path, run: str, kill_at: int,
         p.start()
     t0 = time.monotonic()
     victim, survivor = procs[VICTIM], procs[SURVIVOR]
-    while len(_lines(jobs[VICTIM].log("log"))) < kill_at:
-        if not victim.is_alive() or time.monotonic() - t0 > timeout:
-            raise SystemExit(f"{run}: the victim ended before its step {kill_at} "
-                             f"(exit code {victim.exitcode}); see its output")
-        time.sleep(0.005)
-    t_kill = time.time()
-    victim.kill()
+    log = jobs[VICTIM].log("log")
+    t_kill = conv.kill_at_step(victim, lambda: len(_lines(log)), kill_at, t0 + timeout, run)
     victim.join()
     survivor.join(max(timeout - (time.monotonic() - t0), 1.0))
     if survivor.exitcode != 0:

@@ -423,14 +423,9 @@ def launch(jobs: list[Job], kill_at: int | None,
     t_kill = None
     kill = kill_at is not None
     if kill_at is not None:
-        victim, at = procs[VICTIM], kill_at
-        while len(_steps(jobs[VICTIM].path("log"))) < at:
-            if not victim.is_alive() or time.perf_counter() - t0 > timeout:
-                raise SystemExit(f"{jobs[0].arm.name}: the victim ended before its step {at} "
-                                 f"(exit code {victim.exitcode}); see its output")
-            time.sleep(0.005)
-        t_kill = time.time()
-        victim.kill()
+        log = jobs[VICTIM].path("log")
+        t_kill = conv.kill_at_step(procs[VICTIM], lambda: len(_steps(log)), kill_at,
+                                   time.monotonic() + timeout, jobs[0].arm.name)
     for p in procs:
         p.join(max(timeout - (time.perf_counter() - t0), 1.0))
     wall = time.perf_counter() - t0
