@@ -123,6 +123,9 @@ class SnapshotPublished(Event):
     tokens: int
     bytes: int
     seconds: float
+    #: Merged from memory by this learner's own closer, which the contribution let close
+    #: the round: nothing uploaded (`bytes` 0).
+    held: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

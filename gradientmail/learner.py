@@ -89,7 +89,10 @@ class Learner(Mailman):
     then `close()`.
 
     `mailbox` is a Mailbox or a URL; `sync=True` also runs a syncer on the communication
-    thread, so a run needs nothing but the bucket. `run_key` (str or bytes) makes the run
+    thread, so a run needs nothing but the bucket; with it, a contribution that completes
+    its round's set is merged by this learner's closer from memory and never uploaded
+    (`hold_own=False` uploads every contribution, so that every merge can be recomputed
+    from the store). `run_key` (str or bytes) makes the run
     authenticated: every record is sealed and checked (see `gradientmail.auth`).
     """
 
@@ -101,6 +104,7 @@ class Learner(Mailman):
         learner_id: str | None = None,
         *,
         sync: bool = True,
+        hold_own: bool = True,
         backend: Any = None,
         clock: Clock | None = None,
         poll_interval: float = 1.0,
@@ -128,6 +132,7 @@ class Learner(Mailman):
         self.algorithm = algorithm
         self.learner_id = check_learner_id(learner_id or default_learner_id())
         self.sync = sync
+        self.hold_own = bool(hold_own)
         self.backend = backend
         self.clock: Clock = clock if clock is not None else MonotonicClock()
         self.poll_interval = float(poll_interval)

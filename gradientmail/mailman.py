@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 import math
 import queue
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from gradientmail import learner_state as ls
@@ -121,6 +121,7 @@ class Mailman:
     algorithm: Algorithm
     learner_id: str
     sync: bool
+    hold_own: bool
     backend: Any
     clock: Clock
     poll_interval: float
@@ -273,6 +274,17 @@ class Mailman:
             self._live = await ex.observe_leases(tracker)
             return self._live
 
+        try:
+            await self._receive(joined, syncer, refresh)
+        finally:
+            if syncer is not None:
+                syncer.decline_offers()  # no poll will take them: the publishes upload
+
+    async def _receive(self, joined: JoinResult, syncer: Syncer | None,
+                       refresh: Callable[[], Awaitable[frozenset[str]]]) -> None:
+        ex = self._exchange
+        assert ex is not None
+        tracker = self._tracker
         next_leases = -math.inf
         self._cursor = joined.rounds_seen
         next_manifest = self.clock.now() + MANIFEST_EVERY * self.poll_interval
@@ -562,8 +574,8 @@ class Mailman:
         return "closed", None
 
     def _published(self, job: _Job, record: SnapshotRecord, t0: float,
-                   tensors: dict[str, TensorBytes] | None = None) -> None:
-        if self._syncer is not None:
+                   tensors: dict[str, TensorBytes] | None = None, held: bool = False) -> None:
+        if self._syncer is not None and not held:
             self._syncer.note_contribution(job.round, self.learner_id, record.payload, tensors)
             if self._wake is not None:
                 self._wake.set()
@@ -576,6 +588,7 @@ class Mailman:
                 job.tokens,
                 record.payload.size,
                 self.clock.now() - t0,
+                held,
             )
         )
 
@@ -588,10 +601,9 @@ class Mailman:
         fmt = delta_format(self.algorithm.delta_dtype,
                            [self.adapter.schema[n].dtype for n in self._plan[job.fragment]])
         tensors = await asyncio.to_thread(self._encode_delta, job, fmt)
-        record = await ex.publish(
+        draft = ex.draft(
             job.round,
             self.learner_id,
-            tensors,
             fragment=job.fragment,
             base_version=job.base_version,
             local_step=job.local_step,
@@ -602,6 +614,15 @@ class Mailman:
             delta_format=fmt,
             step_seconds=job.step_seconds,
         )
+        if self.hold_own and self._syncer is not None and self._wake is not None:
+            # Offered to the embedded closer first: if this contribution completes the
+            # round's set, the closer merges it from memory and it is never uploaded.
+            taken = self._syncer.offer(draft, tensors)
+            self._wake.set()
+            if await taken:
+                self._published(job, draft, t0, held=True)
+                return
+        record = await ex.publish_draft(draft, tensors)
         self._published(job, record, t0, tensors)
 
     def _encode_delta(self, job: _Job, fmt: str) -> dict[str, TensorBytes]:

@@ -370,15 +370,45 @@ class Exchange:
         Raises `AlreadyContributed` if `learner` has contributed to `round_` already (one
         contribution per learner and round; its steps can go out with a later round).
         """
+        draft = self.draft(
+            round_, learner, fragment=fragment, base_version=base_version,
+            local_step=local_step, steps=steps, tokens=tokens, final=final,
+            schema_digest=schema_digest, delta_format=delta_format, step_seconds=step_seconds,
+        )
+        return await self.publish_draft(draft, tensors)
+
+    @staticmethod
+    def draft(
+        round_: int,
+        learner: str,
+        *,
+        fragment: int,
+        base_version: int,
+        local_step: int,
+        steps: int,
+        tokens: int,
+        final: bool,
+        schema_digest: str,
+        delta_format: str,
+        step_seconds: float | None = None,
+    ) -> SnapshotRecord:
+        """The record of a contribution before its upload: its payload ref names the key
+        stem, with size 0 and a zero digest (bad fields fail here, before any upload). An
+        embedded closer merges a held contribution from this draft and its tensors."""
         check_learner_id(learner)
-        stem = f"{_round_dir('payloads/', round_)}{learner}"
-        # Built first, with a placeholder ref, so bad fields fail before any upload.
-        draft = SnapshotRecord(
+        return SnapshotRecord(
             learner=learner, round=round_, fragment=fragment, base_version=base_version,
             local_step=local_step, steps=steps, tokens=tokens, final=final,
             schema_digest=schema_digest, delta_format=delta_format,
-            payload=PayloadRef(stem, 0, "0" * 64), step_seconds=step_seconds,
+            payload=PayloadRef(f"{_round_dir('payloads/', round_)}{learner}", 0, "0" * 64),
+            step_seconds=step_seconds,
         )
+
+    async def publish_draft(
+        self, draft: SnapshotRecord, tensors: Mapping[str, TensorBytes]
+    ) -> SnapshotRecord:
+        """`publish` of a `draft`: the payload, then the record with the payload's ref."""
+        round_, learner, stem = draft.round, draft.learner, draft.payload.key
         ref = await self.put_payload(stem, tensors, create=True)
         key = f"{_round_dir('snapshots/', round_)}{learner}.json"
         if ref is None and await self.mailbox.get(self.prefix + key) is None:

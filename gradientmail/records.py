@@ -334,9 +334,16 @@ class Participant:
     #: each learner's pace from the records (a closer does not wait for a much slower
     #: one). Left out of the JSON when None, so older records keep their bytes.
     step_seconds: float | None = None
+    #: True when the round's closer was this learner and merged its delta from memory:
+    #: no payload of it was ever uploaded (a contribution that completes its round's set
+    #: costs no upload). Left out of the JSON when False.
+    held: bool = False
 
     def __post_init__(self) -> None:
         check_learner_id(self.learner)
+        if not isinstance(self.held, bool):
+            raise LocalProtocolError(f"participant {self.learner!r}: held={self.held!r} "
+                                     "must be a bool")
         for name in ("local_step", "steps", "tokens"):
             check_count(name, getattr(self, name))
         object.__setattr__(self, "weight", check_seconds("weight", self.weight))
@@ -349,18 +356,24 @@ class Participant:
                "tokens": self.tokens, "weight": self.weight}
         if self.step_seconds is not None:
             out["step_seconds"] = self.step_seconds
+        if self.held:
+            out["held"] = True
         return out
 
     @classmethod
     def from_json(cls, obj: Any, key: str, path: str) -> Participant:
-        optional = ("step_seconds",) if isinstance(obj, dict) and "step_seconds" in obj else ()
+        optional = tuple(k for k in ("step_seconds", "held")
+                         if isinstance(obj, dict) and k in obj)
         f = Fields(obj, key, path,
                     ("learner", "local_step", "steps", "tokens", "weight", *optional))
         return build_record(cls, key, path, learner=f.get_str("learner"),
                       local_step=f.get_int("local_step"), steps=f.get_int("steps"),
                       tokens=f.get_int("tokens"), weight=float(f.get(
                           "weight", is_number, "must be a number")),
-                      step_seconds=f.get_float("step_seconds") if optional else None)
+                      step_seconds=(f.get_float("step_seconds")
+                                    if "step_seconds" in optional else None),
+                      held="held" in optional and f.get(
+                          "held", lambda v: v is True, "must be true when present"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -102,6 +102,19 @@ class _Open:
     preferred: bool = False  # this closer was the round's preferred one at the last poll
 
 
+@dataclasses.dataclass(frozen=True)
+class _Offer:
+    """The embedding learner's contribution before its upload (`Syncer.offer`)."""
+
+    draft: SnapshotRecord
+    tensors: dict[str, TensorBytes]
+    taken: asyncio.Future[bool]
+
+    def decline(self) -> None:
+        if not self.taken.done():
+            self.taken.set_result(False)
+
+
 class Syncer:
     """Closes the rounds of the run in `mailbox`. `poll()` does one pass; `run()` loops.
 
@@ -166,6 +179,7 @@ class Syncer:
         self._noted: dict[int, dict[str, float]] = {}  # note_contribution, by round
         # The embedding learner's own deltas, by round: (payload SHA-256, its entries).
         self._own: dict[int, tuple[str, dict[str, TensorBytes]]] = {}
+        self._offers: dict[int, _Offer] = {}  # its contributions not uploaded yet, by round
         self._manifest: Manifest | None = None
         self._algorithm: Algorithm | None = None
         self._schedule: RoundSchedule | None = None
@@ -212,6 +226,23 @@ class Syncer:
         for a commit (a barrier), so a backup closer calls the roll when the round it could
         close is left unclaimed. Returns True when this call committed a round.
         """
+        # The offers made before this pass: it merges the open round's if it closes that
+        # round now; every other is declined when it ends (the learner uploads them).
+        offers, self._offers = self._offers, {}
+        try:
+            return await self._poll(live, refresh_live, records, waiting, offers)
+        finally:
+            for o in offers.values():
+                o.decline()
+
+    async def _poll(
+        self,
+        live: frozenset[str] | None,
+        refresh_live: Callable[[], Awaitable[frozenset[str]]] | None,
+        records: Sequence[RoundRecord] | None,
+        waiting: bool,
+        offers: Mapping[int, _Offer],
+    ) -> bool:
         ex = self.exchange
         if self._manifest is None and not await self._load_manifest():
             return False
@@ -238,10 +269,18 @@ class Syncer:
             # Preferred now (its predecessor judged gone, say): look at the round at once.
             self._next_watch = -math.inf
         self._open.preferred = close
+        offer = offers.get(r)
+        if offer is not None:
+            self._next_watch = -math.inf  # whether it completes the set: a fresh listing
         if now >= self._next_watch:
             before = len(self._open.first_seen)
-            for learner in await ex.publishers(r):
+            publishers = await ex.publishers(r)
+            if self.closer_id in publishers:
+                offer = None  # an earlier run of this learner id contributed: no second
+            for learner in publishers:
                 self._open.first_seen.setdefault(learner, now)
+            if offer is not None:
+                self._open.first_seen.setdefault(self.closer_id, now)
             seen = len(self._open.first_seen)
             self._open.idle = 0 if seen > before else self._open.idle + 1
             polls = watch_polls(close, seen, self._open.idle, self.watch_every,
@@ -315,10 +354,34 @@ class Syncer:
             await self._catch_up()
             return False
         t_quorum = watch.quorum_time(effective_quorum(alg.quorum_size, len(live)))
-        return await self._close(r, attempt, watch, t_quorum, grace, expected)
+        return await self._close(r, attempt, watch, t_quorum, grace, expected, offer)
 
     async def _observe_leases(self) -> frozenset[str]:
         return await self.exchange.observe_leases(self._tracker)
+
+    def offer(self, draft: SnapshotRecord, tensors: dict[str, TensorBytes]) -> asyncio.Future[bool]:
+        """The embedding learner's contribution `draft` (`Exchange.draft`) with its delta,
+        before any upload. The next `poll` lists the round; if the contribution completes
+        its set (or the round is due anyway) and this syncer closes the round, it merges
+        the delta from memory and the record marks the participant `held`: the future
+        resolves True and nothing is uploaded. Otherwise it resolves False (when that
+        poll ends) and the learner uploads as usual. Rounds other than the open one are
+        declined at the next poll."""
+        taken: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        if draft.learner != self.closer_id or draft.round <= self._cursor:
+            taken.set_result(False)
+            return taken
+        old = self._offers.pop(draft.round, None)
+        if old is not None:
+            old.decline()
+        self._offers[draft.round] = _Offer(draft, tensors, taken)
+        return taken
+
+    def decline_offers(self) -> None:
+        """Decline every pending offer (the loop that polls this syncer is ending)."""
+        offers, self._offers = self._offers, {}
+        for o in offers.values():
+            o.decline()
 
     def note_contribution(self, round_: int, learner: str, payload: PayloadRef | None = None,
                           tensors: dict[str, TensorBytes] | None = None) -> None:
@@ -402,7 +465,7 @@ class Syncer:
 
     async def _close(
         self, r: int, attempt: int, watch: RoundWatch, t_quorum: float | None,
-        window: float, expected: frozenset[str],
+        window: float, expected: frozenset[str], offer: _Offer | None = None,
     ) -> bool:
         ex, manifest = self.exchange, self._manifest
         assert manifest is not None
@@ -413,20 +476,25 @@ class Syncer:
         names = manifest.plan[fragment]
         state = await self._fragment_state(fragment)
         found = await ex.contributions(r)
-        self.on_event(RoundClaimed(self.closer_id, r, attempt, len(found.records)))
+        snaps = [s for s in found.records if offer is None or s.learner != self.closer_id]
+        if offer is not None:
+            snaps.append(offer.draft)
+        self.on_event(RoundClaimed(self.closer_id, r, attempt, len(snaps)))
         dropped: list[Dropped] = []
         for bad in found.rejected:
             self._drop(r, bad.learner or "?", bad.key, bad.reason, dropped)
         contributions: list[Contribution] = []
-        for snap in sorted(found.records, key=lambda s: s.learner):
-            contribution = await self._screen(r, fragment, state, schema, names, snap, dropped)
+        for snap in sorted(snaps, key=lambda s: s.learner):
+            held = offer.tensors if offer is not None and snap is offer.draft else None
+            contribution = await self._screen(r, fragment, state, schema, names, snap, dropped,
+                                              held)
             if contribution is not None:
                 contributions.append(contribution)
-        keys = {s.learner: s.payload.key for s in found.records}
+        keys = {s.learner: s.payload.key for s in snaps}
         contributions = await self._drop_outliers(r, contributions, keys, dropped)
         # ξ_step: the step-time EMAs the merged learners reported with their snapshots.
         merged = {c.learner for c in contributions}
-        paces = {s.learner: s.step_seconds for s in found.records
+        paces = {s.learner: s.step_seconds for s in snaps
                  if s.learner in merged and s.step_seconds is not None}
         step_seconds = list(paces.values())
         result = None
@@ -478,7 +546,7 @@ class Syncer:
         )
         arrival = Arrival(
             window, max(now - (t_claim if t_first is None else t_first), 0.0),
-            watch.first_learner(), tuple(sorted(expected - {s.learner for s in found.records})),
+            watch.first_learner(), tuple(sorted(expected - {s.learner for s in snaps})),
         )
         record = RoundRecord(
             round=r,
@@ -488,7 +556,8 @@ class Syncer:
             outer=outer_ref,
             update=update_ref,
             participants=tuple(
-                dataclasses.replace(p, step_seconds=paces.get(p.learner))
+                dataclasses.replace(p, step_seconds=paces.get(p.learner),
+                                    held=offer is not None and p.learner == self.closer_id)
                 for p in participants
             ),
             estimates=estimates,
@@ -504,6 +573,8 @@ class Syncer:
             return False
         assert self._replica is not None
         self._replica.hold(new_state)
+        if offer is not None:
+            offer.taken.set_result(True)
         self._accept(record)
         self.rounds_closed += 1
         self.on_event(
@@ -555,8 +626,10 @@ class Syncer:
         names: Sequence[str],
         snap: SnapshotRecord,
         dropped: list[Dropped],
+        held: dict[str, TensorBytes] | None = None,
     ) -> Contribution | None:
-        """The contribution of `snap`, or None (dropped, with an event and a record entry)."""
+        """The contribution of `snap`, or None (dropped, with an event and a record entry).
+        `held`: the delta of an offered contribution (`offer`), never uploaded."""
         key = snap.payload.key
         if snap.fragment != fragment:
             self._drop(
@@ -592,9 +665,11 @@ class Syncer:
             return None
         own = self._own.get(r)
         try:
-            if own is not None and snap.learner == self.closer_id \
+            if held is not None:
+                entries: dict[str, TensorBytes] | None = check_delta(held, snap, schema, names)
+            elif own is not None and snap.learner == self.closer_id \
                     and own[0] == snap.payload.sha256:
-                entries: dict[str, TensorBytes] | None = check_delta(own[1], snap, schema, names)
+                entries = check_delta(own[1], snap, schema, names)
             else:
                 entries = await self.exchange.fetch_delta(snap, schema, names)
         except SchemaMismatch as exc:

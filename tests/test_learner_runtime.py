@@ -156,13 +156,16 @@ def test_decoupled_defaults_three_learners(tmp_path: Any) -> None:
 
 def solo(plan: FaultPlan, overlap_steps: int | None
          ) -> tuple[Mailbox, Learner, torch.nn.Module, torch.optim.Optimizer, Recorder]:
-    """A started learner alone in a run (H=4, one fragment), its store failing by `plan`."""
+    """A started learner alone in a run (H=4, one fragment), its store failing by `plan`.
+    It uploads every contribution (`hold_own=False`): alone, its closer would merge each
+    from memory, and these tests are about uploads."""
     mailbox = FaultyMailbox(MemoryMailbox(), plan)
     alg = DiLoCo(sync_every=4, fragments=1, in_flight=1, overlap_steps=overlap_steps,
                  merge=WeightedMean())
     rec = Recorder()
     model = make_model()
-    learner = Learner(TorchAdapter(model), alg, mailbox, "solo", on_event=rec, **FAST)
+    learner = Learner(TorchAdapter(model), alg, mailbox, "solo", on_event=rec, hold_own=False,
+                      **FAST)
     learner.start()
     return mailbox, learner, model, torch.optim.SGD(model.parameters(), lr=0.05), rec
 
@@ -223,7 +226,7 @@ def test_a_round_whose_publish_failed_after_a_later_one_went_out_is_published_ag
     models = {n: make_model(seed=w) for w, n in enumerate("ab")}
     learners = {
         n: Learner(TorchAdapter(models[n]), alg, inner if n == "a" else FaultyMailbox(inner, plan),
-                   n, on_event=rec[n], keep_versions=1000, **FAST)
+                   n, on_event=rec[n], keep_versions=1000, hold_own=n == "a", **FAST)
         for n in "ab"
     }
 
@@ -661,7 +664,8 @@ def test_deltas_travel_in_the_models_precision_by_default(
                  delta_dtype=delta_dtype, flush_on_close=False)
     model = make_model(width=64).to(dtype)
     rec = Recorder()
-    learner = Learner(TorchAdapter(model), alg, mailbox, "solo", on_event=rec, **FAST)
+    learner = Learner(TorchAdapter(model), alg, mailbox, "solo", on_event=rec, hold_own=False,
+                      **FAST)
     learner.start()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(8):
@@ -748,7 +752,8 @@ def test_rounds_move_no_outer_state_but_their_checkpoints() -> None:
     """Standard DiLoCo, two learners, a checkpoint every 5 versions: theta and the outer
     state are written at versions 5 and 10 only and read by no one (both hold the state
     from Θ⁰ on); each learner downloads the step of every round it did not close, and
-    its delta goes up once per round. Both end on the committed model."""
+    its delta goes up once per round unless its contribution completed the round's set and
+    its own closer merged it from memory (`held`). Both end on the committed model."""
     mailbox = MemoryMailbox()
     alg = DiLoCo.standard(4, 2, checkpoint_every=5)
     logs = [KeyLog(mailbox) for _ in range(2)]
@@ -774,8 +779,47 @@ def test_rounds_move_no_outer_state_but_their_checkpoints() -> None:
         assert {k for k in got if k.startswith("steps/")} == others
         assert len([k for k in got if k.startswith("steps/")]) == len(others)  # once each
         mine = [k for op, k, _ in log.log if op != "get" and k.startswith("payloads/")]
-        assert len(mine) == len(records)  # the learner's delta, once a round
+        # the learner's delta, once a round, but for the rounds it held
+        assert sorted(mine) == [f"payloads/{r.round:010d}/r{w}.safetensors" for r in records
+                                if not any(p.held for p in r.participants
+                                           if p.learner == f"r{w}")]
+    # a held contribution is the closer's own
+    held = [(r.closer, p.learner) for r in records for p in r.participants if p.held]
+    assert all(closer == learner for closer, learner in held)
     want = newest_theta(mailbox)
     for model in models:
         for name, p in model.named_parameters():
             assert torch.equal(p.detach(), want[name]), name
+
+
+def test_a_lone_learner_closes_on_its_own_contribution_without_uploading_it() -> None:
+    """Alone in a run its contribution completes every round's set: its closer merges the
+    delta from memory and nothing of it goes up (`hold_own=False`: uploaded as before).
+    The committed model is the same either way."""
+    thetas = []
+    for hold in (True, False):
+        log = KeyLog(MemoryMailbox())
+        rec = Recorder()
+        model = make_model()
+        learner = Learner(TorchAdapter(model), DiLoCo.standard(4, 1), log, "solo",
+                          on_event=rec, hold_own=hold, keep_versions=1000, **FAST)
+        learner.start()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(8):
+            train_step(model, opt, step)
+            learner.step(10)
+        learner.close()
+        records = all_records(log.inner)
+        assert [(r.round, [(p.learner, p.steps, p.held) for p in r.participants])
+                for r in records] == [(0, [("solo", 4, hold)]), (1, [("solo", 4, hold)])]
+        uploads = [k for op, k, _ in log.log if op != "get" and k.startswith("payloads/")]
+        published = rec.of(ev.SnapshotPublished)
+        assert [(e.round, e.held, e.bytes == 0) for e in published] == [
+            (0, hold, hold), (1, hold, hold)]
+        assert uploads == ([] if hold else ["payloads/0000000000/solo.safetensors",
+                                            "payloads/0000000001/solo.safetensors"])
+        want = newest_theta(log.inner)
+        for name, p in model.named_parameters():
+            assert torch.equal(p.detach(), want[name]), name
+        thetas.append(want)
+    assert all(torch.equal(thetas[0][n], thetas[1][n]) for n in thetas[0])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import json
 from collections.abc import Coroutine, Mapping
 from typing import Any, TypeVar
 
@@ -873,6 +874,74 @@ def test_an_embedded_closer_merges_its_own_delta_from_memory(mailbox: Mailbox) -
         await other.contribute(0, "b")
         assert await other.syncer("a").poll(live=frozenset({"a", "b"}))
         assert fingerprint([rec]) == fingerprint(await other.records())
+
+    run(main())
+
+
+def _draft(r: Run, round_: int, learner: str) -> SnapshotRecord:
+    """`learner`'s contribution to `round_` as `Run.contribute` would publish it."""
+    return r.ex.draft(round_, learner, fragment=0, base_version=round_, local_step=4 * round_ + 4,
+                      steps=4, tokens=64, final=False, schema_digest=SCHEMA.digest(),
+                      delta_format="F32")
+
+
+def test_a_contribution_that_completes_its_set_is_merged_from_memory_never_uploaded(
+        mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=2))
+        await r.create()
+        await r.contribute(0, "b")
+        s = r.syncer("a", embedded=True, sweep=False)
+        taken = s.offer(_draft(r, 0, "a"), delta(0, "a", r.plan[0]))
+        assert not taken.done()  # decided by the next poll
+        assert await s.poll(live=frozenset({"a", "b"}))
+        assert taken.result() is True
+        rec = await r.ex.read_round(0)
+        assert rec is not None and rec.closer == "a"
+        assert [(p.learner, p.held) for p in rec.participants] == [("a", True), ("b", False)]
+        assert '"held": true' in json.dumps(rec.to_json())
+        keys = await mailbox.list("")
+        assert [k for k in keys if k.startswith(("payloads/", "snapshots/"))] == [
+            "payloads/0000000000/b.safetensors", "snapshots/0000000000/b.json"]
+        # The same step as a closer that downloaded both uploaded contributions.
+        other = Run(MemoryMailbox(), algorithm(fragments=1, quorum_size=2))
+        await other.create()
+        await other.contribute(0, "a")
+        await other.contribute(0, "b")
+        assert await other.syncer("a").poll(live=frozenset({"a", "b"}))
+        unheld = dataclasses.replace(rec, participants=tuple(
+            dataclasses.replace(p, held=False) for p in rec.participants))
+        assert fingerprint([unheld]) == fingerprint(await other.records())
+
+    run(main())
+
+
+def test_an_offer_the_round_cannot_close_on_is_declined_for_upload(mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=2))
+        await r.create()
+        s = r.syncer("a", embedded=True)
+        live = frozenset({"a", "b"})
+        # b is not in: the round waits for it, so a's contribution must go up.
+        taken = s.offer(_draft(r, 0, "a"), delta(0, "a", r.plan[0]))
+        assert not await s.poll(live=live)
+        assert taken.result() is False and await r.ex.read_round(0) is None
+        # An offer for a round that is not the open one: declined at the next poll.
+        later = s.offer(_draft(r, 1, "a"), delta(1, "a", r.plan[0]))
+        assert not await s.poll(live=live)
+        assert later.result() is False
+        # A record of this learner id is in the round already (an earlier run of it):
+        # declined, so that the upload meets AlreadyContributed rather than merging twice.
+        await r.contribute(0, "a")
+        await r.contribute(0, "b")
+        again = s.offer(_draft(r, 0, "a"), delta(0, "a", r.plan[0]))
+        assert await s.poll(live=live)
+        assert again.result() is False
+        rec = await r.ex.read_round(0)
+        assert rec is not None and not any(p.held for p in rec.participants)
+        # An offer for a closed round, or by another learner id, is declined at once.
+        assert s.offer(_draft(r, 0, "a"), delta(0, "a", r.plan[0])).result() is False
+        assert s.offer(_draft(r, 1, "b"), delta(1, "b", r.plan[0])).result() is False
 
     run(main())
 
