@@ -20,7 +20,9 @@ and counts only that learner's requests, through a CountingMailbox:
   (claim, contributions, step, record, sweep; theta and outer state every 20 versions),
   and calls the roll when a round waits short of its quorum (never here: quorum 1; the
   `calls/h` column counts the calls it answered or made);
-- its publishes: one per round of its schedule (payload + record).
+- its publishes: one per round of its schedule, offered to its closer first (a poll that
+  lists the round), then uploaded (payload + record) unless the closer merged it from
+  memory, its contribution having completed the round's set.
 
 Every learner publishes once a gap (H/P steps), the N of them within 2 s of each other:
 the phase a decoupled run keeps (learners that miss a round align with its first
@@ -130,6 +132,11 @@ async def simulate(learners: int, seconds: float, step: float = 1.0, poll: float
                                    base_version=r_open // len(plan), local_step=r_open,
                                    steps=1, tokens=1, final=False, schema_digest=digest,
                                    delta_format="F32", step_seconds=step)
+        # The others' closer takes the rounds the observed learner is not preferred for,
+        # as soon as their last contribution completes the set: the learner that made it
+        # closes at once (its own closer, `Syncer.offer`), before the observed one looks.
+        if preferred_closer(r_open, live) != ME:
+            await theirs.poll(live=live)
         # The observed learner: one receive-loop iteration, as Learner._receive_loop, and
         # its lease loop's (Mailman._lease_loop).
         if t >= next_beat:
@@ -169,18 +176,21 @@ async def simulate(learners: int, seconds: float, step: float = 1.0, poll: float
         if mine.publishers_seen(r_open) is None and t >= next_watch:
             await me.publishers(r_open)
             next_watch = t + (BACKUP_EVERY - 1) * poll * 0.999
-        if cycle[ME] < k and (ME, r_open) not in published and into >= spread / 2:
+        if cycle[ME] < k and (ME, r_open) not in published and into < poll:
             cycle[ME] = k
             published.add((ME, r_open))
             frag = sched.fragment_of(r_open)
-            await me.publish(r_open, ME, _tensors(plan[frag], 0.02), fragment=frag,
-                             base_version=r_open // len(plan), local_step=r_open, steps=1,
-                             tokens=1, final=False, schema_digest=digest,
-                             delta_format="F32", step_seconds=step)
-            mine.note_contribution(r_open, ME)
-        # The others' closer takes the rounds the observed learner is not preferred for.
-        if preferred_closer(cursor + 1, live) != ME:
-            await theirs.poll(live=live)
+            draft = me.draft(r_open, ME, fragment=frag, base_version=r_open // len(plan),
+                             local_step=r_open, steps=1, tokens=1, final=False,
+                             schema_digest=digest, delta_format="F32", step_seconds=step)
+            tensors = _tensors(plan[frag], 0.02)
+            # Offered to its closer first (`Mailman._publish`): one poll, which lists the
+            # round; uploaded unless that closed the round on it.
+            taken = mine.offer(draft, tensors)
+            await mine.poll(live=live, refresh_live=refresh, records=[])
+            if not taken.result():
+                await me.publish_draft(draft, tensors)
+                mine.note_contribution(r_open, ME)
         t += poll
         clock.advance(poll)
     return counted.snapshot(), cursor + 1, len(made) + answers
