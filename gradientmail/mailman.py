@@ -68,7 +68,7 @@ MANIFEST_EVERY = 10
 #: its learners' next look is what a barrier costs on top of the merge. Doubling up to
 #: the poll interval (1 s) cost standard DiLoCo ~1 s a round against torchft's 0.35 s.
 WAITING_POLL = 0.02
-WAITING_CAP = 0.16
+WAITING_CAP = 0.05
 
 
 def poll_delay(poll_interval: float, blocked_polls: int) -> float:
