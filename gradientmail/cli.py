@@ -8,7 +8,7 @@
 URL is a mailbox URL (`s3://bucket/prefix`, `file:///dir`, or a plain path). For S3,
 `--endpoint-url` names a MinIO/R2/moto endpoint; without it boto3 reads `AWS_ENDPOINT_URL`
 and the rest of the usual AWS environment itself. `GRADIENTMAIL_RUN_KEY` holds the key of
-an authenticated run (read here, and only here in the command).
+an authenticated run (read by `gradientmail.auth.env_run_key`, as everywhere).
 
 Each subcommand is a function `cmd_<name>(args) -> int` registered in `build_parser`;
 `main(argv)` parses, runs it, and turns a `GradientmailError` into one line on stderr,
@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from gradientmail import __version__
+from gradientmail.auth import env_run_key
 from gradientmail.errors import ConfigError, GradientmailError
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
@@ -50,16 +51,10 @@ __all__ = [
 ]
 
 _PROG = "gradientmail"
-RUN_KEY_VARIABLE = "GRADIENTMAIL_RUN_KEY"
 T = TypeVar("T")
 
 
 # -- shared ------------------------------------------------------------------------------
-
-
-def _run_key() -> str | None:
-    """The run key from `GRADIENTMAIL_RUN_KEY` (None when unset or empty)."""
-    return os.environ.get(RUN_KEY_VARIABLE) or None
 
 
 def _open(args: argparse.Namespace) -> Mailbox:
@@ -75,7 +70,7 @@ def _with_mailbox(args: argparse.Namespace, work: Callable[[Exchange], Awaitable
     async def go() -> T:
         mailbox = _open(args)
         try:
-            return await work(Exchange(mailbox, run_key=_run_key()))
+            return await work(Exchange(mailbox, run_key=env_run_key()))
         finally:
             await mailbox.close()
 
@@ -291,7 +286,7 @@ async def _sync(args: argparse.Namespace, closer: str) -> tuple[int, str]:
     mailbox = _open(args)
     syncer = Syncer(mailbox, closer_id=closer, poll_interval=args.poll_interval,
                     keep_versions=args.keep, lease_timeout=args.lease_timeout,
-                    run_key=_run_key())
+                    run_key=env_run_key())
     stop = asyncio.Event()
     caught: list[str] = []
     loop = asyncio.get_running_loop()

@@ -20,7 +20,7 @@ from gradientmail.events import Event, LeaseReleased
 from gradientmail.mailbox import LocalMailbox
 from gradientmail.protocol import Exchange
 from gradientmail.records import RoundRecord
-from gradientmail_accelerate import DiLoCo, DiLoCoPlugin, count_tokens
+from gradientmail_accelerate import DiLoCo, DiLoCoPlugin
 
 STANDARD = Config.standard(sync_every=4, learners=1)
 
@@ -106,22 +106,6 @@ def test_tokens_per_step_as_an_int_or_a_callable(tmp_path: Path, per_step: Any) 
         [(4, 28)]
     ]
     assert len(calls) == (4 if per_step == "callable" else 0)
-
-
-def test_count_tokens_reads_common_batch_shapes() -> None:
-    ids = torch.ones(2, 5, dtype=torch.long)
-    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]])
-    assert count_tokens(12) == 12
-    assert count_tokens(ids) == 10
-    assert count_tokens({"input_ids": ids}) == 10
-    assert count_tokens({"input_ids": ids, "attention_mask": mask}) == 7
-    assert count_tokens((ids, ids[:, :1])) == 10
-    with pytest.raises(ConfigError, match=r"keys \['labels'\]; it needs 'attention_mask' or"):
-        count_tokens({"labels": ids})
-    with pytest.raises(ConfigError, match="a token count must be >= 0, got -1"):
-        count_tokens(-1)
-    with pytest.raises(ConfigError, match="cannot count tokens in a str"):
-        count_tokens("text")
 
 
 def test_checkpoint_round_trip_of_the_wrapper_state(tmp_path: Path) -> None:
