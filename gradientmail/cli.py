@@ -4,6 +4,7 @@
     gradientmail sync URL [--poll-interval S] [--closer-id ID] [--keep N]
     gradientmail export URL OUT.safetensors
     gradientmail sweep URL [--keep N]
+    gradientmail demo [--learners N] [--steps S] [--outlier-factor K] ...
 
 URL is a mailbox URL (`s3://bucket/prefix`, `file:///dir`, or a plain path). For S3,
 `--endpoint-url` names a MinIO/R2/moto endpoint; without it boto3 reads `AWS_ENDPOINT_URL`
@@ -42,6 +43,7 @@ from gradientmail.serialization import TensorBytes, pack
 
 __all__ = [
     "build_parser",
+    "demo_config",
     "format_status",
     "main",
     "newest_model",
@@ -328,14 +330,22 @@ def cmd_sync(args: argparse.Namespace) -> int:
 # -- demo --------------------------------------------------------------------------------
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from gradientmail.demo import DemoConfig, run_demo
+def demo_config(args: argparse.Namespace) -> Any:
+    """The `DemoConfig` that `gradientmail demo ARGS` runs."""
+    from gradientmail.demo import DemoConfig
 
-    options = {
+    options: dict[str, Any] = {
         k: v for k, v in (("learners", args.learners), ("steps", args.steps)) if v is not None
     }
-    config = DemoConfig(mailbox=args.mailbox, data=args.data, **options)
-    run_demo(config, as_json=args.json)
+    if args.outlier_factor is not None:
+        options["diloco"] = (("outlier_factor", args.outlier_factor),)
+    return DemoConfig(mailbox=args.mailbox, data=args.data, **options)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from gradientmail.demo import run_demo
+
+    run_demo(demo_config(args), as_json=args.json)
     return 0
 
 
@@ -416,6 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, metavar="PATH",
                    help="your own text: .txt/.jsonl/.parquet files or a directory of them "
                    "(default: the standard library's .py files)")
+    p.add_argument("--outlier-factor", type=float, default=None, metavar="K",
+                   help="drop contributions whose delta norm exceeds K times the round's "
+                   "median (DiLoCo's outlier_factor; default: keep every contribution)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_demo)
     return parser

@@ -295,3 +295,30 @@ def test_flat_cli_settings_build_the_algorithm() -> None:
     assert cb.learner_options == {"lease_every": 5.0, "lease_timeout": 11.0, "prefix": ""}
     with pytest.raises(ConfigError, match=r"in_flight=2 exceeds fragments=1"):
         diloco_callback("runs/x", in_flight=2)
+
+
+def test_the_outlier_factor_is_set_from_the_recipe_and_the_command_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["gradientmail-train"])
+
+    def outlier_factor(config: Path, *extra: str) -> Any:
+        cli = GradientmailCLI(
+            GPT2Module,
+            TextDataModule,
+            run=False,
+            args=["--config", str(config), f"--diloco.mailbox={tmp_path / 'box'}",
+                  "--trainer.logger=false", *extra],
+        )
+        (cb,) = [c for c in cli.trainer.callbacks  # type: ignore[attr-defined]
+                 if isinstance(c, DiLoCoCallback)]
+        return cb.algorithm.outlier_factor  # type: ignore[attr-defined]
+
+    tiny = RECIPES / "gpt2-tiny-cpu.yaml"
+    recipe = yaml.safe_load(tiny.read_text())
+    assert "outlier_factor" in recipe["diloco"] and recipe["diloco"]["outlier_factor"] is None
+    assert outlier_factor(tiny) is None
+    assert outlier_factor(tiny, "--diloco.outlier_factor=4.0") == 4.0
+    own = tmp_path / "recipe.yaml"
+    own.write_text(yaml.safe_dump({**recipe, "diloco": {**recipe["diloco"], "outlier_factor": 3}}))
+    assert outlier_factor(own) == 3.0
