@@ -233,3 +233,29 @@ def test_the_run_key_variable_seals_the_run_and_stays_out_of_the_repr(
     assert [r.round for r in sealed] == [0, 1]
     with pytest.raises(AuthenticationError):
         asyncio.run(Exchange(LocalMailbox(box)).rounds_after(-1))
+
+
+def test_the_wrappers_loader_follows_the_global_batch_size(tmp_path: Path) -> None:
+    from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
+
+    accelerator, model, opt = setup(accum=2)
+    shares: list[int] = []
+    alg = Config.standard(sync_every=4, learners=1, global_batch_size=10)
+    diloco = DiLoCo(accelerator, model, opt, plugin(tmp_path / "run", algorithm=alg),
+                    on_batch_size=shares.append)
+    data = TensorDataset(torch.randn(60, 6), torch.randn(60, 2))
+    loader = accelerator.prepare(
+        DataLoader(data, batch_sampler=diloco.batch_sampler(SequentialSampler(data), 3))
+    )
+    assert [len(x) for x, _ in loader][:2] == [3, 3]  # before start: batch_size
+    sizes = []
+    with diloco:
+        for x, y in loader:
+            sizes.append(len(x))
+            with accelerator.accumulate(model):
+                accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+                opt.step()
+                opt.zero_grad()
+    # A share of 10 over 1 process and 2 accumulation steps: micro-batches of 5.
+    assert shares == [10] and diloco.batch_size == 10
+    assert sizes == [5] * 12

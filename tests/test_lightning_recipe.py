@@ -322,3 +322,38 @@ def test_the_outlier_factor_is_set_from_the_recipe_and_the_command_line(
     own = tmp_path / "recipe.yaml"
     own.write_text(yaml.safe_dump({**recipe, "diloco": {**recipe["diloco"], "outlier_factor": 3}}))
     assert outlier_factor(own) == 3.0
+
+
+def test_global_batch_size_sizes_the_data_modules_batches(tmp_path: Path) -> None:
+    from lightning.pytorch import LightningModule, Trainer
+
+    from gradientmail.algorithms.diloco import DiLoCo as Config
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents(120)))
+    data = TextDataModule(files=[str(path)], vocab_size=300, block_size=8, batch_size=4,
+                          val_fraction=0.0, cache_dir=str(tmp_path))
+
+    class Sizes(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(300, 4)
+            self.seen: list[int] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.seen.append(int(batch["input_ids"].shape[0]))
+            return self.emb(batch["input_ids"]).square().mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    alg = Config.standard(2, 1, global_batch_size=12)
+    cb = DiLoCoCallback(str(tmp_path / "run"), alg, "gbs-0", poll_interval=0.01,
+                        lease_every=2.0, lease_timeout=6.0)
+    module = Sizes()
+    Trainer(accelerator="cpu", devices=1, max_steps=4, accumulate_grad_batches=2,
+            callbacks=[cb], logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False).fit(module, data)
+    # One live learner holds the whole global batch of 12: 2 micro-batches of 6 per step.
+    assert module.seen == [6] * 8
+    assert data.batch_sizes.share == 12
