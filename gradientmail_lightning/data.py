@@ -310,6 +310,7 @@ class TextDataModule(LightningDataModule):
         assert self._train is not None
         if isinstance(self._train, IterableDataset):
             return DataLoader(self._train, batch_size=self.batch_size, num_workers=self.num_workers)
+        assert isinstance(self._train, _Blocks)
         order = RandomSampler(self._train, generator=torch.Generator().manual_seed(self.seed))
         return DataLoader(
             self._train,
