@@ -20,15 +20,18 @@ named. Leases (empty objects whose keys carry the counter) and key listings are 
 authenticated; docs/threat-model.md says what a writer without the key can do with them.
 
 Configuration: `run_key=` on Learner, Syncer and Exchange (`str` as UTF-8, or bytes; at
-least 16 bytes). `GRADIENTMAIL_RUN_KEY` is read by the command line and the integrations
-only.
+least 16 bytes). A `Learner` given no `run_key` (and so each integration, and the
+`gradientmail` command) takes `GRADIENTMAIL_RUN_KEY`; `env_run_key` is the one place that
+reads it. Syncer and Exchange take only what they are given.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import re
+from collections.abc import Mapping
 from typing import Protocol
 
 from gradientmail.errors import AuthenticationError, ConfigError, RemoteProtocolError
@@ -38,17 +41,22 @@ from gradientmail.records import Manifest
 __all__ = [
     "MAX_SEALED_BYTES",
     "MIN_KEY_BYTES",
+    "RUN_KEY_VARIABLE",
     "SCHEME",
     "HmacSeal",
     "Seal",
     "check_run_key",
+    "env_run_key",
     "is_sealed",
     "key_fingerprint",
     "open_manifest",
     "refuse_sealed",
+    "resolve_run_key",
     "short_fingerprint",
 ]
 
+#: The environment variable holding the run key of an authenticated run.
+RUN_KEY_VARIABLE = "GRADIENTMAIL_RUN_KEY"
 #: The sealing scheme this code writes and the only one it reads.
 SCHEME = "hmac-sha256"
 #: A run key's minimum length in bytes (use 32 random bytes).
@@ -62,8 +70,22 @@ _MID = b'","record":'
 _MAC_DOMAIN = b"gradientmail/record/v1\0"
 _FINGERPRINT_DOMAIN = b"gradientmail/run-key-fingerprint/v1\0"
 _HEX64 = re.compile("[0-9a-f]{64}")
-_FIX = "pass the run's key as run_key= (GRADIENTMAIL_RUN_KEY for the gradientmail command " \
-       "and the integrations)"
+_FIX = (f"set {RUN_KEY_VARIABLE} to the run's key (Learner, the gradientmail command and "
+        "the integrations read it) or pass it as run_key=")
+
+
+def env_run_key(environ: Mapping[str, str] | None = None) -> str | None:
+    """The run key in `GRADIENTMAIL_RUN_KEY` of `environ` (default `os.environ`); None
+    when unset or empty. The only reader of the variable in the library."""
+    env = os.environ if environ is None else environ
+    return env.get(RUN_KEY_VARIABLE) or None
+
+
+def resolve_run_key(run_key: str | bytes | None) -> str | bytes | None:
+    """`run_key`, or when it is None the key in `GRADIENTMAIL_RUN_KEY` (None if unset):
+    the default of `Learner(run_key=...)`, so a user who set the variable gets an
+    authenticated learner whichever integration built it."""
+    return run_key if run_key is not None else env_run_key()
 
 
 def check_run_key(run_key: str | bytes) -> bytes:

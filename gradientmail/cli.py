@@ -4,11 +4,12 @@
     gradientmail sync URL [--poll-interval S] [--closer-id ID] [--keep N]
     gradientmail export URL OUT.safetensors
     gradientmail sweep URL [--keep N]
+    gradientmail demo [--learners N] [--steps S] [--outlier-factor K] ...
 
 URL is a mailbox URL (`s3://bucket/prefix`, `file:///dir`, or a plain path). For S3,
 `--endpoint-url` names a MinIO/R2/moto endpoint; without it boto3 reads `AWS_ENDPOINT_URL`
 and the rest of the usual AWS environment itself. `GRADIENTMAIL_RUN_KEY` holds the key of
-an authenticated run (read here, and only here in the command).
+an authenticated run (read by `gradientmail.auth.env_run_key`, as everywhere).
 
 Each subcommand is a function `cmd_<name>(args) -> int` registered in `build_parser`;
 `main(argv)` parses, runs it, and turns a `GradientmailError` into one line on stderr,
@@ -31,6 +32,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from gradientmail import __version__
+from gradientmail.auth import env_run_key
 from gradientmail.errors import ConfigError, GradientmailError
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
@@ -41,6 +43,7 @@ from gradientmail.serialization import TensorBytes, pack
 
 __all__ = [
     "build_parser",
+    "demo_config",
     "format_status",
     "main",
     "newest_model",
@@ -50,16 +53,10 @@ __all__ = [
 ]
 
 _PROG = "gradientmail"
-RUN_KEY_VARIABLE = "GRADIENTMAIL_RUN_KEY"
 T = TypeVar("T")
 
 
 # -- shared ------------------------------------------------------------------------------
-
-
-def _run_key() -> str | None:
-    """The run key from `GRADIENTMAIL_RUN_KEY` (None when unset or empty)."""
-    return os.environ.get(RUN_KEY_VARIABLE) or None
 
 
 def _open(args: argparse.Namespace) -> Mailbox:
@@ -75,7 +72,7 @@ def _with_mailbox(args: argparse.Namespace, work: Callable[[Exchange], Awaitable
     async def go() -> T:
         mailbox = _open(args)
         try:
-            return await work(Exchange(mailbox, run_key=_run_key()))
+            return await work(Exchange(mailbox, run_key=env_run_key()))
         finally:
             await mailbox.close()
 
@@ -291,7 +288,7 @@ async def _sync(args: argparse.Namespace, closer: str) -> tuple[int, str]:
     mailbox = _open(args)
     syncer = Syncer(mailbox, closer_id=closer, poll_interval=args.poll_interval,
                     keep_versions=args.keep, lease_timeout=args.lease_timeout,
-                    run_key=_run_key())
+                    run_key=env_run_key())
     stop = asyncio.Event()
     caught: list[str] = []
     loop = asyncio.get_running_loop()
@@ -333,14 +330,22 @@ def cmd_sync(args: argparse.Namespace) -> int:
 # -- demo --------------------------------------------------------------------------------
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from gradientmail.demo import DemoConfig, run_demo
+def demo_config(args: argparse.Namespace) -> Any:
+    """The `DemoConfig` that `gradientmail demo ARGS` runs."""
+    from gradientmail.demo import DemoConfig
 
-    options = {
+    options: dict[str, Any] = {
         k: v for k, v in (("learners", args.learners), ("steps", args.steps)) if v is not None
     }
-    config = DemoConfig(mailbox=args.mailbox, data=args.data, **options)
-    run_demo(config, as_json=args.json)
+    if args.outlier_factor is not None:
+        options["diloco"] = (("outlier_factor", args.outlier_factor),)
+    return DemoConfig(mailbox=args.mailbox, data=args.data, **options)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from gradientmail.demo import run_demo
+
+    run_demo(demo_config(args), as_json=args.json)
     return 0
 
 
@@ -421,6 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, metavar="PATH",
                    help="your own text: .txt/.jsonl/.parquet files or a directory of them "
                    "(default: the standard library's .py files)")
+    p.add_argument("--outlier-factor", type=float, default=None, metavar="K",
+                   help="drop contributions whose delta norm exceeds K times the round's "
+                   "median (DiLoCo's outlier_factor; default: keep every contribution)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_demo)
     return parser

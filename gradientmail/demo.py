@@ -57,6 +57,7 @@ class DemoConfig:
             raise ConfigError(
                 f"fragments={self.fragments} exceeds sync_every={self.sync_every}"
             )
+        _algorithm(self)  # the DiLoCo overrides are checked now, not in every worker
 
 
 @dataclasses.dataclass(frozen=True)

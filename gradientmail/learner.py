@@ -28,7 +28,7 @@ from gradientmail import learner_state as ls
 from gradientmail.adapters.base import Adapter
 from gradientmail.algorithms.base import Algorithm
 from gradientmail.algorithms.schedule import Estimates, RoundSchedule
-from gradientmail.auth import HmacSeal
+from gradientmail.auth import HmacSeal, resolve_run_key
 from gradientmail.clock import Clock, MonotonicClock
 from gradientmail.errors import ConfigError, GradientmailError
 from gradientmail.events import (
@@ -92,8 +92,9 @@ class Learner(Mailman):
     thread, so a run needs nothing but the bucket; with it, a contribution that completes
     its round's set is merged by this learner's closer from memory and never uploaded
     (`hold_own=False` uploads every contribution, so that every merge can be recomputed
-    from the store). `run_key` (str or bytes) makes the run
-    authenticated: every record is sealed and checked (see `gradientmail.auth`).
+    from the store). `run_key` (str or bytes; None: the `GRADIENTMAIL_RUN_KEY` variable,
+    when set) makes the run authenticated: every record is sealed and checked (see
+    `gradientmail.auth`).
     """
 
     def __init__(
@@ -143,6 +144,7 @@ class Learner(Mailman):
         self.prefix = prefix
         self.keep_versions = keep_versions
         self._mailbox_arg = mailbox
+        run_key = resolve_run_key(run_key)  # None: GRADIENTMAIL_RUN_KEY, when set
         self._seal = None if run_key is None else HmacSeal(run_key)  # validates the key now
         # Set by start():
         self._exchange: Exchange | None = None

@@ -40,6 +40,7 @@ from typing import Any
 from gradientmail.algorithms.diloco import ByBytes, DiLoCo, Rda, Strided, WeightedMean
 from gradientmail.algorithms.merge import Merge
 from gradientmail.algorithms.partition import Partition
+from gradientmail.auth import RUN_KEY_VARIABLE, env_run_key
 from gradientmail.errors import ConfigError, MissingExtra
 from gradientmail.mailbox.base import Mailbox
 
@@ -56,7 +57,6 @@ DEFAULT_ALGORITHM = DiLoCo(sync_every=100, fragments=4)
 ENV_PREFIX = "GRADIENTMAIL_"
 #: Variables of the GRADIENTMAIL_ namespace that belong to other parts of the package.
 _OTHER_VARIABLES = frozenset({"CONFIG", "RUN_KEY", "REGOLD"})
-RUN_KEY_VARIABLE = ENV_PREFIX + "RUN_KEY"
 
 # Each setting's kind, shared by the YAML reader (typed values) and the environment
 # reader (strings): "int", "int?", "float", "bool", "bool?", "str", "str?", "merge",
@@ -249,7 +249,7 @@ class DiLoCoPlugin:
         if diloco:
             data["diloco"] = diloco
         plugin = cls.from_mapping(data, source=" + ".join(sources))
-        run_key = env.get(RUN_KEY_VARIABLE)
+        run_key = env_run_key(env)
         if run_key:
             plugin = dataclasses.replace(plugin, run_key=run_key)
         return plugin

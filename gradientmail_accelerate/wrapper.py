@@ -13,34 +13,36 @@ All the processes of one launch are ONE learner. Only the main process (global r
 builds a `Learner` and talks to the mailbox. The learner is stepped by a post-hook on the
 *inner* optimizer (`AcceleratedOptimizer.optimizer`), which runs only on real, synced
 steps, so gradient accumulation counts once per optimizer step. Tokens counted per
-process are summed over the launch (one all-reduce per step, none for an int
-`tokens_per_step`) before rank 0's learner steps. After each step rank 0
-broadcasts a small control tensor (an error flag, rounds seen, the batch size, and which
-fragments its learner overwrote); every rank then joins one broadcast per overwritten
-fragment and dtype, so all ranks hold rank 0's parameters and make the same collective
-calls in the same order. `start()` and `close()` may overwrite every synced parameter:
-after them everything is broadcast. With one process no collective runs at all.
+process (`count_tokens`, the same rule as Lightning's) are summed over the launch (one
+all-reduce per step, none for an int `tokens_per_step`) before rank 0's learner steps;
+then every rank takes rank 0's overwritten parameters. That synchronisation, the token
+rule and the metric names are `gradientmail.integration`'s, shared with
+`gradientmail_lightning`. With `global_batch_size`, `batch_sampler()` makes the loader
+whose batches follow this learner's share of it.
 """
 
 from __future__ import annotations
 
-import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
 import torch
+from torch.utils.data import Sampler
 
 from gradientmail.adapters.torch import TorchAdapter
-from gradientmail.errors import ConfigError, GradientmailError
-from gradientmail.events import (
-    Event,
-    EventSink,
-    FragmentAligned,
-    RoundRecorded,
-    SnapshotPublished,
-    log_events,
+from gradientmail.errors import ConfigError
+from gradientmail.events import Event, EventSink, log_events
+from gradientmail.integration import (
+    BatchSizeHook,
+    BatchSizes,
+    RankSync,
+    RunMetrics,
+    ShareBatchSampler,
+    SingleRank,
+    TorchRanks,
+    count_tokens,
 )
 from gradientmail.learner import Learner
 from gradientmail_accelerate.plugin import DiLoCoPlugin
@@ -50,40 +52,8 @@ __all__ = ["STATE_VERSION", "DiLoCo", "count_tokens"]
 #: The version of the wrapper's checkpoint state (`state_dict`).
 STATE_VERSION = 1
 _STATE_KEYS = frozenset({"version", "learner_id", "optimizer_steps", "tokens", "rounds_seen"})
-# Control tensor layout: [status, rounds_seen, batch_size (-1: none), mask of fragments...]
-_OK, _FAILED = 0, 1
 _SUPPORTED = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_XPU", "MULTI_MLU", "MULTI_HPU")
 
-
-def count_tokens(batch: Any) -> int:
-    """The tokens in `batch`: an int; a tensor's element count; for a mapping, the sum of
-    its `attention_mask` or else the size of `input_ids`; for a list or tuple, its first
-    element's count."""
-    if isinstance(batch, bool):
-        raise ConfigError(f"cannot count tokens in {batch!r}; pass an int, a tensor or a batch")
-    if isinstance(batch, int):
-        if batch < 0:
-            raise ConfigError(f"a token count must be >= 0, got {batch}")
-        return batch
-    if isinstance(batch, torch.Tensor):
-        return int(batch.numel())
-    if isinstance(batch, Mapping):
-        mask = batch.get("attention_mask")
-        if isinstance(mask, torch.Tensor):
-            return int(mask.sum().item())
-        ids = batch.get("input_ids")
-        if isinstance(ids, torch.Tensor):
-            return int(ids.numel())
-        raise ConfigError(
-            f"cannot count tokens in a batch with keys {sorted(map(str, batch))}; it needs "
-            "'attention_mask' or 'input_ids' tensors (or pass the count as an int)"
-        )
-    if isinstance(batch, list | tuple) and batch:
-        return count_tokens(batch[0])
-    raise ConfigError(
-        f"cannot count tokens in a {type(batch).__name__}; pass an int, a tensor, a list or "
-        "tuple whose first element is the inputs, or a mapping with input_ids"
-    )
 
 
 class DiLoCo:
@@ -95,7 +65,13 @@ class DiLoCo:
     the learner joins from the run's newest commits). `start()` (or `with`) joins the run;
     `close()` (or leaving the `with`, also on an exception) waits for the rounds in flight,
     ends on the newest commits (or flushes, with `flush_on_close`) and releases the lease.
+    `on_batch_size(share)` is the batch-size hook of a custom loader (see
+    `gradientmail.integration.batches`); `batch_sampler()` needs none.
     """
+
+    #: After an exception, how long closing the learner may take before the process
+    #: moves on (its lease then expires).
+    abort_timeout: float = 30.0
 
     def __init__(
         self,
@@ -105,6 +81,7 @@ class DiLoCo:
         plugin: DiLoCoPlugin | None = None,
         *,
         on_event: EventSink = log_events,
+        on_batch_size: BatchSizeHook | None = None,
     ) -> None:
         self.plugin = plugin if plugin is not None else DiLoCoPlugin.from_env()
         dist_type = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
@@ -124,22 +101,18 @@ class DiLoCo:
         self.module: torch.nn.Module = accelerator.unwrap_model(model)
         self._inner = inner
         self._on_event = on_event
-        self._world = int(accelerator.num_processes)
-        self._main = bool(accelerator.is_main_process)
-        self._device = torch.device(accelerator.device)
-        self._learner: Learner | None = None
-        self._plan: tuple[tuple[str, ...], ...] = ()
+        self._on_batch_size = on_batch_size
+        world = int(accelerator.num_processes)
+        self._sizes = BatchSizes(default=1)
+        self._accumulation = int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1)
+        ranks: Any = TorchRanks(accelerator.device) if world > 1 else SingleRank()
+        self._metrics = RunMetrics()
+        self._sync = RankSync(ranks, self.module, self._metrics, self._resized)
+        self._sync.learner_id = self.plugin.learner_id
         self._hook: Any = None
         self._started = False
         self._closed = False
         self._pending_tokens = 0
-        self._learner_id = self.plugin.learner_id
-        self._steps = 0
-        self._tokens = 0
-        self._rounds_seen = -1
-        self._batch_size: int | None = None
-        self._lock = threading.Lock()
-        self._metrics: dict[str, float] = {}
         accelerator.register_for_checkpointing(self)
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -163,44 +136,18 @@ class DiLoCo:
             raise ConfigError("this DiLoCo wrapper was started already; start it once")
         self._started = True
         try:
-            self._start()
+            self._sync.start(self._build_learner)
         except BaseException:
-            if self._learner is not None:
-                self._learner.close(flush=False)
             self._closed = True
             raise
         self._hook = self._inner.register_step_post_hook(self._after_step)
 
-    def _start(self) -> None:
-        failure: BaseException | None = None
-        if self._main:
-            try:
-                self._learner = self._build_learner()
-                self._learner.start()
-                self._plan = self._learner.plan
-                self._learner_id = self._learner.learner_id
-                self._rounds_seen = self._learner.rounds_seen
-                self._batch_size = self._learner.batch_size
-            except BaseException as exc:
-                failure = exc
-        if self._world > 1:
-            import torch.distributed as dist
-
-            box: list[Any] = [
-                None if failure is not None else (self._plan, self._learner_id, self._rounds_seen)
-            ]
-            dist.broadcast_object_list(box, src=0, device=self._device)
-            if box[0] is None:
-                self._raise_for_rank0(failure, "start")
-            self._plan, self._learner_id, self._rounds_seen = box[0]
-            self._broadcast_fragments(range(len(self._plan)))
-        elif failure is not None:
-            raise failure
-
     def close(self, failed: bool = False) -> None:
         """Unhook the optimizer and close the learner; then (not after a failure, when a
         rank may be gone and a collective would hang) give every rank rank 0's final
-        parameters. Idempotent."""
+        parameters. After a failure nothing is flushed (a run resumed from a checkpoint
+        trains those steps again) and closing takes at most `abort_timeout` seconds.
+        Idempotent."""
         if self._closed or not self._started:
             self._closed = True
             return
@@ -208,23 +155,10 @@ class DiLoCo:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        failure: BaseException | None = None
-        if self._learner is not None:
-            try:
-                # After a failure nothing is flushed: a run resumed from a checkpoint
-                # trains those steps again.
-                self._learner.close(flush=False if failed else None)
-                self._rounds_seen = self._learner.rounds_seen
-            except BaseException as exc:
-                failure = exc
-        if self._world > 1 and not failed:
-            everything = [1] * len(self._plan)
-            ok = self._exchange_control(failure, everything)
-            if not ok:
-                self._raise_for_rank0(failure, "close")
-            self._broadcast_fragments(range(len(self._plan)))
-        elif failure is not None:
-            raise failure
+        if failed:
+            self._sync.abandon(self.abort_timeout)
+        else:
+            self._sync.close()
 
     # -- counting -----------------------------------------------------------------------
 
@@ -242,72 +176,65 @@ class DiLoCo:
 
     count_tokens = count
 
+    # -- batches ------------------------------------------------------------------------
+
+    def batch_sampler(
+        self, sampler: Sampler[int] | Iterable[int], batch_size: int, drop_last: bool = False
+    ) -> ShareBatchSampler:
+        """A batch sampler for this process's `DataLoader(batch_sampler=...)` (before
+        `accelerator.prepare`): batches of `batch_size` until the run's
+        `global_batch_size` gives this learner a share, then of this process's part of
+        it, ⌈share / (processes × gradient accumulation steps)⌉, from the next batch on."""
+        if self._sizes.share is None:
+            self._sizes.default = self._sizes.current = batch_size
+        return ShareBatchSampler(sampler, batch_size, drop_last, size=self._sizes)
+
     # -- what the training loop can read ------------------------------------------------
 
     @property
     def learner(self) -> Learner | None:
         """The Learner on the main process; None on the others and before `start()`."""
-        return self._learner
+        return self._sync.learner
 
     @property
     def learner_id(self) -> str | None:
-        return self._learner_id
+        return self._sync.learner_id
 
     @property
     def rounds_seen(self) -> int:
         """The newest round applied (the same on every rank)."""
-        return self._rounds_seen
+        return self._sync.rounds_seen
 
     @property
     def optimizer_steps(self) -> int:
         """Real optimizer steps counted since the wrapper was created (or checkpointed)."""
-        return self._steps
+        return self._sync.steps
 
     @property
     def tokens(self) -> int:
         """Tokens of the whole launch counted so far."""
-        return self._tokens
+        return self._sync.tokens
 
     @property
     def batch_size(self) -> int | None:
         """This learner's share of `global_batch_size` (None without one), every rank."""
-        return self._batch_size
+        return self._sync.batch_size
 
     @property
     def live_learners(self) -> frozenset[str]:
         """The learners whose leases are fresh (known on the main process only)."""
-        return self._learner.live_learners if self._learner is not None else frozenset()
+        learner = self._sync.learner
+        return learner.live_learners if learner is not None else frozenset()
 
     def metrics(self) -> dict[str, float]:
-        """Numbers for `accelerator.log`: rounds seen, optimizer steps, tokens, live
-        learners, bytes sent and received, the last staleness and mean cosine."""
-        with self._lock:
-            out = dict(self._metrics)
-        out["diloco/rounds_seen"] = float(self._rounds_seen)
-        out["diloco/optimizer_steps"] = float(self._steps)
-        out["diloco/tokens"] = float(self._tokens)
-        if self._learner is not None:
-            out["diloco/live_learners"] = float(len(self._learner.live_learners))
-        return out
+        """Numbers for `accelerator.log`: `gradientmail.integration.METRICS`, the same
+        names as the Lightning callback's (rank 0 knows them all)."""
+        return self._sync.metrics()
 
     def wait_for_learners(self, count: int, timeout: float = 300.0) -> bool:
         """Wait until `count` learners (this one included) hold fresh leases, or `timeout`
         seconds; True when they do. A collective: call it on every rank after `start()`."""
-        import time
-
-        ok = False
-        if self._learner is not None:
-            deadline = time.monotonic() + timeout
-            while len(self._learner.live_learners) < count and time.monotonic() < deadline:
-                time.sleep(min(0.05, self.plugin.poll_interval))
-            ok = len(self._learner.live_learners) >= count
-        if self._world > 1:
-            import torch.distributed as dist
-
-            flag = torch.tensor([int(ok)], dtype=torch.int64, device=self._device)
-            dist.broadcast(flag, src=0)
-            ok = bool(flag.item())
-        return ok
+        return self._sync.wait_for_learners(count, timeout)
 
     # -- checkpointing ------------------------------------------------------------------
 
@@ -315,10 +242,10 @@ class DiLoCo:
         """The wrapper's counters and learner id: tiny, plain, the same on every rank."""
         return {
             "version": STATE_VERSION,
-            "learner_id": self._learner_id,
-            "optimizer_steps": self._steps,
-            "tokens": self._tokens,
-            "rounds_seen": self._rounds_seen,
+            "learner_id": self._sync.learner_id,
+            "optimizer_steps": self._sync.steps,
+            "tokens": self._sync.tokens,
+            "rounds_seen": self._sync.rounds_seen,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -335,8 +262,8 @@ class DiLoCo:
                 f"wrapper state version {state['version']!r} is not {STATE_VERSION}; the "
                 "checkpoint was written by another gradientmail version"
             )
-        self._steps = int(state["optimizer_steps"])
-        self._tokens = int(state["tokens"])
+        self._sync.steps = int(state["optimizer_steps"])
+        self._sync.tokens = int(state["tokens"])
         if self._started:
             warnings.warn(
                 "accelerator.load_state() after DiLoCo.start() put the checkpoint's (older) "
@@ -344,8 +271,8 @@ class DiLoCo:
                 stacklevel=2,
             )
         elif self.plugin.learner_id is None and state["learner_id"] is not None:
-            self._learner_id = str(state["learner_id"])
-            self._rounds_seen = int(state["rounds_seen"])
+            self._sync.learner_id = str(state["learner_id"])
+            self._sync.rounds_seen = int(state["rounds_seen"])
 
     # -- internals ----------------------------------------------------------------------
 
@@ -355,7 +282,7 @@ class DiLoCo:
             TorchAdapter(self.module),
             p.resolved_algorithm,
             p.mailbox,
-            self._learner_id,
+            self._sync.learner_id,
             sync=p.sync,
             poll_interval=p.poll_interval,
             lease_every=p.lease_every,
@@ -367,22 +294,19 @@ class DiLoCo:
         )
 
     def _event(self, event: Event) -> None:
-        with self._lock:
-            m = self._metrics
-            if isinstance(event, SnapshotPublished):
-                m["diloco/bytes_sent"] = m.get("diloco/bytes_sent", 0.0) + event.bytes
-            elif isinstance(event, FragmentAligned):
-                m["diloco/bytes_received"] = m.get("diloco/bytes_received", 0.0) + event.bytes
-                m["diloco/staleness"] = float(event.staleness)
-            elif isinstance(event, RoundRecorded) and event.mean_cosine is not None:
-                m["diloco/mean_cosine"] = float(event.mean_cosine)
+        self._metrics.feed(event)
         self._on_event(event)
 
-    def _step_tokens(self) -> int:
-        """This process's tokens for the step just taken, summed over the launch."""
+    def _resized(self, share: int) -> None:
+        self._sizes.set(share, self._sync.ranks.world_size, self._accumulation)
+        if self._on_batch_size is not None:
+            self._on_batch_size(share)
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         per_step = self.plugin.tokens_per_step
         if isinstance(per_step, int):
-            return per_step * self._world
+            self._sync.step(per_step, same_on_every_rank=True)
+            return
         if per_step is not None:
             mine = per_step()
             if isinstance(mine, bool) or not isinstance(mine, int) or mine < 0:
@@ -391,83 +315,4 @@ class DiLoCo:
                 )
         else:
             mine, self._pending_tokens = self._pending_tokens, 0
-        if self._world == 1:
-            return mine
-        import torch.distributed as dist
-
-        total = torch.tensor([mine], dtype=torch.int64, device=self._device)
-        dist.all_reduce(total)
-        return int(total.item())
-
-    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        tokens = self._step_tokens()
-        self._steps += 1
-        self._tokens += tokens
-        touched: tuple[int, ...] = ()
-        failure: BaseException | None = None
-        if self._learner is not None:
-            try:
-                touched = self._learner.step(tokens)
-                self._rounds_seen = self._learner.rounds_seen
-                self._batch_size = self._learner.batch_size
-            except BaseException as exc:
-                failure = exc
-        if self._world == 1:
-            if failure is not None:
-                raise failure
-            return
-        mask = [1 if p in touched else 0 for p in range(len(self._plan))]
-        if not self._exchange_control(failure, mask):
-            self._raise_for_rank0(failure, "step")
-        self._broadcast_fragments([p for p, bit in enumerate(mask) if bit])
-
-    def _exchange_control(self, failure: BaseException | None, mask: list[int]) -> bool:
-        """Rank 0's decision to every rank; False when rank 0 failed. Rewrites `mask`."""
-        import torch.distributed as dist
-
-        head = [
-            _FAILED if failure is not None else _OK,
-            self._rounds_seen,
-            -1 if self._batch_size is None else self._batch_size,
-        ]
-        control = torch.tensor(head + mask, dtype=torch.int64, device=self._device)
-        dist.broadcast(control, src=0)
-        values = control.tolist()
-        if values[0] != _OK:
-            return False
-        self._rounds_seen = values[1]
-        self._batch_size = None if values[2] < 0 else values[2]
-        mask[:] = values[3:]
-        return True
-
-    def _raise_for_rank0(self, failure: BaseException | None, what: str) -> None:
-        if failure is not None:
-            raise failure
-        raise GradientmailError(
-            f"the learner on the main process (rank 0) failed in {what}(); its error is in "
-            "rank 0's log. This rank stops too, so no collective is left waiting"
-        )
-
-    @torch.no_grad()
-    def _broadcast_fragments(self, fragments: Any) -> None:
-        """Rank 0's values of the fragments' parameters to every rank: one broadcast per
-        fragment and dtype, in plan order, so every rank issues the same calls."""
-        import torch.distributed as dist
-
-        params = dict(self.module.named_parameters())
-        for p in fragments:
-            groups: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-            for name in self._plan[p]:
-                param = params[name]
-                groups.setdefault(param.dtype, []).append(param)
-            for dtype in sorted(groups, key=str):
-                group = groups[dtype]
-                flat = torch.cat([t.detach().reshape(-1).to(self._device) for t in group])
-                dist.broadcast(flat, src=0)
-                if self._main:
-                    continue
-                offset = 0
-                for t in group:
-                    n = t.numel()
-                    t.copy_(flat[offset : offset + n].view_as(t))
-                    offset += n
+        self._sync.step(mine)

@@ -14,13 +14,11 @@ The run key of an authenticated run comes from `GRADIENTMAIL_RUN_KEY`, as for th
 
 from __future__ import annotations
 
-import os
-from typing import Any, Literal
+from typing import Literal
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from gradientmail.algorithms.diloco import ByBytes, DiLoCo, Rda, Strided, WeightedMean
-from gradientmail.cli import RUN_KEY_VARIABLE
 from gradientmail_lightning.callback import DiLoCoCallback
 from gradientmail_lightning.data import TextDataModule
 from gradientmail_lightning.gpt2 import GPT2Module
@@ -61,7 +59,7 @@ def diloco_callback(
     """A DiLoCoCallback from flat settings: `merge` "rda" (with `direct_pattern`) or
     "mean"; `partition` "bytes" or "strided" (with `block_pattern`); the rest are
     `DiLoCo`'s and `Learner`'s arguments of the same names; `GRADIENTMAIL_RUN_KEY`, when
-    set, is the run key."""
+    set, is the run key (the Learner's default)."""
     algorithm = DiLoCo(
         sync_every=sync_every,
         fragments=fragments,
@@ -81,10 +79,7 @@ def diloco_callback(
         outlier_factor=outlier_factor,
         checkpoint_every=checkpoint_every,
     )
-    keyed: dict[str, Any] = {}
-    run_key = os.environ.get(RUN_KEY_VARIABLE)
-    if run_key:
-        keyed["run_key"] = run_key
+    # No run_key: the Learner takes GRADIENTMAIL_RUN_KEY itself.
     return DiLoCoCallback(
         mailbox,
         algorithm,
@@ -96,7 +91,6 @@ def diloco_callback(
         lease_every=lease_every,
         lease_timeout=lease_timeout,
         prefix=prefix,
-        **keyed,
     )
 
 

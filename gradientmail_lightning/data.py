@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 
 from gradientmail.errors import ConfigError, MissingExtra
+from gradientmail.integration import BatchSizes, ShareBatchSampler
 from gradientmail.textdata import (
     held_out,
     read_texts,
@@ -183,6 +184,7 @@ class TextDataModule(LightningDataModule):
         self.seed = seed + shard
         self.num_workers = num_workers
         self.tokenizer: Any = None
+        self.batch_sizes = BatchSizes(default=batch_size)
         self._train: Dataset[dict[str, torch.Tensor]] | None = None
         self._val: Dataset[dict[str, torch.Tensor]] | None = None
 
@@ -308,15 +310,22 @@ class TextDataModule(LightningDataModule):
         assert self._train is not None
         if isinstance(self._train, IterableDataset):
             return DataLoader(self._train, batch_size=self.batch_size, num_workers=self.num_workers)
+        assert isinstance(self._train, _Blocks)
+        order = RandomSampler(self._train, generator=torch.Generator().manual_seed(self.seed))
         return DataLoader(
             self._train,
-            batch_size=self.batch_size,
-            shuffle=True,
-            drop_last=True,
-            generator=torch.Generator().manual_seed(self.seed),
+            batch_sampler=ShareBatchSampler(order, self.batch_size, True, self.batch_sizes),
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
+
+    def resize_batches(self, share: int) -> None:
+        """The batch-size hook: this learner's share of `global_batch_size`, split over
+        the Trainer's processes and gradient accumulation."""
+        trainer = self.trainer
+        processes = trainer.world_size if trainer is not None else 1
+        accumulation = trainer.accumulate_grad_batches if trainer is not None else 1
+        self.batch_sizes.set(share, processes, accumulation)
 
     def val_dataloader(self) -> Any:
         if self._train is None:

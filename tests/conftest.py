@@ -8,6 +8,7 @@
   kind "memory", "local" or "s3" (its own store / directory / prefix); all are closed at
   teardown.
 - `any_mailbox`: one fresh mailbox per kind, so a test taking it runs three times.
+- `no_run_key_from_the_caller` (autouse): unsets `GRADIENTMAIL_RUN_KEY`.
 - `device`: "cpu", then "cuda" (marked `cuda`; skipped "needs a CUDA device" where torch
   sees none), so a test taking it checks the same outcomes on a GPU's tensors.
 
@@ -31,6 +32,13 @@ from gradientmail.mailbox import LocalMailbox, Mailbox, MemoryMailbox, S3Mailbox
 MAILBOX_KINDS = ("memory", "local", "s3")
 DEVICES = ("cpu", pytest.param("cuda", marks=pytest.mark.cuda))
 S3_BUCKET = "gradientmail-test"
+
+
+@pytest.fixture(autouse=True)
+def no_run_key_from_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Learner without `run_key` takes `GRADIENTMAIL_RUN_KEY`: one set in the shell
+    that runs the tests must not turn their runs into authenticated ones."""
+    monkeypatch.delenv("GRADIENTMAIL_RUN_KEY", raising=False)
 
 
 @pytest.fixture(scope="session")

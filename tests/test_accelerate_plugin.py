@@ -324,3 +324,18 @@ def test_a_diloco_section_round_trips_every_configuration(config: DiLoCo) -> Non
     text = yaml.safe_dump({"mailbox": "m", "diloco": section})
     assert DiLoCoPlugin.from_mapping(yaml.safe_load(text)).algorithm == config
     assert re.search(r"sync_every: \d+", text)
+
+
+def test_the_outlier_factor_from_the_file_and_its_variable(tmp_path: Path) -> None:
+    path = tmp_path / "diloco.yaml"
+    path.write_text("mailbox: runs/x\ndiloco:\n  sync_every: 8\n  outlier_factor: 3\n")
+    assert DiLoCoPlugin.from_yaml(path).resolved_algorithm.outlier_factor == 3.0
+    env = {"GRADIENTMAIL_CONFIG": str(path)}
+    assert DiLoCoPlugin.from_env(env).resolved_algorithm.outlier_factor == 3.0
+    env["GRADIENTMAIL_OUTLIER_FACTOR"] = "2.5"
+    assert DiLoCoPlugin.from_env(env).resolved_algorithm.outlier_factor == 2.5
+    env["GRADIENTMAIL_OUTLIER_FACTOR"] = "none"
+    assert DiLoCoPlugin.from_env(env).resolved_algorithm.outlier_factor is None
+    env["GRADIENTMAIL_OUTLIER_FACTOR"] = "0.5"
+    with pytest.raises(ConfigError, match=r"diloco.outlier_factor=0.5 must be None \(off\)"):
+        DiLoCoPlugin.from_env(env)

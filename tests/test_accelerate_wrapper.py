@@ -20,7 +20,7 @@ from gradientmail.events import Event, LeaseReleased
 from gradientmail.mailbox import LocalMailbox
 from gradientmail.protocol import Exchange
 from gradientmail.records import RoundRecord
-from gradientmail_accelerate import DiLoCo, DiLoCoPlugin, count_tokens
+from gradientmail_accelerate import DiLoCo, DiLoCoPlugin
 
 STANDARD = Config.standard(sync_every=4, learners=1)
 
@@ -106,22 +106,6 @@ def test_tokens_per_step_as_an_int_or_a_callable(tmp_path: Path, per_step: Any) 
         [(4, 28)]
     ]
     assert len(calls) == (4 if per_step == "callable" else 0)
-
-
-def test_count_tokens_reads_common_batch_shapes() -> None:
-    ids = torch.ones(2, 5, dtype=torch.long)
-    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]])
-    assert count_tokens(12) == 12
-    assert count_tokens(ids) == 10
-    assert count_tokens({"input_ids": ids}) == 10
-    assert count_tokens({"input_ids": ids, "attention_mask": mask}) == 7
-    assert count_tokens((ids, ids[:, :1])) == 10
-    with pytest.raises(ConfigError, match=r"keys \['labels'\]; it needs 'attention_mask' or"):
-        count_tokens({"labels": ids})
-    with pytest.raises(ConfigError, match="a token count must be >= 0, got -1"):
-        count_tokens(-1)
-    with pytest.raises(ConfigError, match="cannot count tokens in a str"):
-        count_tokens("text")
 
 
 def test_checkpoint_round_trip_of_the_wrapper_state(tmp_path: Path) -> None:
@@ -249,3 +233,29 @@ def test_the_run_key_variable_seals_the_run_and_stays_out_of_the_repr(
     assert [r.round for r in sealed] == [0, 1]
     with pytest.raises(AuthenticationError):
         asyncio.run(Exchange(LocalMailbox(box)).rounds_after(-1))
+
+
+def test_the_wrappers_loader_follows_the_global_batch_size(tmp_path: Path) -> None:
+    from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
+
+    accelerator, model, opt = setup(accum=2)
+    shares: list[int] = []
+    alg = Config.standard(sync_every=4, learners=1, global_batch_size=10)
+    diloco = DiLoCo(accelerator, model, opt, plugin(tmp_path / "run", algorithm=alg),
+                    on_batch_size=shares.append)
+    data = TensorDataset(torch.randn(60, 6), torch.randn(60, 2))
+    loader = accelerator.prepare(
+        DataLoader(data, batch_sampler=diloco.batch_sampler(SequentialSampler(data), 3))
+    )
+    assert [len(x) for x, _ in loader][:2] == [3, 3]  # before start: batch_size
+    sizes = []
+    with diloco:
+        for x, y in loader:
+            sizes.append(len(x))
+            with accelerator.accumulate(model):
+                accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+                opt.step()
+                opt.zero_grad()
+    # A share of 10 over 1 process and 2 accumulation steps: micro-batches of 5.
+    assert shares == [10] and diloco.batch_size == 10
+    assert sizes == [5] * 12

@@ -143,8 +143,9 @@ def test_records_sealed_with_another_key_replayed_or_unsealed_are_refused() -> N
         PlainSeal().open(CLAIM_KEY, GOLDEN_SEALED)
     assert str(e.value) == (
         f"record {CLAIM_KEY!r} is sealed with a run key (an authenticated run), but this "
-        "process has none; pass the run's key as run_key= (GRADIENTMAIL_RUN_KEY for the "
-        "gradientmail command and the integrations)")
+        "process has none; set GRADIENTMAIL_RUN_KEY to the run's key "
+        "(Learner, the gradientmail command and the integrations read it) or pass it as "
+        "run_key=")
 
 
 def test_an_exchange_seals_every_record_and_reads_back_only_what_verifies() -> None:
@@ -196,12 +197,12 @@ class AuthRun(Run):
 
 NO_KEY_MESSAGE = (
     f"the run in memory:// is authenticated with run key {FP}, but this process has no run "
-    "key; pass the run's key as run_key= (GRADIENTMAIL_RUN_KEY for the gradientmail command "
-    "and the integrations)")
+    "key; set GRADIENTMAIL_RUN_KEY to the run's key (Learner, the gradientmail command and "
+    "the integrations read it) or pass it as run_key=")
 OTHER_KEY_MESSAGE = (
-    f"the run in memory:// uses run key {FP}, but this process has run key {OTHER_FP}; pass "
-    "the run's key as run_key= (GRADIENTMAIL_RUN_KEY for the gradientmail command and the "
-    "integrations)")
+    f"the run in memory:// uses run key {FP}, but this process has run key {OTHER_FP}; set "
+    "GRADIENTMAIL_RUN_KEY to the run's key (Learner, the gradientmail command and the "
+    "integrations read it) or pass it as run_key=")
 UNAUTHENTICATED_MESSAGE = (
     f"the run in memory:// is not authenticated (its manifest names no run key), but this "
     f"process has run key {FP}; join it without a run key, or start an authenticated run "
@@ -271,6 +272,35 @@ def test_a_learner_without_the_key_or_with_another_is_refused_at_join() -> None:
         assert str(e.value) == UNAUTHENTICATED_MESSAGE
     finally:
         lone.close()
+
+
+def test_a_learner_without_run_key_takes_the_variable_and_without_it_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    mailbox = MemoryMailbox()
+    alg = DiLoCo(sync_every=4, fragments=2)
+    first = Learner(TorchAdapter(make_model()), alg, mailbox, "a", run_key=KEY,
+                    on_event=lambda e: None, **FAST)
+    first.start()
+    try:
+        monkeypatch.delenv("GRADIENTMAIL_RUN_KEY", raising=False)
+        unkeyed = Learner(TorchAdapter(make_model()), alg, mailbox, "b",
+                          on_event=lambda e: None, **FAST)
+        with pytest.raises(AuthenticationError) as e:
+            unkeyed.start()
+        # The fix names both ways to give the key.
+        assert "set GRADIENTMAIL_RUN_KEY to the run's key" in str(e.value)
+        assert "pass it as run_key=" in str(e.value)
+        monkeypatch.setenv("GRADIENTMAIL_RUN_KEY", KEY.decode())
+        keyed = Learner(TorchAdapter(make_model()), alg, mailbox, "c",
+                        on_event=lambda e: None, **FAST)
+        keyed.start()
+        try:
+            assert keyed.rounds_seen == -1 and "c" in keyed.wait_for_learners(2, timeout=10)
+        finally:
+            keyed.close()
+    finally:
+        first.close()
 
 
 # -- contributions and commits ---------------------------------------------------------

@@ -387,3 +387,15 @@ def test_status_and_export_on_s3_with_an_endpoint_option_or_the_environment(
     rc, out, err = cli(capsys, "export", url, str(tmp_path / "m.safetensors"))
     assert (rc, err) == (0, "")
     assert set(unpack((tmp_path / "m.safetensors").read_bytes())) == {"w", "b"}
+
+
+def test_demo_takes_the_outlier_factor(capsys: pytest.CaptureFixture[str]) -> None:
+    from gradientmail.cli import build_parser, demo_config
+    from gradientmail.demo import _algorithm
+
+    args = build_parser().parse_args(["demo", "--learners", "2", "--outlier-factor", "3.5"])
+    assert _algorithm(demo_config(args)).outlier_factor == 3.5
+    plain = build_parser().parse_args(["demo"])
+    assert _algorithm(demo_config(plain)).outlier_factor is None
+    assert main(["demo", "--outlier-factor", "0.5"]) == 1
+    assert "outlier_factor=0.5 must be None (off) or a number > 1" in capsys.readouterr().err

@@ -24,7 +24,7 @@ from workers.lightning_toy import ToyModule, flat_params, toy_loader
 
 from gradientmail import events as ev
 from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
-from gradientmail.errors import ConfigError, RunConfigMismatch
+from gradientmail.errors import AuthenticationError, ConfigError, RunConfigMismatch
 from gradientmail.mailbox import LocalMailbox
 from gradientmail.protocol import Exchange
 from gradientmail.records import RoundRecord
@@ -33,8 +33,6 @@ from gradientmail_lightning import DiLoCoCallback
 from gradientmail_lightning.callback import (
     PROGRESS_BAR,
     STATE_KEY,
-    RunMetrics,
-    batch_tokens,
     check_strategy,
 )
 
@@ -108,8 +106,8 @@ def test_metrics_reach_the_progress_bar_and_the_loggers(tmp_path: Path) -> None:
     )
     t.fit(ToyModule(), toy_loader())
     bar = t.progress_bar_metrics
-    assert set(bar) >= set(PROGRESS_BAR) - {"diloco/cosine"}  # one learner: no cosine
-    assert (bar["diloco/rounds_seen"], bar["diloco/live"]) == (2.0, 1.0)
+    assert set(bar) >= set(PROGRESS_BAR) - {"diloco/mean_cosine"}  # one learner: no cosine
+    assert (bar["diloco/rounds_seen"], bar["diloco/live_learners"]) == (2.0, 1.0)
     logger.finalize("success")
     with open(tmp_path / "logs" / "m" / "version_0" / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r["diloco/rounds_committed"]]
@@ -128,11 +126,11 @@ def test_metrics_reach_the_progress_bar_and_the_loggers(tmp_path: Path) -> None:
         3.0,
     ]
     # Each publish is a 106-parameter F32 delta plus its safetensors header.
-    up = [float(r["diloco/bytes_up"]) for r in rows]
+    up = [float(r["diloco/bytes_sent"]) for r in rows]
     assert up[0] == 0.0 and up[-1] >= 3 * 106 * 4
     assert [float(r["diloco/published"]) for r in rows][-1] == 3.0
     assert float(rows[-1]["diloco/staleness"]) == 0.0  # the barrier: applied at once
-    assert float(rows[-1]["diloco/live"]) == 1.0
+    assert float(rows[-1]["diloco/live_learners"]) == 1.0
 
 
 def test_log_every_n_steps_spaces_the_metrics(tmp_path: Path) -> None:
@@ -270,31 +268,15 @@ def test_sharded_strategies_are_refused_by_name() -> None:
         )
 
 
-def test_batch_tokens_finds_input_ids_or_the_first_tensor() -> None:
-    assert batch_tokens({"labels": torch.ones(2), "input_ids": torch.ones(3, 5)}) == 15
-    assert batch_tokens((torch.ones(4, 6), torch.ones(4, 2))) == 24
-    assert batch_tokens({"a": [{"b": torch.ones(7)}], "c": torch.ones(2)}) == 7
-    assert batch_tokens(["no tensors", 3]) == 0
-
-
-def test_run_metrics_accumulate_events() -> None:
-    m = RunMetrics()
-    m.feed(ev.SnapshotPublished("me", 0, 0, 3, 30, 1000, 0.1))
-    m.feed(ev.SnapshotPublished("me", 1, 1, 3, 30, 500, 0.1))
-    m.feed(ev.RoundRecorded(4, 0, 2, ("me", "you"), 0.25, "you"))
-    m.feed(ev.RoundRecorded(3, 1, 1, ("me",), None, "me"))
-    m.feed(ev.FragmentAligned("me", 4, 0, 2, 7, 800))
-    m.feed(ev.PublishFailed("me", 5, "oops"))
-    m.feed(ev.PollFailed("me", "oops"))
-    got = m.values()
-    since = got.pop("diloco/since_commit")
-    assert 0.0 <= since < 60.0
-    assert got == {
-        "diloco/rounds_committed": 5.0,
-        "diloco/published": 2.0,
-        "diloco/bytes_up": 1500.0,
-        "diloco/bytes_down": 800.0,
-        "diloco/failures": 2.0,
-        "diloco/staleness": 7.0,
-        "diloco/cosine": 0.25,
-    }
+def test_without_run_key_the_callback_takes_the_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    box = tmp_path / "run"
+    key = "the key of this run, 32 bytes long"
+    monkeypatch.setenv("GRADIENTMAIL_RUN_KEY", key)
+    cb = DiLoCoCallback(str(box), STANDARD, "keyed-0", **FAST)
+    trainer(max_steps=3, callbacks=[cb]).fit(ToyModule(), toy_loader())
+    sealed = asyncio.run(Exchange(LocalMailbox(box), run_key=key).rounds_after(-1))
+    assert [r.round for r in sealed] == [0]
+    with pytest.raises(AuthenticationError, match="but this process has no run key"):
+        asyncio.run(Exchange(LocalMailbox(box)).read_manifest())

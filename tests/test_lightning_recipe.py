@@ -236,12 +236,11 @@ def test_recipes_parse_and_their_diloco_sections_are_valid(
         assert (model["n_layer"], model["n_embd"], model["n_head"]) == sizes
 
 
-def test_the_run_key_comes_from_the_environment_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("GRADIENTMAIL_RUN_KEY", raising=False)
-    assert "run_key" not in diloco_callback("runs/x").learner_options
+def test_the_recipe_leaves_the_run_key_to_the_learner(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A secret does not belong in a recipe: the Learner reads GRADIENTMAIL_RUN_KEY itself
+    # (test_lightning_callback trains a keyed run that way).
     monkeypatch.setenv("GRADIENTMAIL_RUN_KEY", "the key of this run, 32 bytes long")
-    cb = diloco_callback("runs/x")
-    assert cb.learner_options["run_key"] == "the key of this run, 32 bytes long"
+    assert "run_key" not in diloco_callback("runs/x").learner_options
 
 
 def test_cli_links_data_sizes_and_learner_id(
@@ -296,3 +295,65 @@ def test_flat_cli_settings_build_the_algorithm() -> None:
     assert cb.learner_options == {"lease_every": 5.0, "lease_timeout": 11.0, "prefix": ""}
     with pytest.raises(ConfigError, match=r"in_flight=2 exceeds fragments=1"):
         diloco_callback("runs/x", in_flight=2)
+
+
+def test_the_outlier_factor_is_set_from_the_recipe_and_the_command_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["gradientmail-train"])
+
+    def outlier_factor(config: Path, *extra: str) -> Any:
+        cli = GradientmailCLI(
+            GPT2Module,
+            TextDataModule,
+            run=False,
+            args=["--config", str(config), f"--diloco.mailbox={tmp_path / 'box'}",
+                  "--trainer.logger=false", *extra],
+        )
+        (cb,) = [c for c in cli.trainer.callbacks  # type: ignore[attr-defined]
+                 if isinstance(c, DiLoCoCallback)]
+        return cb.algorithm.outlier_factor  # type: ignore[attr-defined]
+
+    tiny = RECIPES / "gpt2-tiny-cpu.yaml"
+    recipe = yaml.safe_load(tiny.read_text())
+    assert "outlier_factor" in recipe["diloco"] and recipe["diloco"]["outlier_factor"] is None
+    assert outlier_factor(tiny) is None
+    assert outlier_factor(tiny, "--diloco.outlier_factor=4.0") == 4.0
+    own = tmp_path / "recipe.yaml"
+    own.write_text(yaml.safe_dump({**recipe, "diloco": {**recipe["diloco"], "outlier_factor": 3}}))
+    assert outlier_factor(own) == 3.0
+
+
+def test_global_batch_size_sizes_the_data_modules_batches(tmp_path: Path) -> None:
+    from lightning.pytorch import LightningModule, Trainer
+
+    from gradientmail.algorithms.diloco import DiLoCo as Config
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents(120)))
+    data = TextDataModule(files=[str(path)], vocab_size=300, block_size=8, batch_size=4,
+                          val_fraction=0.0, cache_dir=str(tmp_path))
+
+    class Sizes(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(300, 4)
+            self.seen: list[int] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.seen.append(int(batch["input_ids"].shape[0]))
+            return self.emb(batch["input_ids"]).square().mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    alg = Config.standard(2, 1, global_batch_size=12)
+    cb = DiLoCoCallback(str(tmp_path / "run"), alg, "gbs-0", poll_interval=0.01,
+                        lease_every=2.0, lease_timeout=6.0)
+    module = Sizes()
+    Trainer(accelerator="cpu", devices=1, max_steps=4, accumulate_grad_batches=2,
+            callbacks=[cb], logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False).fit(module, data)
+    # One live learner holds the whole global batch of 12: 2 micro-batches of 6 per step.
+    assert module.seen == [6] * 8
+    assert data.batch_sizes.share == 12

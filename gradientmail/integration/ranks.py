@@ -1,0 +1,188 @@
+"""The collectives among the processes of one learner, behind a small contract.
+
+An integration runs one learner per launch: every process of a DDP group trains, and only
+the main process (global rank 0) talks to the mailbox. `RankSync` needs four collectives
+to keep the others in step; `Ranks` is that contract, `TorchRanks` carries it out with
+`torch.distributed` (the group Lightning and Accelerate set up), `SingleRank` is the
+trivial one of a single process, and `ThreadRanks` is the shipped fake: ranks as threads
+of one process, so the synchronisation is tested without process groups.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from gradientmail.errors import GradientmailError
+
+__all__ = ["Ranks", "SingleRank", "ThreadRanks", "TorchRanks"]
+
+
+class Ranks(Protocol):
+    """Collectives among one learner's processes; every process calls each one in the
+    same order. Values flow from rank 0 (the main process) unless said otherwise."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def is_main(self) -> bool: ...
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's `obj` (picklable) on every rank."""
+        ...
+
+    def broadcast_ints(self, values: Sequence[int]) -> list[int]:
+        """Rank 0's `values` on every rank (each rank passes as many)."""
+        ...
+
+    def sum_int(self, value: int) -> int:
+        """The sum of every rank's `value`, on every rank."""
+        ...
+
+    def broadcast_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Rank 0's values copied into every rank's `tensors`, in place."""
+        ...
+
+
+class SingleRank:
+    """One process: every collective is the identity."""
+
+    world_size = 1
+    is_main = True
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return obj
+
+    def broadcast_ints(self, values: Sequence[int]) -> list[int]:
+        return list(values)
+
+    def sum_int(self, value: int) -> int:
+        return value
+
+    def broadcast_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
+        return None
+
+
+class TorchRanks:
+    """`Ranks` on the default `torch.distributed` group, with tensors on `device` (the
+    device the backend communicates from: cuda for NCCL, cpu for gloo).
+
+    `broadcast_object` is the framework's own (Lightning's `strategy.broadcast`); without
+    one, `torch.distributed.broadcast_object_list`.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        broadcast_object: Callable[[Any], Any] | None = None,
+    ) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self._device = torch.device(device)
+        self._broadcast_object = broadcast_object
+        self.world_size = int(dist.get_world_size())
+        self.is_main = dist.get_rank() == 0
+
+    def broadcast_object(self, obj: Any) -> Any:
+        if self._broadcast_object is not None:
+            return self._broadcast_object(obj)
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=0, device=self._device)
+        return box[0]
+
+    def broadcast_ints(self, values: Sequence[int]) -> list[int]:
+        t = torch.tensor(list(values), dtype=torch.int64, device=self._device)
+        self._dist.broadcast(t, src=0)
+        out: list[int] = t.tolist()
+        return out
+
+    def sum_int(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64, device=self._device)
+        self._dist.all_reduce(t)
+        return int(t.item())
+
+    @torch.no_grad()
+    def broadcast_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
+        # One broadcast per dtype (in a fixed order, the same on every rank), not one per
+        # tensor: a fragment of a transformer holds hundreds of small tensors.
+        groups: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            groups.setdefault(t.dtype, []).append(t)
+        for dtype in sorted(groups, key=str):
+            group = groups[dtype]
+            flat = torch.cat([t.detach().reshape(-1).to(self._device) for t in group])
+            self._dist.broadcast(flat, src=0)
+            if self.is_main:
+                continue
+            offset = 0
+            for t in group:
+                n = t.numel()
+                t.copy_(flat[offset : offset + n].view_as(t))
+                offset += n
+
+
+class _Rendezvous:
+    def __init__(self, n: int, timeout: float) -> None:
+        self.slots: list[Any] = [None] * n
+        self.barrier = threading.Barrier(n, timeout=timeout)
+
+
+class ThreadRanks:
+    """`Ranks` among threads of one process (a fake for tests): `ThreadRanks.group(n)`
+    makes the n members; run each in its own thread. A rank that stops calling (or
+    calls another collective) breaks the barrier, and every rank raises instead of
+    hanging past `timeout` seconds."""
+
+    def __init__(self, rank: int, rendezvous: _Rendezvous) -> None:
+        self.rank = rank
+        self._r = rendezvous
+        self.world_size = len(rendezvous.slots)
+        self.is_main = rank == 0
+
+    @classmethod
+    def group(cls, n: int, timeout: float = 30.0) -> list[ThreadRanks]:
+        rendezvous = _Rendezvous(n, timeout)
+        return [cls(rank, rendezvous) for rank in range(n)]
+
+    def _exchange(self, kind: str, mine: Any) -> list[Any]:
+        r = self._r
+        try:
+            r.slots[self.rank] = (kind, mine)
+            r.barrier.wait()
+            got = list(r.slots)
+            r.barrier.wait()  # nobody writes the next collective's slot before all read
+        except threading.BrokenBarrierError:
+            raise GradientmailError(
+                f"rank {self.rank}: another rank stopped taking part in the collectives"
+            ) from None
+        kinds = {k for k, _ in got}
+        if kinds != {kind}:
+            raise GradientmailError(f"rank {self.rank}: ranks called different collectives "
+                                    f"at once: {sorted(kinds)}")
+        return [v for _, v in got]
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return copy.deepcopy(self._exchange("object", obj)[0])
+
+    def broadcast_ints(self, values: Sequence[int]) -> list[int]:
+        got = self._exchange("ints", list(values))
+        if len({len(v) for v in got}) != 1:
+            raise GradientmailError(f"broadcast_ints: lengths differ across ranks: {got}")
+        return list(got[0])
+
+    def sum_int(self, value: int) -> int:
+        return sum(self._exchange("sum", int(value)))
+
+    @torch.no_grad()
+    def broadcast_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
+        mine = [t.detach().clone() for t in tensors] if self.is_main else list(tensors)
+        theirs = self._exchange("tensors", mine)[0]
+        if not self.is_main:
+            for t, value in zip(tensors, theirs, strict=True):
+                t.copy_(value)
