@@ -160,6 +160,7 @@ class Syncer:
         self.poll_interval = float(poll_interval)
         self.keep_versions = keep_versions
         self.sweep_after_commit = sweep
+        self._sweep_due = False  # a commit of this syncer's awaits its sweep
         self.on_event = on_event
         # Listing a round's contributions is a LIST request, the dearest kind on S3.
         # A standalone syncer (the operator's closer) lists every `watch_every` polls; a
@@ -246,6 +247,7 @@ class Syncer:
         ex = self.exchange
         if self._manifest is None and not await self._load_manifest():
             return False
+        await self.sweep_due()
         if records is None or (records and records[0].round > self._cursor + 1):
             await self._catch_up()
         else:
@@ -591,11 +593,23 @@ class Syncer:
             )
         )
         if self.sweep_after_commit:
-            doomed = await ex.sweep(self.keep_versions, latest=self._latest,
-                                    checkpoint_every=alg.checkpoint_every)
-            if doomed:
-                self.on_event(Swept(len(doomed), 0))
+            self._sweep_due = True
+            if not self.embedded:
+                await self.sweep_due()
         return True
+
+    async def sweep_due(self) -> None:
+        """Delete what the newest commit made obsolete, if a commit since the last sweep
+        asks for it. An embedded closer sweeps after its learner took the commit (the
+        learner calls this once it has; else the next poll does): a sweep is a LIST and a
+        DELETE per key, and the learners waiting at a barrier must not wait for it."""
+        if not self._sweep_due:
+            return
+        self._sweep_due = False
+        doomed = await self.exchange.sweep(self.keep_versions, latest=self._latest,
+                                           checkpoint_every=self._alg().checkpoint_every)
+        if doomed:
+            self.on_event(Swept(len(doomed), 0))
 
     async def _drop_outliers(self, r: int, contributions: list[Contribution],
                              keys: Mapping[str, str], dropped: list[Dropped]) -> list[Contribution]:

@@ -25,7 +25,8 @@ PREFIX = "diloco/"
 METRICS: Mapping[str, str] = MappingProxyType({
     PREFIX + "rounds_seen": "the newest round whose commit this learner applied (-1: none)",
     PREFIX + "rounds_committed": "rounds committed in the run, as far as this learner knows",
-    PREFIX + "published": "contributions (snapshots) this learner published",
+    PREFIX + "published": "contributions (snapshots) this learner published, counting "
+                          "those its own closer merged from memory (held, not uploaded)",
     PREFIX + "bytes_sent": "payload bytes this learner uploaded",
     PREFIX + "bytes_received": "commit bytes this learner downloaded and applied",
     PREFIX + "staleness": "rounds between the last applied commit and the newest one",
