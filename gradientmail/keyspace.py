@@ -26,6 +26,7 @@ __all__ = [
     "current_attempt",
     "plan_sweep",
     "round_key",
+    "screen_snapshot",
     "screen_snapshots",
 ]
 
@@ -96,6 +97,29 @@ class Contributions:
     rejected: tuple[Rejected, ...]
 
 
+def screen_snapshot(
+    snapshot: SnapshotRecord, *, fragment: int, version: int, schema_digest: str
+) -> str | None:
+    """Why a round that trains `fragment` at `version`, for the schema of `schema_digest`,
+    cannot use `snapshot`, or None when it can (its payload is still to be checked).
+
+    The one screening rule, in the order the reasons are reported: another fragment,
+    another schema digest, a stale base version, no steps trained. The reasons go into
+    records' `dropped` entries as written here.
+    """
+    if snapshot.fragment != fragment:
+        return f"fragment {snapshot.fragment}, the round trains fragment {fragment}"
+    if snapshot.schema_digest != schema_digest:
+        return (f"another schema digest {snapshot.schema_digest[:12]}, the run's is "
+                f"{schema_digest[:12]}")
+    if snapshot.base_version != version:
+        return (f"stale: base version {snapshot.base_version}, the fragment is at version "
+                f"{version}")
+    if snapshot.steps < 1:
+        return "no steps trained"
+    return None
+
+
 def screen_snapshots(
     snapshots: Iterable[SnapshotRecord],
     *,
@@ -103,25 +127,17 @@ def screen_snapshots(
     version: int,
     schema_digest: str,
 ) -> tuple[list[SnapshotRecord], list[Dropped]]:
-    """Split a round's contributions into usable ones and dropped ones (with the reason).
-
-    A usable contribution trains the round's `fragment`, against its current `version`
-    (anything else is stale), for the run's schema.
-    """
+    """Split a round's contributions into usable ones and dropped ones (with the reason
+    `screen_snapshot` gives)."""
     usable: list[SnapshotRecord] = []
     dropped: list[Dropped] = []
     for s in snapshots:
-        if s.fragment != fragment:
-            dropped.append(Dropped(s.learner, f"fragment {s.fragment}; the round trains "
-                                              f"fragment {fragment}"))
-        elif s.base_version != version:
-            dropped.append(Dropped(s.learner, f"stale: base version {s.base_version}; "
-                                              f"fragment {fragment} is at version {version}"))
-        elif s.schema_digest != schema_digest:
-            dropped.append(Dropped(s.learner, f"schema digest {s.schema_digest[:12]} differs "
-                                              f"from the run's {schema_digest[:12]}"))
-        else:
+        reason = screen_snapshot(s, fragment=fragment, version=version,
+                                 schema_digest=schema_digest)
+        if reason is None:
             usable.append(s)
+        else:
+            dropped.append(Dropped(s.learner, reason))
     return usable, dropped
 
 

@@ -420,17 +420,12 @@ class Learner(Mailman):
         snapshot: Any,
     ) -> Any:
         """What a rebasing commit subtracts from the local parameters, or None to
-        overwrite: the own snapshot of the round when this learner's contribution is in
-        the commit, else the commit it last aligned with (none of its progress is in)."""
-        if not self.algorithm.rebase:
-            return None
-        if version != state.fragments[fragment].version + 1:
-            # Commits were skipped (swept under a slow reader): what they hold of this
-            # learner's progress is unknown, so the commit overwrites.
-            return None
-        if took_part and own is not None:
-            return snapshot  # None only if it was never kept: then overwrite
-        return self._anchors[fragment]
+        overwrite: the values of the base `ls.rebase_base` picks."""
+        base = ls.rebase_base(bool(self.algorithm.rebase), state.fragments[fragment].version,
+                              version, took_part and own is not None, snapshot is not None)
+        if base == "snapshot":
+            return snapshot
+        return self._anchors[fragment] if base == "anchor" else None
 
     def _maybe_publish(self, final: bool = False) -> None:
         state = self._state_now()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Literal
 
 from gradientmail.algorithms.schedule import RoundSchedule
 from gradientmail.syncer_state import much_slower
@@ -29,6 +30,7 @@ __all__ = [
     "overdue",
     "publishable",
     "published",
+    "rebase_base",
     "retracted",
     "scheduled_gap",
 ]
@@ -308,6 +310,29 @@ def applied(
         phase_step=phase,
         publishes=tuple(p for p in state.publishes if p.round > round_),
     )
+
+
+def rebase_base(
+    rebase: bool, held_version: int, version: int, contributed: bool, kept: bool
+) -> Literal["snapshot", "anchor"] | None:
+    """What a commit that brings a fragment from `held_version` (the version this learner
+    aligned with last) to `version` is applied against, or None to overwrite the
+    fragment with it.
+
+    Only a rebasing algorithm (`rebase`) keeps the local progress on top of a commit: it
+    subtracts a base from the local parameters and adds the commit. The base is this
+    learner's own snapshot of the round ("snapshot") when its contribution is in the
+    commit (`contributed`: it took part, with a publish of the round on record) and that
+    snapshot was `kept` (a final flush keeps none: then overwrite); else the commit it
+    aligned with last ("anchor"), as none of its progress since is in this one. A
+    commit more than one version on overwrites: commits were skipped (swept under a slow
+    reader), and what they hold of this learner's progress is unknown.
+    """
+    if not rebase or version != held_version + 1:
+        return None
+    if contributed:
+        return "snapshot" if kept else None
+    return "anchor"
 
 
 def missed(state: LearnerState, round_: int, took_part: bool) -> bool:

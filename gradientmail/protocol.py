@@ -58,6 +58,7 @@ from gradientmail.keyspace import (
     current_attempt,
     plan_sweep,
     round_key,
+    screen_snapshot,
     screen_snapshots,
 )
 from gradientmail.lease import LeaseTracker, lease_counters, lease_key
@@ -90,6 +91,7 @@ __all__ = [
     "payload_bound",
     "plan_sweep",
     "round_key",
+    "screen_snapshot",
     "screen_snapshots",
 ]
 

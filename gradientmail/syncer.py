@@ -3,8 +3,10 @@
 Closing a round is a role, not a server. Every learner runs one on its communication
 thread by default, and `gradientmail sync URL` runs one alone on any CPU machine; several
 at once are safe because a round's closer is elected with create-if-absent claims and its
-record is itself created only if absent. The decisions (quorum, grace window, takeover)
-are the pure functions of `syncer_state`; this module carries them out. A syncer that
+record is itself created only if absent. The decisions (when to look, quorum, grace
+window, head starts, takeover: `syncer_state.decide_poll` and its building blocks) and
+the screening of contributions (`keyspace.screen_snapshot`, `screening.screen_delta`)
+are pure functions; this module carries them out. A syncer that
 lists the leases also calls the roll when its open round waits short of its quorum, and
 judges who answered (the decisions in `gradientmail.rollcall`).
 """
@@ -15,9 +17,6 @@ import asyncio
 import dataclasses
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
-
-import numpy as np
 
 from gradientmail.algorithms.base import (
     Algorithm,
@@ -29,7 +28,6 @@ from gradientmail.algorithms.diloco import merged_step, outliers, step_format
 from gradientmail.algorithms.registry import algorithm_from_json
 from gradientmail.algorithms.schedule import Estimates, RoundSchedule
 from gradientmail.backends.base import Backend
-from gradientmail.backends.numpy_backend import NumpyBackend
 from gradientmail.caller import RollCaller
 from gradientmail.clock import Clock, MonotonicClock, sleep_unless
 from gradientmail.errors import ConfigError, GradientmailError, NonFiniteError, SchemaMismatch
@@ -46,8 +44,7 @@ from gradientmail.events import (
 from gradientmail.lease import LeaseTracker
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
-from gradientmail.protocol import Exchange, check_delta
-from gradientmail.quantization import dequantize
+from gradientmail.protocol import Exchange, check_delta, screen_snapshot
 from gradientmail.records import (
     Arrival,
     Dropped,
@@ -59,18 +56,19 @@ from gradientmail.records import (
     UpdateRef,
 )
 from gradientmail.replica import Replica, theta_digest
+from gradientmail.screening import delta_norms, screen_delta
 from gradientmail.serialization import Schema, TensorBytes
 from gradientmail.syncer_state import (
+    PollDecision,
+    PollView,
     RoundWatch,
-    awaited,
-    close_time,
-    completes,
-    effective_quorum,
-    head_start,
+    decide_poll,
+    listed,
+    lists_claims,
+    lists_contributions,
     next_claim_attempt,
     preferred_closer,
     updated_estimates,
-    watch_polls,
 )
 
 __all__ = ["Syncer", "theta_digest"]
@@ -244,7 +242,6 @@ class Syncer:
         waiting: bool,
         offers: Mapping[int, _Offer],
     ) -> bool:
-        ex = self.exchange
         if self._manifest is None and not await self._load_manifest():
             return False
         await self.sweep_due()
@@ -258,95 +255,71 @@ class Syncer:
         calling = live is None or refresh_live is not None
         if refresh_live is None:
             refresh_live = self._observe_leases if live is None else _constant(live)
-        listed = live is None
+        listed_now = live is None
         if live is None:
             live = await refresh_live()
         r = self._cursor + 1
         now = self.clock.now()
         if calling and self._caller.judging:
             # A call of ours is open: the leases every poll, until the verdict.
-            live = await self._caller.judge(now, live if listed else await refresh_live())
-        close = not self.embedded or preferred_closer(r, live) == self.closer_id
-        if close and not self._open.preferred:
-            # Preferred now (its predecessor judged gone, say): look at the round at once.
-            self._next_watch = -math.inf
-        self._open.preferred = close
+            live = await self._caller.judge(now, live if listed_now else await refresh_live())
+        o = self._open
+        preferred = not self.embedded or preferred_closer(r, live) == self.closer_id
         offer = offers.get(r)
-        if offer is not None:
-            self._next_watch = -math.inf  # whether it completes the set: a fresh listing
-        if now >= self._next_watch:
-            before = len(self._open.first_seen)
-            publishers = await ex.publishers(r)
-            if self.closer_id in publishers:
-                offer = None  # an earlier run of this learner id contributed: no second
-            for learner in publishers:
-                self._open.first_seen.setdefault(learner, now)
-            if offer is not None:
-                self._open.first_seen.setdefault(self.closer_id, now)
-            seen = len(self._open.first_seen)
-            self._open.idle = 0 if seen > before else self._open.idle + 1
-            polls = watch_polls(close, seen, self._open.idle, self.watch_every,
-                                self.backup_every)
-            self._next_watch = now + (polls - 1) * self.poll_interval * 0.999
+        if lists_contributions(now, self._next_watch, preferred, o.preferred,
+                               offer is not None):
+            self._next_watch = -math.inf  # should the LIST fail, the next poll tries again
+            seen = listed(o.first_seen, o.idle, await self.exchange.publishers(r), now,
+                          me=self.closer_id, offered=offer is not None, preferred=preferred,
+                          watch_every=self.watch_every, backup_every=self.backup_every,
+                          poll_interval=self.poll_interval)
+            o.first_seen, o.idle, self._next_watch = (dict(seen.first_seen), seen.idle,
+                                                      seen.next_listing)
+            offer = offer if seen.keeps_offer else None
+        o.preferred = preferred
         for learner, t in self._noted.pop(r, {}).items():
-            self._open.first_seen[learner] = min(self._open.first_seen.get(learner, t), t)
-        alg, sch = self._alg(), self._sch()
-        grace = alg.grace_window(self._estimates(), sch, r, self.poll_interval)
-        watch = RoundWatch(r, dict(self._open.first_seen))
-        expected = awaited(live, self._paces)
-        due = close_time(watch, live, alg.quorum_size, grace, expected)
-        if due is not None and len(watch.first_seen) < alg.quorum_size:
-            # About to close short of the configured quorum because few learners look
-            # live: a learner that joined since the last lease listing must not be left
-            # out of a standard DiLoCo round, so look at the leases again first.
+            o.first_seen[learner] = min(o.first_seen.get(learner, t), t)
+        alg = self._alg()
+        grace = alg.grace_window(self._estimates(), self._sch(), r, self.poll_interval)
+        view = PollView(r, now, self.closer_id, dict(o.first_seen), live, dict(self._paces),
+                        alg.quorum_size, grace, preferred, self.embedded, self.backup_every,
+                        self.poll_interval, calling, waiting, o.refreshed)
+        decision = decide_poll(view)
+        while decision.relist is not None:
+            o.refreshed = o.refreshed or decision.relist == "early"
             live = await refresh_live()
-            expected = awaited(live, self._paces)
-            due = close_time(watch, live, alg.quorum_size, grace, expected)
-        first = watch.first_time()
-        if (due is not None and now >= due and first is not None and due < first + grace
-                and not self._open.refreshed):
-            # Closing before the window ends because every learner it knows of is in:
-            # the live set comes from a lease listing up to a lease period old, and a
-            # learner that joined since would miss this round and, in phase with the
-            # others, lose every later one to them by a fraction of a second. Look at
-            # the leases once first.
-            self._open.refreshed = True
-            live = await refresh_live()
-            expected = awaited(live, self._paces)
-            due = close_time(watch, live, alg.quorum_size, grace, expected)
-        if due is not None and close and now < due:
+            view = dataclasses.replace(view, live=live, refreshed=o.refreshed, relisted=True)
+            decision = decide_poll(view)
+        if decision.watch_next_poll:
             # The window is open: look every poll, so the round closes as soon as the
             # last learner it waits for is in (one LIST a poll, for one closer a round).
             self._next_watch = -math.inf
-        if not close and due is not None and self.embedded and completes(
-                watch, self.closer_id, live, alg.quorum_size, expected):
-            close = True  # its own contribution completed the set: no head start to give
-        held = None
-        if due is not None and not close:
-            # A backup closer gives the preferred one a head start before it claims (and
-            # before it lists claims every poll): rounds close once, at no extra cost.
-            polls = head_start(self.closer_id in watch.first_seen, self.backup_every)
-            held, due = due, due + polls * self.poll_interval
-        if calling and (due is None or (waiting and held is not None and now < due)):
-            await self._caller.maybe_call(r, self._open.first_seen, alg.quorum_size, live,
-                                          refresh_live, now, held, waiting and not close)
-        if due is None or now < due:
+        if decision.call_roll:
+            await self._caller.maybe_call(r, o.first_seen, alg.quorum_size, live,
+                                          refresh_live, now, decision.held,
+                                          waiting and not decision.closes)
+        if not decision.claim:
             return False
+        return await self._claim(r, now, RoundWatch(r, view.first_seen), decision, grace,
+                                 offer)
+
+    async def _claim(self, r: int, now: float, watch: RoundWatch, decision: PollDecision,
+                     grace: float, offer: _Offer | None) -> bool:
+        """Claim the due round `r` if no current claim is another closer's, and close it."""
+        ex = self.exchange
         timeout = self._estimates().takeover_timeout(self.poll_interval)
         claims = self._open.claims
-        if not claims or now >= max(claims.values()) + timeout:
-            # A claim seen is current for a takeover timeout: no LIST a poll meanwhile
-            # (a backup past its head start waits out a preferred closer's long merge).
+        if lists_claims(claims, now, timeout):
             for claim in await ex.round_claims(r):
                 claims.setdefault(claim, now)
         attempt = next_claim_attempt(claims, now, timeout)
         if attempt is None:
             return False
         if attempt > 0:
-            waited = now - self._open.claims[attempt - 1]
+            waited = now - claims[attempt - 1]
             self.on_event(ClaimSuperseded(self.closer_id, r, attempt, waited))
         won = await ex.claim_round(r, attempt, self.closer_id)
-        self._open.claims.setdefault(attempt, now)
+        claims.setdefault(attempt, now)
         if not won:
             return False
         if await ex.read_round(r) is not None:
@@ -355,8 +328,8 @@ class Syncer:
             # under that attempt would overwrite the payloads the record references.
             await self._catch_up()
             return False
-        t_quorum = watch.quorum_time(effective_quorum(alg.quorum_size, len(live)))
-        return await self._close(r, attempt, watch, t_quorum, grace, expected, offer)
+        return await self._close(r, attempt, watch, decision.quorum_time, grace,
+                                 decision.awaited, offer)
 
     async def _observe_leases(self) -> frozenset[str]:
         return await self.exchange.observe_leases(self._tracker)
@@ -618,7 +591,7 @@ class Syncer:
         factor = getattr(self._alg(), "outlier_factor", None)
         if factor is None or len(contributions) < 3:
             return contributions
-        norms = await asyncio.to_thread(_delta_norms, contributions, self.backend)
+        norms = await asyncio.to_thread(delta_norms, contributions, self.backend)
         out = outliers(norms, factor)
         for c in contributions:
             if c.learner in out:
@@ -645,37 +618,10 @@ class Syncer:
         """The contribution of `snap`, or None (dropped, with an event and a record entry).
         `held`: the delta of an offered contribution (`offer`), never uploaded."""
         key = snap.payload.key
-        if snap.fragment != fragment:
-            self._drop(
-                r,
-                snap.learner,
-                key,
-                f"fragment {snap.fragment}, the round trains fragment {fragment}",
-                dropped,
-            )
-            return None
-        if snap.schema_digest != schema.digest():
-            self._drop(
-                r,
-                snap.learner,
-                key,
-                "another schema digest "
-                f"{snap.schema_digest[:12]}, the run's is {schema.digest()[:12]}",
-                dropped,
-            )
-            return None
-        if snap.base_version != state.version:
-            self._drop(
-                r,
-                snap.learner,
-                key,
-                f"stale: base version {snap.base_version}, the "
-                f"fragment is at version {state.version}",
-                dropped,
-            )
-            return None
-        if snap.steps < 1:
-            self._drop(r, snap.learner, key, "no steps trained", dropped)
+        reason = screen_snapshot(snap, fragment=fragment, version=state.version,
+                                 schema_digest=schema.digest())
+        if reason is not None:
+            self._drop(r, snap.learner, key, reason, dropped)
             return None
         own = self._own.get(r)
         try:
@@ -692,17 +638,9 @@ class Syncer:
         except GradientmailError as exc:
             self._drop(r, snap.learner, key, f"unreadable: {exc}", dropped)
             return None
-        if entries is None:
-            self._drop(r, snap.learner, key, "payload swept", dropped)
-            return None
-        try:
-            delta = _dequantized(entries, names, snap.delta_format)
-        except GradientmailError as exc:
-            self._drop(r, snap.learner, key, f"unreadable: {exc}", dropped)
-            return None
-        bad = [n for n in names if not _finite(delta[n])]
-        if bad:
-            self._drop(r, snap.learner, key, f"non-finite values in {bad}", dropped)
+        delta = screen_delta(entries, names, snap.delta_format)
+        if isinstance(delta, str):
+            self._drop(r, snap.learner, key, delta, dropped)
             return None
         return Contribution(
             snap.learner, snap.local_step, snap.steps, snap.tokens, snap.final, delta
@@ -715,25 +653,3 @@ def _constant(live: frozenset[str]) -> Callable[[], Awaitable[frozenset[str]]]:
 
     return refresh
 
-
-def _dequantized(
-    entries: Mapping[str, TensorBytes], names: Sequence[str], fmt: str | None
-) -> dict[str, TensorBytes]:
-    if fmt is None or (
-        fmt in ("F32", "F16", "BF16") and all(entries[n].dtype == fmt for n in names)
-    ):
-        return {n: entries[n] for n in names}
-    return {n: dequantize(entries, n, fmt) for n in names}
-
-
-def _delta_norms(contributions: Sequence[Contribution],
-                 backend: Backend | None) -> dict[str, float]:
-    """Each contribution's delta norm over all its tensors, as one vector."""
-    be = NumpyBackend() if backend is None else backend
-    return {c.learner: math.sqrt(sum(be.load(t).norm() ** 2 for t in c.delta.values()))
-            for c in contributions}
-
-
-def _finite(t: TensorBytes) -> bool:
-    arr: Any = t.to_numpy()
-    return bool(np.isfinite(arr.astype(np.float32)).all()) if arr.size else True

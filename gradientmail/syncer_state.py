@@ -10,18 +10,26 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Collection, Mapping
+from typing import Literal
 
 from gradientmail.algorithms.schedule import Estimates
 
 __all__ = [
     "CONTRIBUTOR_HEAD_START",
     "SLOW_FACTOR",
+    "Listing",
+    "PollDecision",
+    "PollView",
     "RoundWatch",
     "awaited",
     "close_time",
     "completes",
+    "decide_poll",
     "effective_quorum",
     "head_start",
+    "listed",
+    "lists_claims",
+    "lists_contributions",
     "much_slower",
     "next_claim_attempt",
     "preferred_closer",
@@ -179,6 +187,165 @@ def watch_polls(
     if seen == 0:
         return watch_every
     return max(1, min(1 << min(idle, 30), watch_every))
+
+
+def lists_contributions(now: float, next_listing: float, preferred: bool,
+                        was_preferred: bool, offered: bool) -> bool:
+    """Whether a closer lists the open round's contributions at this poll: from
+    `next_listing` on (`listed`), and at once when it has just become the round's
+    preferred closer (its predecessor judged gone, say) or its learner offers a
+    contribution (whether that completes the set takes a fresh listing)."""
+    return now >= next_listing or (preferred and not was_preferred) or offered
+
+
+@dataclasses.dataclass(frozen=True)
+class Listing:
+    """The open round after a listing of its contributions: when each was first seen,
+    listings in a row that found none new, when to list next, and whether the
+    embedding learner's offer still stands."""
+
+    first_seen: Mapping[str, float]
+    idle: int
+    next_listing: float
+    keeps_offer: bool
+
+
+def listed(
+    first_seen: Mapping[str, float],
+    idle: int,
+    publishers: Collection[str],
+    now: float,
+    *,
+    me: str,
+    offered: bool,
+    preferred: bool,
+    watch_every: int,
+    backup_every: int,
+    poll_interval: float,
+) -> Listing:
+    """What a listing that found `publishers` at `now` makes of the open round.
+
+    An offer (`Syncer.offer`) by `me` counts as seen, as if uploaded, unless `me` is
+    listed already: an earlier run of this learner id contributed, and a round takes one
+    contribution a learner. The next listing is `watch_polls` polls on, a hair early so
+    that a poll loop's jitter does not push it one poll further.
+    """
+    seen = dict(first_seen)
+    for learner in publishers:
+        seen.setdefault(learner, now)
+    keeps = offered and me not in publishers
+    if keeps:
+        seen.setdefault(me, now)
+    idle = 0 if len(seen) > len(first_seen) else idle + 1
+    polls = watch_polls(preferred, len(seen), idle, watch_every, backup_every)
+    return Listing(seen, idle, now + (polls - 1) * poll_interval * 0.999, keeps)
+
+
+#: Why a closer lists the leases again before it decides (`PollDecision.relist`).
+Relist = Literal["short", "early"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PollView:
+    """What a closer knows at one poll of the open round (observer-clock times).
+
+    `preferred`: it is the round's preferred closer (a standalone syncer always is).
+    `calling`: it lists the leases itself, so it may call the roll. `waiting`: its
+    learner's training waits for a commit. `refreshed`: it listed the leases before an
+    early close of this round already; `relisted`: it listed them again at this poll
+    because the round was due short of `quorum_size`.
+    """
+
+    round: int
+    now: float
+    me: str
+    first_seen: Mapping[str, float]
+    live: frozenset[str]
+    paces: Mapping[str, float]
+    quorum_size: int
+    grace: float
+    preferred: bool
+    embedded: bool
+    backup_every: int
+    poll_interval: float
+    calling: bool = False
+    waiting: bool = False
+    refreshed: bool = False
+    relisted: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class PollDecision:
+    """What a closer does at one poll. With `relist` set, nothing else yet: it lists
+    the leases, and decides again over the new live set with the reason noted in the view
+    (`relisted` for "short", `refreshed` for "early").
+
+    `due`: from when this closer may claim the round (a backup's includes its head
+    start; None: the quorum is not in), and `held` the due time the head start was added
+    to. `closes`: it closes at `due` without a head start. `watch_next_poll`: list the
+    round's contributions at the next poll. `call_roll`: ask the roll caller whether to
+    call the roll. `claim`: the round is due now. `quorum_time`: when the effective
+    quorum came in.
+    """
+
+    relist: Relist | None = None
+    awaited: frozenset[str] = frozenset()
+    due: float | None = None
+    held: float | None = None
+    closes: bool = False
+    watch_next_poll: bool = False
+    call_roll: bool = False
+    claim: bool = False
+    quorum_time: float | None = None
+
+
+def decide_poll(view: PollView) -> PollDecision:
+    """Whether the open round is due at this poll, for whom, and what to look at first.
+
+    The round is due at `close_time` over the learners it awaits. Before it closes short
+    of `quorum_size`, and once a round before its window ends because everyone known is
+    in, the closer lists the leases again (`relist`): the live set is up to a lease
+    period old, and a learner that joined since must not be left out (in phase with the
+    others, it would lose every later round to them by a fraction of a second). A backup
+    closer adds its `head_start`, unless its own contribution completed the set; the
+    preferred one watches every poll while the window is open. With no quorum, or while
+    a backup's head start runs and its learner waits, it asks about a roll call.
+    """
+    watch = RoundWatch(view.round, view.first_seen)
+    expected = awaited(view.live, view.paces)
+    due = close_time(watch, view.live, view.quorum_size, view.grace, expected)
+    if due is not None and len(view.first_seen) < view.quorum_size and not view.relisted:
+        return PollDecision(relist="short", awaited=expected, due=due)
+    first = watch.first_time()
+    if (due is not None and view.now >= due and first is not None
+            and due < first + view.grace and not view.refreshed):
+        return PollDecision(relist="early", awaited=expected, due=due)
+    closes = view.preferred or (
+        due is not None and view.embedded
+        and completes(watch, view.me, view.live, view.quorum_size, expected))
+    held = None
+    if due is not None and not closes:
+        polls = head_start(view.me in view.first_seen, view.backup_every)
+        held, due = due, due + polls * view.poll_interval
+    return PollDecision(
+        awaited=expected,
+        due=due,
+        held=held,
+        closes=closes,
+        watch_next_poll=due is not None and view.preferred and view.now < due,
+        call_roll=view.calling and (due is None or (
+            view.waiting and held is not None and view.now < due)),
+        claim=due is not None and view.now >= due,
+        quorum_time=watch.quorum_time(effective_quorum(view.quorum_size, len(view.live))),
+    )
+
+
+def lists_claims(claims: Mapping[int, float], now: float, takeover_timeout: float) -> bool:
+    """Whether a closer of a due round lists its claims now: with none seen, or once the
+    newest it saw is a takeover timeout old. A claim seen is current for that long, so a
+    backup past its head start waits out a preferred closer's long merge at no LIST a
+    poll."""
+    return not claims or now >= max(claims.values()) + takeover_timeout
 
 
 def preferred_closer(round_: int, live: Collection[str]) -> str | None:

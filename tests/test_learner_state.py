@@ -19,6 +19,7 @@ from gradientmail.learner_state import (
     overdue,
     publishable,
     published,
+    rebase_base,
     retracted,
     scheduled_gap,
 )
@@ -242,6 +243,25 @@ def test_rebase_keeps_exactly_the_uncounted_steps_and_tokens() -> None:
         # Without rebasing the commit overwrites, and the counters with it.
         plain = applied(s, 0, 0, 4, took_part=took_part, mixing=0.0)
         assert plain.fragments[0] == FragmentCounters(0, 0, 4)
+
+
+def test_a_commit_is_rebased_on_the_own_snapshot_or_the_anchor_or_overwrites() -> None:
+    # A contributor subtracts its own snapshot of the round (its progress up to it is in
+    # the commit); a learner with no part in the commit subtracts the commit it last
+    # aligned with (none of its progress is in).
+    assert rebase_base(True, 3, 4, contributed=True, kept=True) == "snapshot"
+    assert rebase_base(True, 3, 4, contributed=False, kept=True) == "anchor"
+    assert rebase_base(True, 3, 4, contributed=False, kept=False) == "anchor"
+    # Its snapshot not kept (a final flush): overwrite, never the anchor (the commit
+    # holds part of its progress, which the anchor would count twice).
+    assert rebase_base(True, 3, 4, contributed=True, kept=False) is None
+    # Commits skipped (or a version not past the held one): overwrite.
+    for version in (2, 3, 5, 9):
+        assert rebase_base(True, 3, version, contributed=True, kept=True) is None
+        assert rebase_base(True, 3, version, contributed=False, kept=True) is None
+    # An algorithm that does not rebase always overwrites.
+    for contributed, kept in itertools.product((True, False), repeat=2):
+        assert rebase_base(False, 3, 4, contributed=contributed, kept=kept) is None
 
 
 def test_rebase_and_mixing_exclude_each_other() -> None:

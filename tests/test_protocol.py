@@ -29,6 +29,7 @@ from gradientmail.protocol import (
     current_attempt,
     plan_sweep,
     round_key,
+    screen_snapshot,
     screen_snapshots,
 )
 from gradientmail.records import (
@@ -107,10 +108,29 @@ def test_screen_snapshots() -> None:
                                        schema_digest=DIGEST)
     assert usable == [good]
     assert dropped == [
-        Dropped("b", "stale: base version 2; fragment 1 is at version 3"),
-        Dropped("c", "fragment 0; the round trains fragment 1"),
-        Dropped("d", f"schema digest ffffffffffff differs from the run's {DIGEST[:12]}"),
+        Dropped("b", "stale: base version 2, the fragment is at version 3"),
+        Dropped("c", "fragment 0, the round trains fragment 1"),
+        Dropped("d", f"another schema digest ffffffffffff, the run's is {DIGEST[:12]}"),
     ]
+
+
+def test_screen_snapshot_reports_the_first_rule_broken_in_one_order() -> None:
+    def screen(s: SnapshotRecord) -> str | None:
+        return screen_snapshot(s, fragment=1, version=3, schema_digest=DIGEST)
+
+    assert screen(snap("a")) is None
+    # Every rule broken at once: the fragment is reported, then the digest, then staleness.
+    assert screen(snap("a", fragment=0, base=2, digest="f" * 64)) == (
+        "fragment 0, the round trains fragment 1")
+    assert screen(snap("a", base=2, digest="f" * 64)) == (
+        f"another schema digest ffffffffffff, the run's is {DIGEST[:12]}")
+    assert screen(snap("a", base=4)) == "stale: base version 4, the fragment is at version 3"
+    idle = dataclasses.replace(snap("a"), steps=0, tokens=0)
+    assert screen(idle) == "no steps trained"
+    assert screen(dataclasses.replace(idle, base_version=2)) == (
+        "stale: base version 2, the fragment is at version 3")
+    assert screen_snapshots([idle], fragment=1, version=3, schema_digest=DIGEST) == (
+        [], [Dropped("a", "no steps trained")])
 
 
 def _ref(key: str) -> PayloadRef:

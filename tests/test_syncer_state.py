@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from gradientmail.algorithms.schedule import Estimates
 from gradientmail.syncer_state import (
+    PollDecision,
+    PollView,
     RoundWatch,
     awaited,
     close_time,
     completes,
+    decide_poll,
     effective_quorum,
+    listed,
+    lists_claims,
+    lists_contributions,
     much_slower,
     next_claim_attempt,
     updated_estimates,
@@ -129,3 +137,117 @@ def test_the_preferred_closer_watches_an_active_round_every_poll_then_backs_off(
     assert [watch_polls(True, 1, idle, 5, 30) for idle in range(5)] == [1, 2, 4, 5, 5]
     assert watch_polls(True, 1, 1000, 5, 30) == 5
     assert watch_polls(True, 2, 0, 1, 30) == 1  # a standalone syncer looks every poll
+
+
+def test_a_closer_lists_on_schedule_when_newly_preferred_and_when_offered() -> None:
+    assert not lists_contributions(4.0, 5.0, True, True, offered=False)
+    assert lists_contributions(5.0, 5.0, False, False, offered=False)
+    # preferred now and not at the last poll (its predecessor judged gone): at once
+    assert lists_contributions(4.0, 5.0, True, False, offered=False)
+    assert not lists_contributions(4.0, 5.0, False, True, offered=False)
+    # an offer needs a fresh listing: does it complete the set?
+    assert lists_contributions(4.0, 5.0, False, False, offered=True)
+
+
+def _listed(first_seen: dict[str, float], publishers: set[str], *, offered: bool = False,
+            preferred: bool = True, idle: int = 0) -> tuple[dict[str, float], int, float, bool]:
+    out = listed(first_seen, idle, publishers, 10.0, me="me", offered=offered,
+                 preferred=preferred, watch_every=5, backup_every=30, poll_interval=1.0)
+    return dict(out.first_seen), out.idle, out.next_listing, out.keeps_offer
+
+
+def test_a_listing_keeps_first_seen_times_and_schedules_the_next() -> None:
+    # a new contribution: seen now, the earlier time kept; look again at the next poll
+    assert _listed({"a": 3.0}, {"a", "b"}) == ({"a": 3.0, "b": 10.0}, 0, 10.0, False)
+    # nothing new: idle, backing off (2 polls, a hair early)
+    assert _listed({"a": 3.0}, {"a"}, idle=0) == ({"a": 3.0}, 1, pytest.approx(10.999), False)
+    # a backup looks again after backup_every polls
+    assert _listed({}, {"a"}, preferred=False)[2] == pytest.approx(10.0 + 29 * 0.999)
+
+
+def test_an_offer_counts_as_seen_unless_its_learner_is_listed_already() -> None:
+    assert _listed({"a": 3.0}, {"a"}, offered=True) == ({"a": 3.0, "me": 10.0}, 0, 10.0, True)
+    # an earlier run of this learner id contributed: the offer is declined
+    assert _listed({"a": 3.0}, {"a", "me"}, offered=True) == (
+        {"a": 3.0, "me": 10.0}, 0, 10.0, False)
+    assert _listed({"me": 2.0}, {"me"}, offered=True)[3] is False
+
+
+def view(now: float, first_seen: dict[str, float], live: set[str], **kw: object) -> PollView:
+    args: dict[str, object] = dict(
+        round=4, now=now, me="me", first_seen=first_seen, live=frozenset(live), paces={},
+        quorum_size=2, grace=5.0, preferred=True, embedded=True, backup_every=30,
+        poll_interval=1.0, calling=True, waiting=False, refreshed=True, relisted=True)
+    args.update(kw)
+    return PollView(**args)  # type: ignore[arg-type]
+
+
+def test_a_round_short_of_its_quorum_size_lists_the_leases_before_it_is_due() -> None:
+    # quorum_size 3 and two learners live, both in: due, short of 3, so the leases are
+    # listed again first (once a poll), then it is decided over the new live set
+    v = view(20.0, {"a": 10.0, "b": 11.0}, {"a", "b"}, quorum_size=3, relisted=False)
+    assert decide_poll(v) == PollDecision(relist="short", awaited=frozenset({"a", "b"}),
+                                          due=11.0)
+    d = decide_poll(dataclasses.replace(v, relisted=True))
+    assert d.relist is None and d.claim and d.due == 11.0
+    # a third learner joined: the round waits for it
+    d = decide_poll(dataclasses.replace(v, live=frozenset("abc"), relisted=True))
+    assert d.due is None and not d.claim and d.call_roll
+
+
+def test_an_early_close_lists_the_leases_once_a_round() -> None:
+    # everyone known is in before the window ends: look at the leases once first
+    v = view(11.5, {"a": 10.0, "me": 11.0}, {"a", "me"}, refreshed=False)
+    assert decide_poll(v).relist == "early"
+    d = decide_poll(dataclasses.replace(v, refreshed=True))
+    assert d.relist is None and d.claim and d.due == 11.0 and d.quorum_time == 11.0
+    # not yet due, or due only at the window's end: no early look
+    assert decide_poll(dataclasses.replace(v, now=10.5)).relist is None
+    assert decide_poll(view(16.0, {"a": 10.0}, {"a", "b"}, refreshed=False,
+                            quorum_size=1)).relist is None
+
+
+def test_the_preferred_closer_watches_every_poll_while_the_window_is_open() -> None:
+    d = decide_poll(view(12.0, {"a": 10.0}, {"a", "b"}, quorum_size=1))
+    assert d.due == 15.0 and d.closes and d.watch_next_poll and not d.claim
+    assert not d.call_roll and d.held is None
+    d = decide_poll(view(15.0, {"a": 10.0}, {"a", "b"}, quorum_size=1))
+    assert d.claim and not d.watch_next_poll
+
+
+def test_a_backup_gives_the_preferred_closer_a_head_start() -> None:
+    # not its round, nothing of its own in: backup_every polls past the due time
+    d = decide_poll(view(16.0, {"a": 10.0}, {"a", "b"}, quorum_size=1, preferred=False))
+    assert (d.held, d.due, d.closes, d.claim, d.watch_next_poll) == (15.0, 45.0, False,
+                                                                      False, False)
+    # its own contribution in: CONTRIBUTOR_HEAD_START polls
+    d = decide_poll(view(16.0, {"a": 10.0, "me": 10.5}, {"a", "b", "me"}, quorum_size=1,
+                         preferred=False))
+    assert (d.held, d.due) == (15.0, 18.0)
+    # its learner waits for the round: the roll is called while the head start runs
+    assert not d.call_roll
+    waiting = view(16.0, {"a": 10.0, "me": 10.5}, {"a", "b", "me"}, quorum_size=1,
+                   preferred=False, waiting=True)
+    assert decide_poll(waiting).call_roll
+    assert not decide_poll(dataclasses.replace(waiting, calling=False)).call_roll
+    assert not decide_poll(dataclasses.replace(waiting, now=18.0)).call_roll
+
+
+def test_a_backup_whose_contribution_completes_the_set_closes_at_once() -> None:
+    d = decide_poll(view(11.0, {"a": 10.0, "me": 11.0}, {"a", "me"}, preferred=False))
+    assert d.closes and d.held is None and d.due == 11.0 and d.claim
+    # a standalone syncer is never a contributor: the head start stands
+    d = decide_poll(view(11.0, {"a": 10.0, "me": 11.0}, {"a", "me"}, preferred=False,
+                         embedded=False))
+    assert not d.closes and d.due == 14.0
+    # the much slower learner is not awaited: the set is complete without it
+    d = decide_poll(view(11.0, {"a": 10.0, "me": 11.0}, {"a", "me", "z"}, preferred=False,
+                         paces={"a": 0.2, "me": 0.2, "z": 1.0}))
+    assert d.closes and d.awaited == {"a", "me"}
+
+
+def test_claims_are_listed_when_none_is_current() -> None:
+    assert lists_claims({}, 0.0, 10.0)
+    assert not lists_claims({0: 5.0}, 14.9, 10.0)
+    assert lists_claims({0: 5.0}, 15.0, 10.0)
+    assert not lists_claims({0: 1.0, 1: 20.0}, 25.0, 10.0)

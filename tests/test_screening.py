@@ -1,0 +1,46 @@
+"""A contribution's delta as a round merges it: the value checks and the norms."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from gradientmail.algorithms.base import Contribution
+from gradientmail.quantization import quantize
+from gradientmail.screening import delta_norms, screen_delta
+from gradientmail.serialization import TensorBytes
+
+
+def f32(*values: float) -> TensorBytes:
+    return TensorBytes.from_numpy(np.array(values, dtype=np.float32))
+
+
+def test_a_stored_delta_is_merged_as_it_is() -> None:
+    entries = {"w": f32(1.0, 2.0), "b": f32(3.0)}
+    assert screen_delta(entries, ["w", "b"], "F32") == entries
+    assert screen_delta(entries, ["w"], None) == {"w": entries["w"]}
+
+
+def test_a_quantized_delta_is_dequantized() -> None:
+    entries = quantize("w", f32(1.0, -2.0, 0.5), "F8_E4M3")
+    delta = screen_delta(entries, ["w"], "F8_E4M3")
+    assert isinstance(delta, dict) and set(delta) == {"w"}
+    assert delta["w"].dtype == "F32"
+    assert np.allclose(delta["w"].to_numpy(), [1.0, -2.0, 0.5], rtol=0.1)
+
+
+def test_a_delta_is_dropped_swept_unreadable_or_non_finite() -> None:
+    assert screen_delta(None, ["w"], "F32") == "payload swept"
+    # a quantized format without its scales does not dequantize
+    reason = screen_delta({"w": quantize("w", f32(1.0), "F8_E4M3")["w"]}, ["w"], "F8_E4M3")
+    assert isinstance(reason, str) and reason.startswith("unreadable: ")
+    bad = {"w": f32(1.0, math.nan), "b": f32(3.0), "c": f32(math.inf)}
+    assert screen_delta(bad, ["w", "b", "c"], "F32") == "non-finite values in ['w', 'c']"
+    empty = {"w": TensorBytes.from_numpy(np.zeros((0,), dtype=np.float32))}
+    assert screen_delta(empty, ["w"], "F32") == empty
+
+
+def test_a_delta_norm_spans_all_its_tensors() -> None:
+    c = Contribution("a", 1, 1, 1, False, {"w": f32(3.0), "b": f32(4.0)})
+    assert delta_norms([c]) == {"a": 5.0}
