@@ -20,7 +20,6 @@ import queue
 import re
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -222,16 +221,19 @@ class Learner(Mailman):
         `GradientmailError` after `timeout` seconds."""
         self._require_started()
         self._want_live = n
-        deadline = time.monotonic() + timeout
+        clock = self.clock
         try:
-            while len(self._live) < n:
-                self._check_alive()
-                if time.monotonic() > deadline:
-                    raise GradientmailError(
-                        f"only {len(self._live)} of {n} learners are live after {timeout}s: "
-                        f"{sorted(self._live)}; start the others, or wait longer"
-                    )
-                time.sleep(min(self.poll_interval, 0.05))
+            with clock.busy():
+                deadline = clock.now() + timeout
+                while len(self._live) < n:
+                    self._check_alive()
+                    if clock.now() > deadline:
+                        raise GradientmailError(
+                            f"only {len(self._live)} of {n} learners are live after "
+                            f"{timeout}s: {sorted(self._live)}; start the others, or wait "
+                            "longer"
+                        )
+                    clock.pause(min(self.poll_interval, 0.05))
         finally:
             self._want_live = 0
         return self._live
@@ -257,7 +259,7 @@ class Learner(Mailman):
             daemon=True,
         )
         self._thread.start()
-        result = joined.result()
+        result = self.clock.result(joined, None)
         self._plan = result.plan
         self._schedule = self.algorithm.schedule_for(len(result.plan))
         self._anchors = [None] * len(result.plan)
@@ -285,16 +287,18 @@ class Learner(Mailman):
         self._touched.clear()
         self._require_started()
         self._check_alive()
-        now = time.perf_counter()
-        seconds = None if self._last_step_time is None else now - self._last_step_time
-        self._last_step_time = now
-        # Count the step on the version it was taken on; a commit applied now rebases it,
-        # or overwrites it keeping α of it (the steps counters follow the parameters).
-        self._state = ls.advanced(self._state_now(), int(samples), seconds)
-        self._apply_arrived()
-        self._retract_failed()
-        self._maybe_publish()
-        self._wait_while_overdue()
+        with self.clock.busy():
+            now = self.clock.now()
+            seconds = None if self._last_step_time is None else now - self._last_step_time
+            self._last_step_time = now
+            # Count the step on the version it was taken on; a commit applied now rebases
+            # it, or overwrites it keeping α of it (the steps counters follow the
+            # parameters).
+            self._state = ls.advanced(self._state_now(), int(samples), seconds)
+            self._apply_arrived()
+            self._retract_failed()
+            self._maybe_publish()
+            self._wait_while_overdue()
         return tuple(sorted(self._touched))
 
     def close(self, flush: bool | None = None) -> None:
@@ -310,7 +314,13 @@ class Learner(Mailman):
         self._closed = True
         if self._thread is None or self._state is None or self._loop is None:
             return
-        flush = self.algorithm.flush_on_close if flush is None else flush
+        with self.clock.busy():
+            self._close(self.algorithm.flush_on_close if flush is None else flush)
+
+    # -- training thread ----------------------------------------------------------------
+
+    def _close(self, flush: bool) -> None:
+        assert self._thread is not None and self._loop is not None
         pending = self._pending_rounds()
         self.on_event(Closing(self.learner_id, pending, flush))
         if self._dead is None:
@@ -330,10 +340,8 @@ class Learner(Mailman):
         stop = self._stop
         if stop is not None and self._loop.is_running():
             self._loop.call_soon_threadsafe(stop.set)
-        self._thread.join(timeout=self.lease_timeout)
+        self.clock.join(self._thread, self.lease_timeout)
         self.on_event(Closed(self.learner_id, self.rounds_seen, self.local_step))
-
-    # -- training thread ----------------------------------------------------------------
 
     def _require_started(self) -> ls.LearnerState:
         if self._state is None:
@@ -496,7 +504,7 @@ class Learner(Mailman):
     def _wait_applying(self, waiting: Callable[[], bool], limit: float | None = None) -> bool:
         """Apply commits as they arrive while `waiting()` holds, the mailman polling faster
         meanwhile; False when `limit` seconds passed first."""
-        t0 = time.monotonic()
+        t0 = self.clock.now()
         self._blocked = True
         loop, wake = self._loop, self._wake
         if loop is not None and wake is not None:
@@ -505,10 +513,10 @@ class Learner(Mailman):
                 loop.call_soon_threadsafe(wake.set)
         try:
             while waiting():
-                if limit is not None and time.monotonic() - t0 > limit:
+                if limit is not None and self.clock.now() - t0 > limit:
                     return False
                 try:
-                    commit = self._inbox.get(timeout=0.05)
+                    commit = self.clock.get(self._inbox, 0.05)
                 except queue.Empty:
                     continue
                 self._apply(commit)
@@ -521,7 +529,7 @@ class Learner(Mailman):
         assert self._loop is not None
         future = asyncio.run_coroutine_threadsafe(self._catch_up(), self._loop)
         try:
-            future.result(timeout=self.lease_timeout)
+            self.clock.result(future, self.lease_timeout)
         except Exception as exc:  # close() must not fail for the store
             future.cancel()
             self.on_event(PollFailed(self.learner_id, repr(exc)))
@@ -536,10 +544,10 @@ class Learner(Mailman):
             if r is None:
                 break
             self._hand_over(r, final=True)
-        t0 = time.monotonic()
+        t0 = self.clock.now()
         while (
             self._handed > self._finished
             and self._dead is None
-            and time.monotonic() - t0 < self.lease_timeout
+            and self.clock.now() - t0 < self.lease_timeout
         ):
-            time.sleep(0.02)
+            self.clock.pause(0.02)

@@ -199,7 +199,7 @@ class Mailman:
         self._replica = result.replica
         joined.set_result(result)
         assert self._stop is not None
-        await self._stop.wait()
+        await self.clock.idle(self._stop.wait())
         await self._shutdown()
 
     def _begin_loops(self, result: JoinResult) -> None:
@@ -518,7 +518,7 @@ class Mailman:
     async def _publish_loop(self) -> None:
         assert self._jobs is not None
         while True:
-            job = await self._jobs.get()
+            job = await self.clock.idle(self._jobs.get())
             if job is None:
                 return
             t0 = self.clock.now()

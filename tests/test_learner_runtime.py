@@ -368,31 +368,15 @@ def test_leases_renew_on_the_clock_and_are_released_on_close() -> None:
         lease_timeout=120.0,
         on_event=lambda e: None,
     )
-    learner.start()
     ex = Exchange(mailbox)
-    first = run(ex.leases())["tick"]
-    # The fake clock races on while we read: count from a time after the read.
-    since = clock.now()
-    deadline = time.monotonic() + 20
-    while clock.now() < since + 250 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert clock.now() >= since + 250, "the fake clock should race ahead as the loop sleeps"
-    assert run(ex.leases())["tick"] >= first + 3  # one beat per 60 fake seconds
-    learner.close()
+    with clock.busy():  # fake time moves only while this thread waits on the clock
+        learner.start()
+        first = run(ex.leases())["tick"]  # the join's beat
+        clock.pause(250.0)
+        assert clock.now() == 250.0
+        assert run(ex.leases())["tick"] == first + 4  # beats at 60, 120, 180 and 240 s
+        learner.close()
     assert "tick" not in run(ex.leases())
-
-
-class ManualClock:
-    """Time moves only when the test says so; sleeping just yields for a moment."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-    async def sleep(self, seconds: float) -> None:
-        await asyncio.sleep(0.001)
 
 
 def train_together(learners: list[Learner], models: list[torch.nn.Module], steps: int,
@@ -428,7 +412,7 @@ def wait_for(cond: Callable[[], bool], seconds: float = 20.0) -> bool:
 
 def test_a_silent_peer_drops_out_of_the_live_set() -> None:
     mailbox = MemoryMailbox()
-    clock = ManualClock()
+    clock = FakeClock()
     run(Exchange(mailbox).beat("silent"))  # beats once, then never again
     model = make_model()
     learner = Learner(
@@ -442,14 +426,15 @@ def test_a_silent_peer_drops_out_of_the_live_set() -> None:
         lease_timeout=40.0,
         on_event=lambda e: None,
     )
-    learner.start()
-    assert wait_for(lambda: learner.live_learners == frozenset({"obs", "silent"}))
-    clock.t = 39.0
-    time.sleep(0.2)
-    assert learner.live_learners == frozenset({"obs", "silent"})
-    clock.t = 60.0  # past the next lease listing (every lease_every)
-    assert wait_for(lambda: learner.live_learners == frozenset({"obs"}))
-    learner.close()
+    with clock.busy():
+        learner.start()
+        clock.pause(1.0)
+        assert learner.live_learners == frozenset({"obs", "silent"})
+        clock.pause(38.5)  # 39.5 s: its lease is not yet 40 s old on this learner's clock
+        assert learner.live_learners == frozenset({"obs", "silent"})
+        clock.pause(1.0)  # 40.5 s
+        assert learner.live_learners == frozenset({"obs"})
+        learner.close()
 
 
 def test_global_batch_size_is_split_over_live_learners() -> None:

@@ -1,8 +1,8 @@
 """Liveness in seconds: the roll call on a fake clock, for a syncer and for learners.
 
-A syncer (tests/test_syncer.py's `Run`, on a FakeClock) and learners (real threads on a
-`SimClock`, whose time moves only when the test ticks it and only once every loop has
-done what was due) are driven with the library's defaults: poll 1 s, leases 60 s / 120 s.
+A syncer (tests/test_syncer.py's `Run`, on a FakeClock moved by hand) and learners (real
+threads on a FakeClock that jumps when every loop and training thread waits) are driven
+with the library's defaults: poll 1 s, leases 60 s / 120 s.
 A SIGKILLed learner is one whose loops stop where they are, its lease left behind.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +21,7 @@ from test_syncer import Run, algorithm, fake
 from gradientmail import events as ev
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.clock import FakeClock
 from gradientmail.learner import Learner
 from gradientmail.lease import LeaseTracker
 from gradientmail.mailbox import Mailbox, MemoryMailbox
@@ -240,89 +240,30 @@ def test_a_call_someone_else_posted_counts_and_an_abandoned_one_is_taken_over(
     asyncio.run(main())
 
 
-# -- learners in threads on a simulated clock -------------------------------------------
-
-
-class SimClock:
-    """Simulated time for learner threads. `sleep` returns once the test has moved time
-    past the sleeper's wake-up; `tick` moves it and returns once every task that was due
-    has run and is asleep again, so fake times measured here do not depend on how fast
-    the machine runs the threads."""
-
-    def __init__(self, step: float = 0.1) -> None:
-        self.step = step
-        self._ticks = 0
-        self.t = 0.0
-        self._lock = threading.Lock()
-        self._wake: dict[int, float] = {}  # sleeping task -> wake-up; running: -inf
-        self._since: dict[int, float] = {}  # task -> real time it started running
-
-    def now(self) -> float:
-        return self.t
-
-    async def sleep(self, seconds: float) -> None:
-        await self.sleep_unless(seconds, None)
-
-    async def sleep_unless(self, seconds: float, event: asyncio.Event | None) -> None:
-        """Sleep in the caller's task until time passes `seconds` or `event` is set
-        (what `gradientmail.clock.sleep_unless` asks a clock that knows how)."""
-        key = id(asyncio.current_task())
-        with self._lock:
-            self._wake[key] = self.t + max(seconds, 0.0)
-        try:
-            while self.t < self._wake[key] - 1e-9 and not (event is not None
-                                                             and event.is_set()):
-                await asyncio.sleep(0.0005)
-        except asyncio.CancelledError:
-            with self._lock:
-                self._wake.pop(key, None)
-            raise
-        with self._lock:
-            self._wake[key] = float("-inf")
-            self._since[key] = time.monotonic()
-
-    def tick(self) -> None:
-        self._ticks += 1
-        self.t = round(self._ticks * self.step, 9)
-        deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline:
-            with self._lock:
-                now = time.monotonic()
-                for key, wake in list(self._wake.items()):
-                    # A task cancelled outside a sleep never sleeps again.
-                    if wake == float("-inf") and now - self._since[key] > 5.0:
-                        del self._wake[key]
-                if all(w > self.t + 1e-9 for w in self._wake.values()):
-                    return
-            time.sleep(0.0005)
-
-    def run_until(self, done: Callable[[], bool], limit: float, pause: float = 0.0) -> float:
-        """Tick until `done()`; the fake time then. Fails past `limit` fake seconds.
-        `pause` (real seconds after each tick) lets a training thread that polls on the
-        real clock (`wait_for_learners`) keep up."""
-        t0 = self.t
-        while not done():
-            assert self.t - t0 <= limit, f"not done after {limit} fake seconds"
-            self.tick()
-            time.sleep(pause)
-        return self.t
+# -- learners in threads on the fake clock ------------------------------------------------
 
 
 class Stamped:
     """Events with the fake time they happened at."""
 
-    def __init__(self, clock: SimClock) -> None:
+    def __init__(self, clock: FakeClock) -> None:
         self.clock = clock
         self.events: list[tuple[float, ev.Event]] = []
-        self.lock = threading.Lock()
+        self.changed = threading.Condition()
 
     def __call__(self, event: ev.Event) -> None:
-        with self.lock:
+        with self.changed:
             self.events.append((self.clock.now(), event))
+            self.changed.notify_all()
 
     def of(self, cls: type[Any]) -> list[tuple[float, Any]]:
-        with self.lock:
+        with self.changed:
             return [(t, e) for t, e in self.events if isinstance(e, cls)]
+
+    def wait_for(self, cond: Callable[[], bool]) -> None:
+        """Block (real time, a hang guard of 20 s) until `cond()` holds of the events."""
+        with self.changed:
+            assert self.changed.wait_for(cond, timeout=20.0), "the event never came"
 
 
 def background(*targets: Callable[[], None]) -> Callable[[], bool]:
@@ -333,18 +274,31 @@ def background(*targets: Callable[[], None]) -> Callable[[], bool]:
     return lambda: not any(t.is_alive() for t in threads)
 
 
-def train(learner: Learner, model: torch.nn.Module, steps: int, seed: int) -> Callable[[], None]:
+def run_until(clock: FakeClock, done: Callable[[], bool], limit: float) -> float:
+    """Let fake time pass (0.1 s at a time, as the test's own wait) until `done()`; the
+    fake time then. Fails past `limit` fake seconds."""
+    t0 = clock.now()
+    while not done():
+        assert clock.now() - t0 <= limit, f"not done after {limit} fake seconds"
+        clock.pause(0.1)
+    return clock.now()
+
+
+def train(clock: FakeClock, learner: Learner, model: torch.nn.Module, steps: int,
+          seed: int) -> Callable[[], None]:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
 
     def go() -> None:
-        for i in range(steps):
-            train_step(model, opt, seed + i)
-            learner.step(8)
+        # A step takes no fake time: the clock moves while the learner waits.
+        with clock.busy():
+            for i in range(steps):
+                train_step(model, opt, seed + i)
+                learner.step(8)
 
     return go
 
 
-def pair(clock: SimClock, rec: Stamped, ids: tuple[str, ...]
+def pair(clock: FakeClock, rec: Stamped, ids: tuple[str, ...]
          ) -> tuple[MemoryMailbox, list[Learner], list[torch.nn.Module]]:
     """Learners of standard DiLoCo (H=4), library defaults, joined and through round 0's
     barrier together, as `wait_for_learners` starts them."""
@@ -355,21 +309,20 @@ def pair(clock: SimClock, rec: Stamped, ids: tuple[str, ...]
                 for m, x in zip(models, ids, strict=True)]
     for learner in learners:
         learner.start()
-    clock.run_until(background(*(lambda x=x: x.wait_for_learners(len(ids), timeout=60)
-                                 for x in learners)), limit=30, pause=0.01)
-    clock.run_until(background(*(train(x, m, 4, 0) for x, m in zip(learners, models,
-                                                                  strict=True))), limit=30,
-                    pause=0.001)
+    run_until(clock, background(*(lambda x=x: x.wait_for_learners(len(ids), timeout=60)
+                                  for x in learners)), limit=30)
+    run_until(clock, background(*(train(clock, x, m, 4, 0)
+                                  for x, m in zip(learners, models, strict=True))), limit=30)
     return mailbox, learners, models
 
 
-def shut(clock: SimClock, *learners: Learner) -> None:
-    """Close the learners (no flush), moving time meanwhile; never raises, so that a
-    failed test reports its own failure."""
+def shut(clock: FakeClock, *learners: Learner) -> None:
+    """Close the learners (no flush); never raises, so that a failed test reports its own
+    failure."""
     done = background(*(lambda x=x: x.close(flush=False) for x in learners))
-    t0 = clock.t
-    while not done() and clock.t - t0 < 300:
-        clock.tick()
+    t0 = clock.now()
+    while not done() and clock.now() - t0 < 300:
+        clock.pause(1.0)
 
 
 def kill(learner: Learner) -> None:
@@ -377,26 +330,26 @@ def kill(learner: Learner) -> None:
     its lease stays behind."""
     loop = learner._loop
     assert loop is not None
-    for task in learner._tasks:
-        loop.call_soon_threadsafe(task.cancel)
-    deadline = time.monotonic() + 10
-    while not all(t.done() for t in learner._tasks):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+
+    async def cancel() -> None:
+        for task in learner._tasks:
+            task.cancel()
+        await asyncio.gather(*learner._tasks, return_exceptions=True)
+
+    asyncio.run_coroutine_threadsafe(cancel(), loop).result(timeout=10)
 
 
 @pytest.mark.parametrize("ids", [("a-survivor", "b-victim"), ("b-survivor", "a-victim")],
                          ids=["victim-preferred", "survivor-preferred"])
 def test_a_killed_learner_holds_its_peer_for_seconds(ids: tuple[str, str]) -> None:
-    clock, survivor_id, victim_id = SimClock(), *ids
+    clock, survivor_id, victim_id = FakeClock(), *ids
     rec = Stamped(clock)
     mailbox, (survivor, victim), (model, _) = pair(clock, rec, ids)
     try:
         assert survivor.rounds_seen == 0 and victim.rounds_seen == 0
         kill(victim)
         # Round 1's preferred closer (the second id in order) is the victim or the survivor.
-        done = background(train(survivor, model, 4, 100))
-        clock.run_until(done, limit=30)
+        run_until(clock, background(train(clock, survivor, model, 4, 100)), limit=30)
         [(t0, _)] = [(t, e) for t, e in rec.of(ev.SnapshotPublished)
                      if e.learner == survivor_id and e.round == 1]
         [(t1, closed)] = [(t, e) for t, e in rec.of(ev.RoundClosed) if e.round == 1]
@@ -407,7 +360,7 @@ def test_a_killed_learner_holds_its_peer_for_seconds(ids: tuple[str, str]) -> No
         assert victim_id not in survivor.live_learners
         assert victim_id not in asyncio.run(Exchange(mailbox).leases())
         # The survivor goes on alone: round 2 waits for no one.
-        clock.run_until(background(train(survivor, model, 4, 200)), limit=10)
+        run_until(clock, background(train(clock, survivor, model, 4, 200)), limit=10)
         assert survivor.rounds_seen == 2
     finally:
         shut(clock, survivor, victim)
@@ -419,14 +372,13 @@ def test_a_healthy_barrier_costs_a_fraction_of_a_poll() -> None:
     # whose contribution completes the set closes at once (its loop woken by its own
     # publish), and the other, woken when its training started to wait, looks every
     # 0.16 s at most: neither waits out a poll interval.
-    clock = SimClock()
+    clock = FakeClock()
     rec = Stamped(clock)
     _, (a, b), (model_a, model_b) = pair(clock, rec, ("a", "b"))
     try:
         for k in (1, 2, 3):
-            clock.run_until(background(train(a, model_a, 4, 100 * k),
-                                       train(b, model_b, 4, 100 * k + 50)), limit=30,
-                            pause=0.001)
+            run_until(clock, background(train(clock, a, model_a, 4, 100 * k),
+                                        train(clock, b, model_b, 4, 100 * k + 50)), limit=30)
             last = max(t for t, e in rec.of(ev.SnapshotPublished) if e.round == k)
             aligned = [t for t, e in rec.of(ev.FragmentAligned) if e.round == k]
             assert len(aligned) == 2
@@ -438,20 +390,18 @@ def test_a_healthy_barrier_costs_a_fraction_of_a_poll() -> None:
 
 
 def test_a_slow_learner_answers_and_is_not_dropped() -> None:
-    clock = SimClock()
+    clock = FakeClock()
     rec = Stamped(clock)
     _, (fast, slow), (fast_model, slow_model) = pair(clock, rec, ("fast", "slow"))
     try:
-        fast_done = background(train(fast, fast_model, 4, 100))
-        clock.run_until(lambda: bool(rec.of(ev.SnapshotPublished)[2:]), limit=10)
-        t0 = clock.t
-        while clock.t - t0 < 40.0:  # the slow learner takes 40 s more for its H steps
-            clock.tick()
+        fast_done = background(train(clock, fast, fast_model, 4, 100))
+        run_until(clock, lambda: bool(rec.of(ev.SnapshotPublished)[2:]), limit=10)
+        clock.pause(40.0)  # the slow learner takes 40 s more for its H steps
         assert not fast_done() and fast.rounds_seen == 0
         assert rec.of(ev.RollCalled) and not rec.of(ev.LearnersGone)
         assert fast.live_learners == {"fast", "slow"}
-        slow_done = background(train(slow, slow_model, 4, 300))
-        clock.run_until(lambda: fast_done() and slow_done(), limit=10)
+        slow_done = background(train(clock, slow, slow_model, 4, 300))
+        run_until(clock, lambda: fast_done() and slow_done(), limit=10)
         [(_, closed)] = [(t, e) for t, e in rec.of(ev.RoundClosed) if e.round == 1]
         assert closed.participants == ("fast", "slow")
         assert not rec.of(ev.LearnersGone)
@@ -462,14 +412,15 @@ def test_a_slow_learner_answers_and_is_not_dropped() -> None:
 def test_the_verdict_reaches_the_learners_that_did_not_judge() -> None:
     # Three learners: one survivor calls and judges; the other learns the verdict from
     # the call key, so that both drop the victim and whichever is preferred closes.
-    clock = SimClock()
+    clock = FakeClock()
     rec = Stamped(clock)
     mailbox, (a, b, victim), (model_a, model_b, _) = pair(clock, rec, ("a", "b", "c"))
     try:
         kill(victim)  # "c": round 1's preferred closer is "b", round 2's is "c"
         for round_, seed in ((1, 100), (2, 200)):
-            done = background(train(a, model_a, 4, seed), train(b, model_b, 4, seed + 50))
-            clock.run_until(done, limit=30)
+            done = background(train(clock, a, model_a, 4, seed),
+                              train(clock, b, model_b, 4, seed + 50))
+            run_until(clock, done, limit=30)
             t0 = max(t for t, e in rec.of(ev.SnapshotPublished) if e.round == round_)
             [(t1, closed)] = [(t, e) for t, e in rec.of(ev.RoundClosed) if e.round == round_]
             assert closed.participants == ("a", "b")
@@ -491,20 +442,19 @@ def test_a_preferred_closer_killed_after_its_contribution_holds_its_peer_for_sec
     # round: the survivor, a backup waiting at the barrier, does not give a dead closer
     # its 30-poll head start: its own contribution completed the set, so it closes at its
     # next look, with no roll call (the victim is judged gone once a round waits for it).
-    clock = SimClock()
+    clock = FakeClock()
     rec = Stamped(clock)
     _, (survivor, victim), (model_s, model_v) = pair(
         clock, rec, ("a-survivor", "b-victim"))
     try:
-        # The victim's training thread blocks at the barrier once it published; no tick
-        # runs its loops meanwhile, so it never lists the round.
-        background(train(victim, model_v, 4, 100))
-        deadline = time.monotonic() + 20
-        while not any(e.round == 1 for _, e in rec.of(ev.SnapshotPublished)):
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
-        kill(victim)
-        clock.run_until(background(train(survivor, model_s, 4, 100)), limit=30)
+        # The victim's training thread blocks at the barrier once it published; this
+        # thread works meanwhile, so time stands still and its loops never list the round.
+        with clock.busy():
+            background(train(clock, victim, model_v, 4, 100))
+            rec.wait_for(lambda: any(e.round == 1 for _, e in rec.events
+                                     if isinstance(e, ev.SnapshotPublished)))
+            kill(victim)
+        run_until(clock, background(train(clock, survivor, model_s, 4, 100)), limit=30)
         t0 = max(t for t, e in rec.of(ev.SnapshotPublished) if e.round == 1)
         [(t1, closed)] = [(t, e) for t, e in rec.of(ev.RoundClosed) if e.round == 1]
         assert closed.closer == "a-survivor"
