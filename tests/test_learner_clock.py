@@ -39,12 +39,13 @@ class Stamped:
 def alone(clock: FakeClock, rec: Stamped, mailbox: Mailbox, *, sync: bool,
           flush: bool = False) -> tuple[Learner, torch.nn.Module]:
     """A started learner alone in a run (H=4, one fragment, no barrier), library defaults
-    for the poll interval and leases (1 s, 60 s / 120 s)."""
+    for the poll interval and leases (1 s, 60 s / 120 s). It uploads every contribution
+    (`hold_own=False`): these tests time uploads."""
     alg = DiLoCo(sync_every=4, fragments=1, in_flight=1, overlap_steps=None,
                  merge=WeightedMean(), flush_on_close=flush)
     model = make_model()
     learner = Learner(TorchAdapter(model), alg, mailbox, "solo", sync=sync, clock=clock,
-                      on_event=rec, keep_versions=1000)
+                      on_event=rec, keep_versions=1000, hold_own=False)
     learner.start()
     return learner, model
 
