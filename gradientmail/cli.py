@@ -1,6 +1,7 @@
-"""The `gradientmail` command: `status`, `sync`, `export`, `sweep` (and `demo`, to come).
+"""The `gradientmail` command: `status`, `sync`, `export`, `sweep`, `verify` and `demo`.
 
     gradientmail status URL [--json]
+    gradientmail verify URL [--from R] [--json]
     gradientmail sync URL [--poll-interval S] [--closer-id ID] [--keep N]
     gradientmail export URL OUT.safetensors
     gradientmail sweep URL [--keep N]
@@ -273,6 +274,22 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- verify ------------------------------------------------------------------------------
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Exit status 0 when every round verified held (swept and held rounds are no
+    failures), 1 when one did not (or the run cannot be read)."""
+    from gradientmail.verify import format_report, verify_run
+
+    report = _with_mailbox(args, lambda ex: verify_run(ex, args.url, start=args.from_round))
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2, sort_keys=True))
+    else:
+        print(format_report(report))
+    return 0 if report.ok else 1
+
+
 # -- sync --------------------------------------------------------------------------------
 
 
@@ -352,14 +369,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # -- parser ------------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
+def _positive_int(text: str, low: int = 1) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
     return value
+
+
+def _round(text: str) -> int:
+    return _positive_int(text, 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -412,6 +433,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", type=_positive_int, default=2, metavar="N",
                    help="versions kept per fragment (default 2)")
     p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("verify", parents=[mailbox], help="re-derive the commits and compare",
+                       description="Re-derive every commit whose inputs are still stored "
+                       "(a run keeps them with DiLoCo's keep_rounds) from its recorded "
+                       "contributions, the state before it and the run's algorithm, and "
+                       "compare the bytes with what was committed; with GRADIENTMAIL_RUN_KEY, "
+                       "every record's seal is checked too. Exit status 0 when all held.")
+    p.add_argument("--from", dest="from_round", type=_round, default=0, metavar="R",
+                   help="the first round to verify (default 0)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("demo", help="several learners train a small GPT-2 (the main job)",
                        description="N learner processes train a small GPT-2 on a local "

@@ -23,6 +23,7 @@ __all__ = [
     "Contributions",
     "Rejected",
     "artifact_key",
+    "audit_floor",
     "current_attempt",
     "plan_sweep",
     "round_key",
@@ -143,7 +144,7 @@ def screen_snapshots(
 
 def plan_sweep(
     keys: Iterable[str], latest: Mapping[int, RoundRecord], keep_versions: int = 2,
-    checkpoint_every: int = 1,
+    checkpoint_every: int = 1, keep_rounds: int | None = None, fragments: int | None = None,
 ) -> list[str]:
     """The keys to delete once `latest` (each fragment's newest record) is committed.
 
@@ -153,8 +154,11 @@ def plan_sweep(
     closer's upload). A fragment keeps its newest `keep_versions` versions, and with a
     replicated outer step (`checkpoint_every` K > 1) everything from its newest checkpoint
     on (the newest version that is a multiple of K): a reader replays the steps after it.
-    Never deleted: anything the newest records reference, versions not yet committed (a
-    closer may be uploading them), fragments with no record in `latest`, and keys of any
+    With `keep_rounds` R (a run kept auditable; `fragments` is its plan's P, round r
+    training fragment r mod P), the contributions of the newest R rounds stay, and so does
+    each fragment's state before the oldest of them (`audit_floor`). Never deleted:
+    anything the newest records reference, versions not yet committed (a closer may be
+    uploading them), fragments with no record in `latest`, and keys of any
     shape this function does not know.
     """
     if isinstance(keep_versions, bool) or not isinstance(keep_versions, int) \
@@ -163,9 +167,19 @@ def plan_sweep(
     if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) \
             or checkpoint_every < 1:
         raise ConfigError(f"checkpoint_every={checkpoint_every!r} must be an integer >= 1")
+    if keep_rounds is not None and (isinstance(fragments, bool) or not isinstance(fragments, int)
+                                    or fragments < 1):
+        raise ConfigError(f"keep_rounds={keep_rounds!r} needs the plan's fragments (an "
+                          f"integer >= 1), got fragments={fragments!r}")
     if not latest:
         return []
     closed = max(r.round for r in latest.values())
+    kept_from = closed + 1
+    if keep_rounds is not None:
+        if isinstance(keep_rounds, bool) or not isinstance(keep_rounds, int) or keep_rounds < 1:
+            raise ConfigError(f"keep_rounds={keep_rounds!r} must be None or an integer >= 1")
+        kept_from = closed - keep_rounds + 1
+        assert fragments is not None
     referenced = {ref.key for r in latest.values() for ref in r.payload_refs()}
     doomed = []
     for key in keys:
@@ -173,7 +187,8 @@ def plan_sweep(
         if area is not None:
             m = _NUMBERED.match(key[len(area):])
             if m is not None and key[len(area) + 10:].startswith("/") \
-                    and int(m.group(1)) <= closed:
+                    and (int(m.group(1)) < kept_from
+                         or (area == "claims/round/" and int(m.group(1)) <= closed)):
                 doomed.append(key)
             continue
         art = _ARTIFACT.fullmatch(key)
@@ -184,6 +199,22 @@ def plan_sweep(
         floor = newest - keep_versions
         if checkpoint_every > 1:
             floor = min(floor, newest - newest % checkpoint_every - 1)
+        if keep_rounds is not None:
+            assert fragments is not None
+            floor = min(floor, audit_floor(latest[int(art.group(2))], kept_from, fragments,
+                                           checkpoint_every))
         if version <= floor or version == newest:
             doomed.append(key)
     return doomed
+
+
+def audit_floor(newest: RoundRecord, kept_from: int, fragments: int,
+                checkpoint_every: int) -> int:
+    """The newest version of `newest.fragment` a sweep may delete when the rounds from
+    `kept_from` on must stay verifiable: below the state before the fragment's oldest
+    round in that range — its newest checkpoint at or before that version, the steps
+    after it replayed (with K = `checkpoint_every` = 1, that version itself)."""
+    r = newest.round
+    kept = 0 if r < kept_from else (r - kept_from) // fragments + 1
+    before = max(newest.version - kept, 0)
+    return before - before % checkpoint_every - 1

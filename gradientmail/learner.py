@@ -90,10 +90,10 @@ class Learner(Mailman):
     `mailbox` is a Mailbox or a URL; `sync=True` also runs a syncer on the communication
     thread, so a run needs nothing but the bucket; with it, a contribution that completes
     its round's set is merged by this learner's closer from memory and never uploaded
-    (`hold_own=False` uploads every contribution, so that every merge can be recomputed
-    from the store). `run_key` (str or bytes; None: the `GRADIENTMAIL_RUN_KEY` variable,
-    when set) makes the run authenticated: every record is sealed and checked (see
-    `gradientmail.auth`).
+    (`hold_own=False`, or a run whose algorithm sets `keep_rounds`, uploads every
+    contribution, so that every merge can be recomputed from the store). `run_key` (str
+    or bytes; None: the `GRADIENTMAIL_RUN_KEY` variable, when set) makes the run
+    authenticated: every record is sealed and checked (see `gradientmail.auth`).
     """
 
     def __init__(

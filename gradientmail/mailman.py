@@ -623,7 +623,10 @@ class Mailman:
             delta_format=fmt,
             step_seconds=job.step_seconds,
         )
-        if self.hold_own and self._syncer is not None and self._wake is not None:
+        # A run kept auditable (`keep_rounds`) holds nothing back: a merge is re-derived
+        # from the uploaded contributions, and a held one was never uploaded.
+        hold = self.hold_own and self.algorithm.keep_rounds is None
+        if hold and self._syncer is not None and self._wake is not None:
             # Offered to the embedded closer first: if this contribution completes the
             # round's set, the closer merges it from memory and it is never uploaded.
             taken = self._syncer.offer(draft, tensors)

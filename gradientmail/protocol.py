@@ -621,24 +621,30 @@ class Exchange:
 
     async def sweep(
         self, keep_versions: int = 2, *, latest: Mapping[int, RoundRecord] | None = None,
-        checkpoint_every: int | None = None,
+        checkpoint_every: int | None = None, keep_rounds: int | None = None,
+        fragments: int | None = None,
     ) -> list[str]:
         """Delete what `plan_sweep` says is no longer needed; returns the deleted keys.
 
-        `latest` (each fragment's newest record) and `checkpoint_every` (the run's) are
-        looked up when not given.
+        `latest` (each fragment's newest record), and the run's `checkpoint_every`,
+        `keep_rounds` and number of `fragments`, are looked up when `latest` or
+        `checkpoint_every` is not given.
         """
         if latest is None or checkpoint_every is None:
             manifest = await self.read_manifest()
             if manifest is None:
                 return []
+            fragments = len(manifest.plan)
             if latest is None:
-                latest = await self.latest_commit_per_fragment(len(manifest.plan))
+                latest = await self.latest_commit_per_fragment(fragments)
             checkpoint_every = int(manifest.algorithm.get("checkpoint_every", 1))
+            kept = manifest.algorithm.get("keep_rounds")
+            keep_rounds = kept if isinstance(kept, int) else None
         keys: list[str] = []
         for area in (*_ROUND_AREAS, *(f"{k}/" for k in _ARTIFACT_KINDS)):
             keys.extend(await self._list(area))
-        doomed = plan_sweep(keys, latest, keep_versions, checkpoint_every)
+        doomed = plan_sweep(keys, latest, keep_versions, checkpoint_every, keep_rounds,
+                            fragments)
         for key in doomed:
             await self.mailbox.delete(self.prefix + key)
         return doomed

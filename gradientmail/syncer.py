@@ -20,17 +20,14 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from gradientmail.algorithms.base import (
     Algorithm,
-    Contribution,
     FragmentState,
-    RoundResult,
 )
-from gradientmail.algorithms.diloco import merged_step, outliers, step_format
 from gradientmail.algorithms.registry import algorithm_from_json
 from gradientmail.algorithms.schedule import Estimates, RoundSchedule
 from gradientmail.backends.base import Backend
 from gradientmail.caller import RollCaller
 from gradientmail.clock import Clock, MonotonicClock, sleep_unless
-from gradientmail.errors import ConfigError, GradientmailError, NonFiniteError, SchemaMismatch
+from gradientmail.errors import ConfigError, GradientmailError
 from gradientmail.events import (
     ClaimSuperseded,
     CommitLost,
@@ -44,7 +41,8 @@ from gradientmail.events import (
 from gradientmail.lease import LeaseTracker
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
-from gradientmail.protocol import Exchange, check_delta, screen_snapshot
+from gradientmail.merging import merge_round, screen_round
+from gradientmail.protocol import Exchange, check_delta
 from gradientmail.records import (
     Arrival,
     Dropped,
@@ -56,7 +54,6 @@ from gradientmail.records import (
     UpdateRef,
 )
 from gradientmail.replica import Replica, theta_digest
-from gradientmail.screening import delta_norms, screen_delta
 from gradientmail.serialization import Schema, TensorBytes
 from gradientmail.syncer_state import (
     PollDecision,
@@ -72,20 +69,6 @@ from gradientmail.syncer_state import (
 )
 
 __all__ = ["Syncer", "theta_digest"]
-
-
-def _unchanged(alg: Algorithm, state: FragmentState) -> RoundResult:
-    """A round with nothing to merge: the fragment one version on, unchanged (with a
-    replicated outer step, a zero Δ averaged in, which every party applies alike)."""
-    if not alg.replicated:
-        return RoundResult(dataclasses.replace(state, version=state.version + 1), None, (),
-                           None, False)
-    fmt = step_format(alg.commit_dtype, [state.theta[n].dtype for n in state.names])
-    step: dict[str, TensorBytes] = {}
-    for name, t in state.theta.items():
-        step.update(merged_step(name, TensorBytes("F32", t.shape, bytes(4 * t.numel)), fmt))
-    return RoundResult(alg.apply_step(state, step, fmt, "average"), None, (), None, False,
-                       step=step, step_format=fmt, rule="average")
 
 
 @dataclasses.dataclass
@@ -458,40 +441,26 @@ class Syncer:
         dropped: list[Dropped] = []
         for bad in found.rejected:
             self._drop(r, bad.learner or "?", bad.key, bad.reason, dropped)
-        contributions: list[Contribution] = []
-        for snap in sorted(snaps, key=lambda s: s.learner):
-            held = offer.tensors if offer is not None and snap is offer.draft else None
-            contribution = await self._screen(r, fragment, state, schema, names, snap, dropped,
-                                              held)
-            if contribution is not None:
-                contributions.append(contribution)
+        contributions = await screen_round(
+            snaps, fragment=fragment, state=state, schema=schema, names=names,
+            fetch=lambda snap: self._delta(r, snap, offer, schema, names),
+            drop=lambda learner, key, reason: self._drop(r, learner, key, reason, dropped),
+        )
+        alg = self._alg()
+        merge = await asyncio.to_thread(merge_round, alg, state, contributions, schema,
+                                        self.backend)
         keys = {s.learner: s.payload.key for s in snaps}
-        contributions = await self._drop_outliers(r, contributions, keys, dropped)
-        # ξ_step: the step-time EMAs the merged learners reported with their snapshots.
-        merged = {c.learner for c in contributions}
+        for learner, reason in merge.outliers.items():
+            self._drop(r, learner, keys.get(learner, f"round {r}"), reason, dropped)
+        for learner, reason in merge.overflowed.items():
+            self._drop(r, learner, f"round {r}", reason, dropped)
+        # ξ_step: the step-time EMAs the merged learners reported with their snapshots
+        # (those of a round whose outer step overflowed too).
+        merged = {c.learner for c in contributions} - set(merge.outliers)
         paces = {s.learner: s.step_seconds for s in snaps
                  if s.learner in merged and s.step_seconds is not None}
         step_seconds = list(paces.values())
-        result = None
-        if contributions:
-            aggregator = self._alg().aggregator(self.backend)
-            try:
-                result = await asyncio.to_thread(
-                    aggregator.close_round, state, contributions, schema
-                )
-            except NonFiniteError as exc:
-                # The outer step overflowed: every closer would fail the same way after
-                # each takeover, forever. Leave the round's contributions out instead.
-                for c in contributions:
-                    self._drop(r, c.learner, f"round {r}", f"outer step overflowed: {exc}",
-                               dropped)
-                contributions = []
-        alg = self._alg()
-        if result is None:
-            # Every contribution was dropped. The round still gets a record (the fragment
-            # unchanged, one version on), or its learners, who contribute once per round,
-            # would wait for it forever. Replicated, that is a zero step averaged in.
-            result = await asyncio.to_thread(_unchanged, alg, state)
+        result = merge.result
         new_state = result.state
         participants, cosine, all_final = (
             result.participants, result.mean_cosine, result.all_final)
@@ -578,73 +547,30 @@ class Syncer:
         DELETE per key, and the learners waiting at a barrier must not wait for it."""
         if not self._sweep_due:
             return
+        assert self._manifest is not None
         doomed = await self.exchange.sweep(self.keep_versions, latest=self._latest,
-                                           checkpoint_every=self._alg().checkpoint_every)
+                                           checkpoint_every=self._alg().checkpoint_every,
+                                           keep_rounds=self._alg().keep_rounds,
+                                           fragments=len(self._manifest.plan))
         self._sweep_due = False  # only now: a sweep cancelled midway is done again
         if doomed:
             self.on_event(Swept(len(doomed), 0))
-
-    async def _drop_outliers(self, r: int, contributions: list[Contribution],
-                             keys: Mapping[str, str], dropped: list[Dropped]) -> list[Contribution]:
-        """`contributions` less the outliers (`outliers`) under the algorithm's
-        `outlier_factor`, each dropped with an event and a record entry naming the norms."""
-        factor = getattr(self._alg(), "outlier_factor", None)
-        if factor is None or len(contributions) < 3:
-            return contributions
-        norms = await asyncio.to_thread(delta_norms, contributions, self.backend)
-        out = outliers(norms, factor)
-        for c in contributions:
-            if c.learner in out:
-                self._drop(r, c.learner, keys.get(c.learner, f"round {r}"), out[c.learner],
-                           dropped)
-        return [c for c in contributions if c.learner not in out]
 
     def _drop(self, r: int, learner: str, key: str, reason: str, out: list[Dropped]) -> None:
         self.on_event(ContributionDropped(r, learner, key, reason))
         if learner != "?" and all(d.learner != learner for d in out):
             out.append(Dropped(learner, reason[:500]))
 
-    async def _screen(
-        self,
-        r: int,
-        fragment: int,
-        state: FragmentState,
-        schema: Schema,
-        names: Sequence[str],
-        snap: SnapshotRecord,
-        dropped: list[Dropped],
-        held: dict[str, TensorBytes] | None = None,
-    ) -> Contribution | None:
-        """The contribution of `snap`, or None (dropped, with an event and a record entry).
-        `held`: the delta of an offered contribution (`offer`), never uploaded."""
-        key = snap.payload.key
-        reason = screen_snapshot(snap, fragment=fragment, version=state.version,
-                                 schema_digest=schema.digest())
-        if reason is not None:
-            self._drop(r, snap.learner, key, reason, dropped)
-            return None
+    async def _delta(self, r: int, snap: SnapshotRecord, offer: _Offer | None, schema: Schema,
+                     names: Sequence[str]) -> dict[str, TensorBytes] | None:
+        """The delta of `snap`: an offered one (never uploaded) or this learner's own from
+        memory, else the stored payload (None if swept)."""
         own = self._own.get(r)
-        try:
-            if held is not None:
-                entries: dict[str, TensorBytes] | None = check_delta(held, snap, schema, names)
-            elif own is not None and snap.learner == self.closer_id \
-                    and own[0] == snap.payload.sha256:
-                entries = check_delta(own[1], snap, schema, names)
-            else:
-                entries = await self.exchange.fetch_delta(snap, schema, names)
-        except SchemaMismatch as exc:
-            self._drop(r, snap.learner, key, f"mis-shaped: {exc}", dropped)
-            return None
-        except GradientmailError as exc:
-            self._drop(r, snap.learner, key, f"unreadable: {exc}", dropped)
-            return None
-        delta = screen_delta(entries, names, snap.delta_format)
-        if isinstance(delta, str):
-            self._drop(r, snap.learner, key, delta, dropped)
-            return None
-        return Contribution(
-            snap.learner, snap.local_step, snap.steps, snap.tokens, snap.final, delta
-        )
+        if offer is not None and snap is offer.draft:
+            return check_delta(offer.tensors, snap, schema, names)
+        if own is not None and snap.learner == self.closer_id and own[0] == snap.payload.sha256:
+            return check_delta(own[1], snap, schema, names)
+        return await self.exchange.fetch_delta(snap, schema, names)
 
 
 def _constant(live: frozenset[str]) -> Callable[[], Awaitable[frozenset[str]]]:
@@ -652,4 +578,3 @@ def _constant(live: frozenset[str]) -> Callable[[], Awaitable[frozenset[str]]]:
         return live
 
     return refresh
-

@@ -90,6 +90,7 @@ _DILOCO_KINDS = {
     "rebase": "bool?",
     "outlier_factor": "float?",
     "checkpoint_every": "int",
+    "keep_rounds": "int?",
 }
 _YAML_KEYS = (*_PLUGIN_KINDS, "diloco")
 _COMPRESSIONS = ("off", "zstd")

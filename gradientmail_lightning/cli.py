@@ -48,6 +48,7 @@ def diloco_callback(
     rebase: bool | None = None,
     outlier_factor: float | None = None,
     checkpoint_every: int = 20,
+    keep_rounds: int | None = None,
     sync: bool = True,
     poll_interval: float = 1.0,
     compression: Literal["off", "zstd"] = "off",
@@ -78,6 +79,7 @@ def diloco_callback(
         rebase=rebase,
         outlier_factor=outlier_factor,
         checkpoint_every=checkpoint_every,
+        keep_rounds=keep_rounds,
     )
     # No run_key: the Learner takes GRADIENTMAIL_RUN_KEY itself.
     return DiLoCoCallback(

@@ -279,6 +279,12 @@ class Algorithm(Protocol):
         """Whether commits carry the merged Δ and every party takes the outer step."""
         ...
 
+    @property
+    def keep_rounds(self) -> int | None:
+        """Rounds whose inputs (contributions, and the state before them) the sweep keeps
+        so that `gradientmail verify` can re-derive them (None: sweep them)."""
+        ...
+
     def checkpoint_at(self, version: int) -> bool:
         """Whether the commit of `version` uploads theta and the outer state."""
         ...

@@ -227,6 +227,12 @@ class DiLoCo:
     uploaded only at versions that are multiples of K, as checkpoints for joiners and
     readers that fell behind. K = 1 uploads theta and the outer state with every commit
     (runs created before replication read as K = 1: their JSON has no such field).
+
+    `keep_rounds` K makes the run auditable while it trains: the sweep keeps the
+    contributions (records and payloads) of the newest K rounds and the outer state
+    before them, so `gradientmail verify` can re-derive those commits, and its learners
+    upload every contribution (none is merged from memory unseen). None (the default)
+    sweeps them after each commit; the JSON omits it then.
     """
 
     sync_every: int
@@ -246,6 +252,7 @@ class DiLoCo:
     outlier_factor: float | None = None
     rebase: bool | None = None
     checkpoint_every: int = 20
+    keep_rounds: int | None = None
 
     def __post_init__(self) -> None:
         _int("sync_every", self.sync_every, 1)
@@ -298,6 +305,7 @@ class DiLoCo:
                 )
             object.__setattr__(self, "outlier_factor", k)
         _int("checkpoint_every", self.checkpoint_every, 1)
+        _int("keep_rounds", self.keep_rounds, 1, optional=True)
         if self.rebase is not None and not isinstance(self.rebase, bool):
             raise ConfigError(f"rebase={self.rebase!r} must be True, False or None (automatic)")
         if self.rebase and mixing > 0:
@@ -456,13 +464,14 @@ _JSON_KINDS = {
     "mixing": "number", "quorum_size": "int", "outer_lr": "number", "outer_momentum": "number",
     "global_batch_size": "int?", "delta_dtype": "str?", "commit_dtype": "str?",
     "flush_on_close": "bool", "outlier_factor": "number", "rebase": "bool",
-    "checkpoint_every": "int",
+    "checkpoint_every": "int", "keep_rounds": "int",
 }
 # Fields added after format version 1 was pinned: absent means None, and None is written
 # by leaving them out, so older records stay valid and unchanged. (`rebase` is never None
 # once built: it is left out when it equals `_default_rebase`. `checkpoint_every` is
-# left out when 1, which is what its absence means: runs created before replication.)
-_OMITTED_WHEN_NONE = frozenset({"outlier_factor", "rebase"})
+# left out when 1, which is what its absence means: runs created before replication.
+# `keep_rounds` is written only when set, so runs that sweep keep their records.)
+_OMITTED_WHEN_NONE = frozenset({"outlier_factor", "rebase", "keep_rounds"})
 _JSON_WORDS = {"int": "an integer", "number": "a number", "str": "a string", "bool": "a bool"}
 
 

@@ -1,0 +1,122 @@
+"""How a round's contributions become its merge: which ones a closer drops and why, and
+what the aggregator makes of the rest.
+
+One code path for the two parties that need it: the `Syncer`, which closes rounds, and
+`gradientmail.verify`, which re-derives closed rounds from the store and compares bytes.
+Everything here is pure but `screen_round`, which gets each delta through the caller's
+`fetch` (the closer reads its own from memory; a verifier reads the stored payload).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable, Sequence
+
+from gradientmail.algorithms.base import Algorithm, Contribution, FragmentState, RoundResult
+from gradientmail.algorithms.diloco import merged_step, outliers, step_format
+from gradientmail.backends.base import Backend
+from gradientmail.errors import GradientmailError, NonFiniteError, SchemaMismatch
+from gradientmail.keyspace import screen_snapshot
+from gradientmail.records import SnapshotRecord
+from gradientmail.screening import delta_norms, screen_delta
+from gradientmail.serialization import Schema, TensorBytes
+
+__all__ = [
+    "Merged",
+    "merge_round",
+    "screen_round",
+    "unchanged",
+]
+
+#: `fetch(snapshot)`: the delta entries of a contribution, checked against its record
+#: (`protocol.check_delta`), or None when its payload is gone.
+Fetch = Callable[[SnapshotRecord], Awaitable[dict[str, TensorBytes] | None]]
+#: `drop(learner, key, reason)`: a contribution left out of the round.
+Drop = Callable[[str, str, str], None]
+
+
+async def screen_round(
+    snaps: Sequence[SnapshotRecord], *, fragment: int, state: FragmentState, schema: Schema,
+    names: Sequence[str], fetch: Fetch, drop: Drop,
+) -> list[Contribution]:
+    """The usable contributions among `snaps`, in learner order; each other one is
+    reported to `drop` with its reason, as a closer records it: the record's
+    (`keyspace.screen_snapshot`), the payload's fetch, then its values
+    (`screening.screen_delta`)."""
+    out: list[Contribution] = []
+    digest = schema.digest()
+    for snap in sorted(snaps, key=lambda s: s.learner):
+        key = snap.payload.key
+        problem = screen_snapshot(snap, fragment=fragment, version=state.version,
+                                  schema_digest=digest)
+        if problem is not None:
+            drop(snap.learner, key, problem)
+            continue
+        try:
+            entries = await fetch(snap)
+        except SchemaMismatch as exc:
+            drop(snap.learner, key, f"mis-shaped: {exc}")
+            continue
+        except GradientmailError as exc:
+            drop(snap.learner, key, f"unreadable: {exc}")
+            continue
+        delta = screen_delta(entries, names, snap.delta_format)
+        if isinstance(delta, str):
+            drop(snap.learner, key, delta)
+        else:
+            out.append(Contribution(snap.learner, snap.local_step, snap.steps, snap.tokens,
+                                    snap.final, delta))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Merged:
+    """A round's merge: the result, and the contributions it left out (learner -> reason):
+    `outliers` before merging, `overflowed` when the outer step overflowed (then the
+    result is the fragment unchanged)."""
+
+    result: RoundResult
+    outliers: dict[str, str]
+    overflowed: dict[str, str]
+
+
+def merge_round(alg: Algorithm, state: FragmentState, contributions: Sequence[Contribution],
+                schema: Schema, backend: Backend | None = None) -> Merged:
+    """What a closer commits for `contributions` (already screened) on `state`: outliers
+    left out under the algorithm's `outlier_factor`, then `close_round`. An outer step
+    that overflows leaves every contribution out; with none left, the fragment moves one
+    version on unchanged (`unchanged`). Pure: equal inputs give equal bytes."""
+    out = _outliers(alg, contributions, backend)
+    kept = [c for c in contributions if c.learner not in out]
+    overflowed: dict[str, str] = {}
+    if kept:
+        try:
+            result = alg.aggregator(backend).close_round(state, kept, schema)
+            return Merged(result, out, overflowed)
+        except NonFiniteError as exc:
+            # Every closer would fail the same way after each takeover, forever: the round
+            # commits with its contributions left out instead.
+            overflowed = {c.learner: f"outer step overflowed: {exc}" for c in kept}
+    return Merged(unchanged(alg, state), out, overflowed)
+
+
+def unchanged(alg: Algorithm, state: FragmentState) -> RoundResult:
+    """A round with nothing to merge: the fragment one version on, unchanged (with a
+    replicated outer step, a zero Δ averaged in, which every party applies alike)."""
+    if not alg.replicated:
+        return RoundResult(dataclasses.replace(state, version=state.version + 1), None, (),
+                           None, False)
+    fmt = step_format(alg.commit_dtype, [state.theta[n].dtype for n in state.names])
+    step: dict[str, TensorBytes] = {}
+    for name, t in state.theta.items():
+        step.update(merged_step(name, TensorBytes("F32", t.shape, bytes(4 * t.numel)), fmt))
+    return RoundResult(alg.apply_step(state, step, fmt, "average"), None, (), None, False,
+                       step=step, step_format=fmt, rule="average")
+
+
+def _outliers(alg: Algorithm, contributions: Sequence[Contribution],
+              backend: Backend | None) -> dict[str, str]:
+    factor = getattr(alg, "outlier_factor", None)
+    if factor is None or len(contributions) < 3:
+        return {}
+    return outliers(delta_norms(contributions, backend), factor)

@@ -1,0 +1,573 @@
+"""`gradientmail verify`: re-derive every commit whose inputs are still stored, and compare.
+
+For each round r from `start` on, the verifier reads the commit record (checking its seal
+when the run is authenticated), takes the fragment's state before r (its own result for
+the previous round of the fragment, or the run's newest checkpoint before it and the
+steps since, as any reader does), and runs the closer's own code path
+(`gradientmail.merging`) on the round's recorded contributions: the participants and the
+dropped learners, read from the store with their records' seals and their payloads'
+digests checked. What it derives is compared with what was committed: the participants
+and their weights, the drops and their reasons, the mean cosine, `all_final`, the merged
+step (format, rule, every entry's bytes) and the theta digest it gives, and at checkpoints
+the theta and outer state, and any quantized update — byte for byte, tensor by tensor.
+
+A round is *verified*, *failed* (each `Mismatch` names the round, the fragment, what
+differs and the tensor), *swept* (a contribution it merged, or the state before it, is
+gone: a run keeps them only with `DiLoCo.keep_rounds`) or *held* (a participant's delta
+was merged by its own closer from memory and never uploaded: nothing to re-derive from).
+Drops for reasons of the moment (a payload unreadable or swept when the round closed)
+are taken on trust, and counted. `compare_round` and `first_difference` are pure;
+`verify_run` does the reading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from gradientmail import compression as codec
+from gradientmail.algorithms.base import Algorithm, FragmentState, RoundResult
+from gradientmail.algorithms.registry import algorithm_from_json
+from gradientmail.backends.base import Backend
+from gradientmail.backends.numpy_backend import NumpyBackend
+from gradientmail.errors import (
+    CorruptPayload,
+    GradientmailError,
+    LocalProtocolError,
+    ProtocolError,
+)
+from gradientmail.merging import merge_round, screen_round
+from gradientmail.protocol import Exchange, check_delta, delta_bound, payload_bound
+from gradientmail.records import Dropped, Manifest, PayloadRef, RoundRecord, SnapshotRecord
+from gradientmail.replica import Replica, require_manifest, theta_digest
+from gradientmail.serialization import TensorBytes
+
+__all__ = [
+    "TRUSTED_DROPS",
+    "Derived",
+    "Mismatch",
+    "Report",
+    "RoundVerdict",
+    "Verifier",
+    "compare_round",
+    "first_difference",
+    "format_report",
+    "verify_run",
+]
+
+#: Drop reasons that depend on the moment a round closed (a store error, a payload gone),
+#: not on the stored inputs: a verifier cannot re-derive them and takes them on trust.
+TRUSTED_DROPS = ("unreadable:", "payload swept")
+
+VERIFIED, FAILED, SWEPT, HELD = "verified", "failed", "swept", "held"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mismatch:
+    """One thing a commit says that its inputs do not give: in round `round` (fragment
+    `fragment`), `what` (a payload kind, "participants", "record", ...), the `tensor` when
+    one is to blame, and `detail`: what was stored and what was re-derived."""
+
+    round: int
+    fragment: int | None
+    what: str
+    tensor: str | None
+    detail: str
+
+    def __str__(self) -> str:
+        where = f"round {self.round}" + ("" if self.fragment is None
+                                         else f", fragment {self.fragment}")
+        tensor = "" if self.tensor is None else f", tensor {self.tensor!r}"
+        return f"{where}, {self.what}{tensor}: {self.detail}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"round": self.round, "fragment": self.fragment, "what": self.what,
+                "tensor": self.tensor, "detail": self.detail}
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundVerdict:
+    """How round `round` fared: `status` is verified, failed, swept or held; `note` says
+    why a round was not verified, or which drops were taken on trust."""
+
+    round: int
+    fragment: int | None
+    status: str
+    mismatches: tuple[Mismatch, ...] = ()
+    note: str = ""
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"round": self.round, "fragment": self.fragment, "status": self.status,
+                "mismatches": [m.to_json() for m in self.mismatches], "note": self.note,
+                "bytes": self.bytes, "seconds": self.seconds}
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """A verification of the rounds `start`..`stop` (inclusive) of the run at `url`."""
+
+    url: str
+    start: int
+    stop: int
+    sealed: bool
+    rounds: tuple[RoundVerdict, ...]
+
+    def count(self, status: str) -> int:
+        return sum(1 for v in self.rounds if v.status == status)
+
+    @property
+    def ok(self) -> bool:
+        """Whether every round verified held (swept and held rounds are no failures)."""
+        return self.count(FAILED) == 0
+
+    @property
+    def first_mismatch(self) -> Mismatch | None:
+        return next((m for v in self.rounds for m in v.mismatches), None)
+
+    def to_json(self) -> dict[str, Any]:
+        first = self.first_mismatch
+        verified = [v for v in self.rounds if v.status == VERIFIED]
+        nbytes = sum(v.bytes for v in verified)
+        seconds = sum(v.seconds for v in verified)
+        return {
+            "url": self.url, "ok": self.ok, "start": self.start, "stop": self.stop,
+            "seals_checked": self.sealed,
+            "rounds_verified": self.count(VERIFIED), "rounds_failed": self.count(FAILED),
+            "rounds_swept": self.count(SWEPT), "rounds_held": self.count(HELD),
+            "first_mismatch": None if first is None else first.to_json(),
+            "bytes_verified": nbytes,
+            "mb_per_s": nbytes / 1e6 / seconds if seconds > 0 else None,
+            "rounds": [v.to_json() for v in self.rounds],
+        }
+
+
+def format_report(report: Report) -> str:
+    """The readable form of a `Report`: the failures, the first mismatch, a summary."""
+    lines = []
+    for v in report.rounds:
+        if v.status == FAILED:
+            lines.append(f"round {v.round}: FAILED ({len(v.mismatches)} mismatch"
+                         f"{'' if len(v.mismatches) == 1 else 'es'})")
+            lines.extend(f"  {m}" for m in v.mismatches)
+        elif v.status == HELD:
+            lines.append(f"round {v.round}: unverifiable (held): {v.note}")
+        elif v.status == VERIFIED and v.note:
+            lines.append(f"round {v.round}: verified; {v.note}")
+    first = report.first_mismatch
+    if first is not None:
+        lines.append(f"first mismatch: {first}")
+    if report.count(SWEPT) and not report.count(VERIFIED):
+        lines.append("nothing left to re-derive: the run sweeps each round's contributions "
+                     "once it commits (an auditable run sets DiLoCo's keep_rounds)")
+    seals = ("every record's seal checked" if report.sealed
+             else "records unsealed (the run has no run key)")
+    span = ("no rounds" if report.stop < report.start
+            else f"rounds {report.start}..{report.stop}")
+    lines.append(
+        f"{'OK' if report.ok else 'FAILED'}: {report.url} {span}: "
+        f"{report.count(VERIFIED)} verified, {report.count(FAILED)} failed, "
+        f"{report.count(SWEPT)} skipped because swept, {report.count(HELD)} unverifiable "
+        f"(held); {seals}"
+    )
+    return "\n".join(lines)
+
+
+# -- the comparison (pure) --------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Derived:
+    """A round as its inputs give it: the merge, and the drops (learner -> reason) of the
+    learners `judged`: those whose stored contribution the merge or drop was re-derived
+    from (a drop taken on trust, or of a contribution swept since, is not judged)."""
+
+    result: RoundResult
+    dropped: Mapping[str, str]
+    judged: frozenset[str]
+    names: tuple[str, ...]
+
+
+def first_difference(
+    stored: Mapping[str, TensorBytes], derived: Mapping[str, TensorBytes]
+) -> tuple[str, str] | None:
+    """The first entry (in `derived`'s order) where `stored` differs, and how; None when
+    both hold the same entries with the same dtype, shape and bytes."""
+    for name, want in derived.items():
+        got = stored.get(name)
+        if got is None:
+            return name, "missing from the stored payload"
+        if (got.dtype, got.shape) != (want.dtype, want.shape):
+            return name, (f"stored {got.dtype}{list(got.shape)}, re-derived "
+                          f"{want.dtype}{list(want.shape)}")
+        a, b = _codes(got), _codes(want)
+        if not np.array_equal(a, b):
+            diff = np.flatnonzero(a != b)
+            i = int(diff[0])
+            at = list(np.unravel_index(i, want.shape)) if want.shape else []
+            return name, (f"{diff.size} of {a.size} elements differ; the first, "
+                          f"[{', '.join(str(int(k)) for k in at)}], is stored "
+                          f"{_value(got, i)}, re-derived {_value(want, i)}")
+    extra = sorted(set(stored) - set(derived))
+    if extra:
+        return extra[0], "in the stored payload, not in the re-derived one"
+    return None
+
+
+def _codes(t: TensorBytes) -> np.ndarray[Any, Any]:
+    """Each element's bit pattern, as unsigned integers (F4: one code per element)."""
+    arr = t.to_numpy().reshape(-1)
+    return arr.view(f"u{arr.dtype.itemsize}")
+
+
+def _value(t: TensorBytes, i: int) -> str:
+    arr = t.to_numpy().reshape(-1)
+    code = int(arr.view(f"u{arr.dtype.itemsize}")[i])
+    try:
+        return f"{float(arr[i]):.9g} (0x{code:0{2 * arr.dtype.itemsize}x})"
+    except (TypeError, ValueError):
+        return f"0x{code:x}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """A commit's payloads as read back: entries by kind ("step", "theta", "outer",
+    "update"; absent when the record has none or they are unreadable), and what was
+    wrong with reading each (a digest that differs from the record, undecodable bytes)."""
+
+    entries: Mapping[str, Mapping[str, TensorBytes]]
+    problems: Mapping[str, str]
+
+
+def compare_round(rec: RoundRecord, alg: Algorithm, derived: Derived,
+                  stored: Stored) -> list[Mismatch]:
+    """Every way `rec` and its stored payloads differ from what the inputs give."""
+    out: list[Mismatch] = []
+    r, p = rec.round, rec.fragment
+
+    def miss(what: str, detail: str, tensor: str | None = None) -> None:
+        out.append(Mismatch(r, p, what, tensor, detail))
+
+    res = derived.result
+    want = [(q.learner, q.local_step, q.steps, q.tokens, q.weight) for q in res.participants]
+    got = [(q.learner, q.local_step, q.steps, q.tokens, q.weight) for q in rec.participants]
+    if want != got:
+        miss("participants", _participants_diff(got, want))
+    recorded = {d.learner: d.reason for d in rec.dropped}
+    for learner in sorted(derived.judged):
+        a, b = recorded.get(learner), derived.dropped.get(learner)
+        if a != b:
+            miss("dropped", f"learner {learner!r}: recorded "
+                 f"{'merged' if a is None else repr(a)}, re-derived "
+                 f"{'merged' if b is None else repr(b)}")
+    if rec.mean_cosine != res.mean_cosine:
+        miss("mean_cosine", f"recorded {rec.mean_cosine!r}, re-derived {res.mean_cosine!r}")
+    if rec.all_final != res.all_final:
+        miss("all_final", f"recorded {rec.all_final}, re-derived {res.all_final}")
+    state = res.state
+    if rec.version != state.version:
+        miss("version", f"recorded {rec.version}, re-derived {state.version}")
+    if (rec.step is None) != (res.step is None):
+        miss("step", f"the record {'has no' if rec.step is None else 'has a'} step; the run's "
+             f"algorithm {'replicates' if alg.replicated else 'does not replicate'} the "
+             "outer step")
+    elif rec.step is not None and res.step is not None:
+        if (rec.step.format, rec.step.rule) != (res.step_format, res.rule):
+            miss("step", f"recorded format {rec.step.format} rule {rec.step.rule}, re-derived "
+                 f"format {res.step_format} rule {res.rule}")
+        _payload(miss, "step", stored, res.step)
+        digest = theta_digest(state.theta, derived.names)
+        if digest != rec.step.theta_sha256:
+            miss("theta digest", f"recorded {rec.step.theta_sha256[:16]}…, the re-derived "
+                 f"theta gives {digest[:16]}…")
+    checkpoint = not alg.replicated or alg.checkpoint_at(state.version)
+    if rec.checkpoint != checkpoint:
+        miss("checkpoint", f"version {state.version} {'is' if checkpoint else 'is not'} a "
+             f"checkpoint of the run, and the record {'has' if rec.checkpoint else 'has no'} "
+             "theta and outer state")
+    elif rec.checkpoint:
+        _payload(miss, "theta", stored, state.theta)
+        _payload(miss, "outer", stored, state.outer())
+    if (rec.update is None) != (res.update is None):
+        miss("update", f"the record {'has no' if rec.update is None else 'has an'} update; "
+             f"the re-derived commit {'has none' if res.update is None else 'has one'}")
+    elif rec.update is not None and res.update is not None:
+        if rec.update.format != alg.commit_dtype:
+            miss("update", f"recorded format {rec.update.format}, the run's commit_dtype is "
+                 f"{alg.commit_dtype}")
+        _payload(miss, "update", stored, res.update)
+        digest = theta_digest(state.theta, derived.names)
+        if digest != rec.update.theta_sha256:
+            miss("update", f"its theta digest is {rec.update.theta_sha256[:16]}…, the "
+                 f"re-derived theta gives {digest[:16]}…")
+    return out
+
+
+def _participants_diff(got: list[tuple[Any, ...]], want: list[tuple[Any, ...]]) -> str:
+    fields = ("local_step", "steps", "tokens", "weight")
+    if [g[0] for g in got] != [w[0] for w in want]:
+        return (f"recorded {[g[0] for g in got]}, re-derived {[w[0] for w in want]}")
+    for g, w in zip(got, want, strict=True):
+        for i, field in enumerate(fields, 1):
+            if g[i] != w[i]:
+                return f"learner {g[0]!r}: recorded {field} {g[i]!r}, re-derived {w[i]!r}"
+    return "differ"  # pragma: no cover - unreachable: the lists differ somewhere above
+
+
+def _payload(miss: Any, kind: str, stored: Stored, derived: Mapping[str, TensorBytes]) -> None:
+    problem = stored.problems.get(kind)
+    entries = stored.entries.get(kind)
+    diff = None if entries is None else first_difference(entries, derived)
+    if problem is None and diff is None:
+        return
+    if diff is None:
+        miss(kind, str(problem))
+    else:
+        tensor, how = diff
+        miss(kind, how if problem is None else f"{problem}; {how}", tensor)
+
+
+# -- reading the run ---------------------------------------------------------------------
+
+
+class _Swept(Exception):
+    """A merged contribution's payload is gone (not a GradientmailError: the shared
+    screening must not turn it into a drop)."""
+
+
+async def _read(ex: Exchange, ref: PayloadRef,
+                bound: int) -> tuple[dict[str, TensorBytes] | None, str | None, int]:
+    """A payload decoded even when its bytes differ from the record's digest (so the
+    comparison can name the tensor): (entries or None when gone, what is wrong with it,
+    bytes read). `CorruptPayload` when it cannot be decoded."""
+    if ref.size > bound:
+        raise CorruptPayload(f"payload {ref.key!r} is declared {ref.size} bytes, over the "
+                             f"bound of {bound} bytes for what it should hold")
+    blob = await ex.mailbox.get(ex.prefix + ref.key)
+    if blob is None:
+        return None, None, 0
+    problem = None
+    digest = await asyncio.to_thread(lambda: hashlib.sha256(blob).hexdigest())
+    if len(blob) != ref.size or digest != ref.sha256:
+        problem = (f"payload {ref.key!r} is {len(blob)} bytes with SHA-256 {digest[:16]}…, "
+                   f"its record says {ref.size} bytes, {ref.sha256[:16]}…: it was changed "
+                   "after the record was written")
+    tensors = codec.decode(blob, codec.compression_of(ref.key), key=ref.key,
+                           max_bytes=max(bound, len(blob)))
+    return tensors, problem, len(blob)
+
+
+class Verifier:
+    """Verifies the rounds of one run in order, holding each fragment's state from one
+    round to its next (`round(r)`), so a run can be audited while it trains: call it for
+    each new record. `verify_run` is the whole run at once."""
+
+    def __init__(self, ex: Exchange, manifest: Manifest,
+                 backend: Backend | None = None) -> None:
+        self.ex = ex
+        self.manifest = manifest
+        self.alg = algorithm_from_json(dict(manifest.algorithm))
+        self.schedule = self.alg.schedule_for(len(manifest.plan))
+        self.backend = backend if backend is not None else NumpyBackend()
+        # Each fragment's state as the run has it: from the newest checkpoint and the
+        # steps since, then round by round from this verifier's own results.
+        self.replica = Replica(ex, manifest, self.alg)
+        self.records: dict[int, RoundRecord] = {}
+
+    async def previous(self, r: int) -> RoundRecord | None:
+        """The record of the fragment's round before `r` (None: Θ⁰)."""
+        q = r - len(self.manifest.plan)
+        if q < 0:
+            return None
+        rec = self.records.get(q)
+        if rec is None:
+            rec = await self.ex.read_round(q)
+            if rec is None:
+                raise ProtocolError(f"round {q} has no record, though round {r} does")
+        return rec
+
+    async def round(self, r: int) -> RoundVerdict:
+        """The verdict on round `r` (committed: its record exists)."""
+        t0 = time.perf_counter()
+        p = self.schedule.fragment_of(r)
+        try:
+            rec = await self.ex.read_round(r)
+        except ProtocolError as exc:
+            return RoundVerdict(r, p, FAILED, (Mismatch(r, p, "record", None, str(exc)),))
+        if rec is None:
+            raise LocalProtocolError(f"round {r} has no record yet: verify committed rounds")
+        self.records = {k: v for k, v in self.records.items()
+                        if k >= r - len(self.manifest.plan)}
+        self.records[r] = rec
+        if rec.fragment != p:
+            return RoundVerdict(r, p, FAILED, (Mismatch(
+                r, p, "record", None, f"the record says fragment {rec.fragment}; round {r} "
+                f"trains fragment {p}"),))
+        held = [q.learner for q in rec.participants if q.held]
+        if held:
+            await self.follow(rec, None)
+            return RoundVerdict(r, p, HELD, note=(
+                f"{', '.join(held)} merged {'its' if len(held) == 1 else 'their'} own delta "
+                "from memory and never uploaded it (a run that must be auditable sets "
+                "keep_rounds, and its learners upload every contribution)"))
+        verdict, derived = await self.derive(rec, t0)
+        if verdict.status == VERIFIED:
+            assert derived is not None
+            self.replica.hold(derived)
+        elif verdict.status == FAILED:
+            await self.follow(rec, derived)
+        else:
+            self.replica.states.pop(p, None)
+        return verdict
+
+    async def follow(self, rec: RoundRecord, derived: FragmentState | None) -> None:
+        """Hold the fragment's state after `rec` for its next round: as the run has it
+        (the stored step applied, or the stored checkpoint), when the state before is
+        held and that can be read; else the `derived` one (the commit's payloads were
+        altered after it: its closer and the learners went on from the derived state);
+        else none (the next round starts from the stored checkpoints)."""
+        p = rec.fragment
+        held = self.replica.held(p)
+        if held is not None and held.version == rec.version - 1:
+            try:
+                if await self.replica.at(p, rec) is not None:
+                    return
+            except GradientmailError:
+                pass
+        self.replica.states.pop(p, None)
+        if derived is not None:
+            self.replica.hold(derived)
+
+    async def derive(self, rec: RoundRecord,
+                     t0: float) -> tuple[RoundVerdict, FragmentState | None]:
+        """The verdict on `rec` and the state its inputs give (None when not derived)."""
+        r, p = rec.round, rec.fragment
+        schema, names = self.manifest.schema, self.manifest.plan[p]
+        merged = {q.learner for q in rec.participants}
+        wanted = merged | {d.learner for d in rec.dropped
+                           if not d.reason.startswith(TRUSTED_DROPS)}
+        trusted = [d for d in rec.dropped if d.reason.startswith(TRUSTED_DROPS)
+                   and d.learner not in merged]
+        found = await self.ex.contributions(r) if wanted else None
+        snaps = [] if found is None else [s for s in found.records if s.learner in wanted]
+        present = {s.learner for s in snaps} | (
+            set() if found is None else {b.learner for b in found.rejected if b.learner})
+        gone = sorted(merged - present)
+        if gone:
+            return RoundVerdict(r, p, SWEPT, note=f"the contributions of {gone} are swept"), None
+        try:
+            before = await self.replica.at(p, await self.previous(r))
+        except GradientmailError as exc:
+            return RoundVerdict(r, p, FAILED, (Mismatch(
+                r, p, "state before", None, f"version {rec.version - 1} cannot be reached "
+                f"from the stored checkpoints and steps: {exc}"),)), None
+        if before is None:
+            return RoundVerdict(r, p, SWEPT, note=f"the state before (version "
+                                f"{rec.version - 1}) is swept"), None
+        nbytes = 0
+        problems: dict[str, str] = {}
+
+        async def fetch(snap: SnapshotRecord) -> dict[str, TensorBytes] | None:
+            nonlocal nbytes
+            tensors, problem, n = await _read(self.ex, snap.payload, delta_bound(schema, names))
+            nbytes += n
+            if tensors is None:
+                if snap.learner in merged:
+                    raise _Swept(snap.learner)
+                return None
+            if problem is not None:
+                problems[snap.learner] = problem
+            return check_delta(tensors, snap, schema, names)
+
+        dropped: dict[str, str] = {}
+
+        def drop(learner: str, key: str, reason: str) -> None:
+            dropped.setdefault(learner, Dropped(learner, reason[:500]).reason)
+
+        if found is not None:
+            for bad in found.rejected:
+                if bad.learner in wanted:
+                    drop(bad.learner, bad.key, bad.reason)
+        try:
+            contributions = await screen_round(snaps, fragment=p, state=before, schema=schema,
+                                               names=names, fetch=fetch, drop=drop)
+        except _Swept as exc:
+            return RoundVerdict(r, p, SWEPT, note=f"the payload of {exc} is swept"), None
+        merge = await asyncio.to_thread(merge_round, self.alg, before, contributions, schema,
+                                        self.backend)
+        for learner, reason in (*merge.outliers.items(), *merge.overflowed.items()):
+            drop(learner, "", reason)
+        stored, n = await self.stored(rec, names)
+        nbytes += n
+        derived = Derived(merge.result, dropped, frozenset(present & wanted), tuple(names))
+        mismatches = await asyncio.to_thread(compare_round, rec, self.alg, derived, stored)
+        mismatches = _blame(r, p, problems, mismatches) + mismatches
+        seconds = time.perf_counter() - t0
+        state = merge.result.state
+        if mismatches:
+            return RoundVerdict(r, p, FAILED, tuple(mismatches), bytes=nbytes,
+                                seconds=seconds), state
+        note = "" if not trusted else "drops taken on trust: " + ", ".join(
+            f"{d.learner} ({d.reason[:60]})" for d in trusted)
+        return RoundVerdict(r, p, VERIFIED, note=note, bytes=nbytes, seconds=seconds), state
+
+    async def stored(self, rec: RoundRecord, names: Sequence[str]) -> tuple[Stored, int]:
+        schema = self.manifest.schema
+        refs = {"step": (rec.step.payload if rec.step else None, "steps"),
+                "theta": (rec.theta, "theta"), "outer": (rec.outer, "outer"),
+                "update": (rec.update.payload if rec.update else None, "updates")}
+        entries: dict[str, Mapping[str, TensorBytes]] = {}
+        problems: dict[str, str] = {}
+        nbytes = 0
+        for kind, (ref, bound_kind) in refs.items():
+            if ref is None:
+                continue
+            try:
+                tensors, problem, n = await _read(self.ex, ref,
+                                                  payload_bound(schema, names, bound_kind))
+            except GradientmailError as exc:
+                problems[kind] = f"unreadable: {exc}"
+                continue
+            nbytes += n
+            if tensors is None:
+                problems[kind] = f"payload {ref.key!r} is gone"
+                continue
+            if problem is not None:
+                problems[kind] = problem
+            entries[kind] = tensors
+        return Stored(entries, problems), nbytes
+
+
+def _blame(r: int, p: int, problems: Mapping[str, str],
+           mismatches: Sequence[Mismatch]) -> list[Mismatch]:
+    """A mismatch for each contribution whose stored bytes differ from its record,
+    naming the tensor of the commit its bytes change (the first one that differs), so
+    the first mismatch reported says where the altered bytes went."""
+    tensor = next((m.tensor for m in mismatches if m.tensor is not None), None)
+    effect = ("" if tensor is None else
+              f"; merged as stored, they change tensor {tensor!r} of the commit")
+    return [Mismatch(r, p, f"contribution of {learner}", tensor, problem + effect)
+            for learner, problem in sorted(problems.items())]
+
+
+async def verify_run(ex: Exchange, url: str, *, start: int = 0, stop: int | None = None,
+                     backend: Backend | None = None) -> Report:
+    """Verify the rounds `start`..`stop` (default: the newest committed) of the run on
+    `ex` (its seal decides whether records' seals are checked). Raises only for a run
+    that cannot be read at all (no manifest, a manifest failing authentication)."""
+    manifest = await require_manifest(ex, url)
+    newest = await ex.newest_round()
+    stop = newest if stop is None else min(stop, newest)
+    verifier = Verifier(ex, manifest, backend)
+    verdicts = []
+    for r in range(max(start, 0), stop + 1):
+        verdicts.append(await verifier.round(r))
+    return Report(url, max(start, 0), stop, manifest.key_fingerprint is not None,
+                  tuple(verdicts))
