@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Clock", "FakeClock", "MonotonicClock", "sleep_unless"]
+__all__ = ["Clock", "FakeClock", "MonotonicClock", "sleep_unless", "wall_time"]
 
 
 @runtime_checkable
@@ -27,6 +27,12 @@ class MonotonicClock:
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(max(seconds, 0.0))
+
+
+def wall_time() -> float:
+    """Unix seconds on this machine's wall clock: a timestamp for people to read in the
+    records (`RoundRecord.committed_at`), never an input to a decision."""
+    return time.time()
 
 
 class FakeClock:

@@ -96,6 +96,7 @@ class _Job:
     snapshot: Any
     anchor: Any
     step_seconds: float | None
+    loss: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -616,6 +617,7 @@ class Mailman:
             schema_digest=self.adapter.schema.digest(),
             delta_format=fmt,
             step_seconds=job.step_seconds,
+            loss=job.loss,
         )
         if self.hold_own and self._syncer is not None and self._wake is not None:
             # Offered to the embedded closer first: if this contribution completes the
