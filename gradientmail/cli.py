@@ -1,6 +1,9 @@
-"""The `gradientmail` command: `status`, `sync`, `export`, `sweep`, `verify` and `demo`.
+"""The `gradientmail` command: `status`, `log`, `plot`, `verify`, `sync`, `export`, `sweep`,
+`demo`.
 
     gradientmail status URL [--json]
+    gradientmail log URL [--json | --csv] [--from R]
+    gradientmail plot URL OUT.png [--from R]
     gradientmail verify URL [--from R] [--json]
     gradientmail sync URL [--poll-interval S] [--closer-id ID] [--keep N]
     gradientmail export URL OUT.safetensors
@@ -229,6 +232,47 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- log, plot ---------------------------------------------------------------------------
+
+
+def _history(args: argparse.Namespace) -> list[Any]:
+    from gradientmail.history import read_history
+
+    async def work(ex: Exchange) -> list[Any]:
+        await require_manifest(ex, args.url)
+        return await read_history(ex, args.first)
+
+    return _with_mailbox(args, work)
+
+
+def cmd_log(args: argparse.Namespace) -> int:
+    from gradientmail.history import format_csv, format_json, format_table, history_rows
+
+    rows = history_rows(_history(args))
+    if args.json:
+        print(format_json(rows))
+    elif args.csv:
+        sys.stdout.write(format_csv(rows))
+    elif rows:
+        print(format_table(rows))
+    else:
+        print(f"no round of {args.url} is committed yet")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from gradientmail.history import plot_history
+
+    records = _history(args)
+    try:
+        plot_history(records, args.out, title=f"gradientmail run {args.url}")
+    except OSError as exc:
+        raise ConfigError(f"cannot write {args.out!r}: {exc.strerror or exc}") from exc
+    learners = {p.learner for rec in records for p in rec.participants}
+    print(f"wrote {args.out}: {len(records)} rounds, {len(learners)} learners")
+    return 0
+
+
 # -- export ------------------------------------------------------------------------------
 
 
@@ -403,6 +447,28 @@ def build_parser() -> argparse.ArgumentParser:
                        "version and payload sizes, learners holding a lease, estimates.")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("log", parents=[mailbox], help="one row per committed round",
+                       description="The run's history from its round records: per round "
+                       "its fragment, version, closer, participants, dropped contributions "
+                       "and why, tokens, mean cosine, mean training loss, bytes in "
+                       "(contributions merged) and out (what the closer wrote), and seconds "
+                       "from the first contribution to the commit.")
+    form = p.add_mutually_exclusive_group()
+    form.add_argument("--json", action="store_true", help="print a JSON array of rows")
+    form.add_argument("--csv", action="store_true", help="print CSV with a header row")
+    p.add_argument("--from", dest="first", type=int, default=0, metavar="R",
+                   help="start at round R (default 0)")
+    p.set_defaults(func=cmd_log)
+
+    p = sub.add_parser("plot", parents=[mailbox], help="the run's history as a PNG",
+                       description="Draw training loss per learner and the committed rounds "
+                       "over wall-clock time, bytes per round and live learners (needs "
+                       "matplotlib: pip install 'gradientmail[plot]').")
+    p.add_argument("out", metavar="OUT.png", help="the file to write")
+    p.add_argument("--from", dest="first", type=int, default=0, metavar="R",
+                   help="start at round R (default 0)")
+    p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("sync", parents=[mailbox], help="close rounds until interrupted",
                        description="Run a standalone syncer on this machine (numpy only) "

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-__all__ = ["Clock", "FakeClock", "MonotonicClock", "sleep_unless"]
+__all__ = ["Clock", "FakeClock", "MonotonicClock", "sleep_unless", "wall_time"]
 
 T = TypeVar("T")
 
@@ -98,6 +98,12 @@ class MonotonicClock:
 
     def busy(self) -> AbstractContextManager[None]:
         return contextlib.nullcontext()
+
+
+def wall_time() -> float:
+    """Unix seconds on this machine's wall clock: a timestamp for people to read in the
+    records (`RoundRecord.committed_at`), never an input to a decision."""
+    return time.time()
 
 
 async def sleep_unless(clock: Clock, seconds: float, event: asyncio.Event | None) -> None:

@@ -134,7 +134,7 @@ def _worker(job: _Job, progress: Any) -> None:
         opt.zero_grad(set_to_none=True)
         rounds = -1
         if learner is not None:
-            learner.step(int(ids.numel()))
+            learner.step(int(ids.numel()), float(loss.detach()))
             rounds = learner.rounds_seen
         progress.put((job.name, step + 1, float(loss.detach()), rounds, sent[0]))
     if learner is not None:

@@ -276,8 +276,10 @@ class Learner(Mailman):
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._begin_loops, result)
 
-    def step(self, samples: int = 0) -> tuple[int, ...]:
-        """Account for one optimizer step over `samples` tokens (or samples).
+    def step(self, samples: int = 0, loss: float | None = None) -> tuple[int, ...]:
+        """Account for one optimizer step over `samples` tokens (or samples), whose
+        training loss was `loss` if given (each contribution carries the mean since the
+        learner last published its fragment: the run's history, `gradientmail log`).
 
         Applies commits that arrived, publishes a round when one is due, and waits only
         when `overlap_steps` says training may not run further ahead. Never does I/O.
@@ -294,7 +296,8 @@ class Learner(Mailman):
             # Count the step on the version it was taken on; a commit applied now rebases
             # it, or overwrites it keeping α of it (the steps counters follow the
             # parameters).
-            self._state = ls.advanced(self._state_now(), int(samples), seconds)
+            self._state = ls.advanced(self._state_now(), int(samples), seconds,
+                                      None if loss is None else float(loss))
             self._apply_arrived()
             self._retract_failed()
             self._maybe_publish()
@@ -473,6 +476,7 @@ class Learner(Mailman):
             snapshot=snapshot,
             anchor=self._anchors[p],
             step_seconds=state.step_seconds,
+            loss=ls.mean_loss(state, p),
         )
         self._state = ls.published(state, r, sch)
         self._handed += 1

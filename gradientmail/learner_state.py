@@ -12,6 +12,7 @@ any); `last_published` the newest round this learner published (-1 before any).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -26,6 +27,7 @@ __all__ = [
     "applied",
     "due_round",
     "initial_state",
+    "mean_loss",
     "missed",
     "overdue",
     "publishable",
@@ -71,6 +73,9 @@ class LearnerState:
     #: phase with the round's first contributor (it missed the round, or published after
     #: that one); None: from its own last publish.
     phase_step: int | None = None
+    #: Per fragment, the sum and count of the training losses reported since this learner
+    #: last published it (empty until a step reports one): its contributions' mean loss.
+    losses: tuple[tuple[float, int], ...] = ()
 
 
 def initial_state(
@@ -87,13 +92,20 @@ def initial_state(
     )
 
 
-def advanced(state: LearnerState, tokens: int, seconds: float | None = None) -> LearnerState:
-    """One optimizer step over `tokens` tokens, taking `seconds` (EMA with decay 0.1)."""
+def advanced(state: LearnerState, tokens: int, seconds: float | None = None,
+             loss: float | None = None) -> LearnerState:
+    """One optimizer step over `tokens` tokens, taking `seconds` (EMA with decay 0.1), with
+    training loss `loss` (None: not reported; a non-finite one is left out of the means,
+    which the records could not carry)."""
     if tokens < 0:
         raise ValueError(f"tokens={tokens} is negative")
     ema = state.step_seconds
     if seconds is not None:
         ema = seconds if ema is None else (1 - EMA_DECAY) * ema + EMA_DECAY * seconds
+    losses = state.losses
+    if loss is not None and math.isfinite(loss):
+        losses = tuple((total + loss, n + 1) for total, n in
+                       (losses or ((0.0, 0),) * len(state.fragments)))
     return dataclasses.replace(
         state,
         local_step=state.local_step + 1,
@@ -102,7 +114,16 @@ def advanced(state: LearnerState, tokens: int, seconds: float | None = None) -> 
             for f in state.fragments
         ),
         step_seconds=ema,
+        losses=losses,
     )
+
+
+def mean_loss(state: LearnerState, fragment: int) -> float | None:
+    """The mean training loss reported since `fragment` was last published (None: none)."""
+    if not state.losses:
+        return None
+    total, n = state.losses[fragment]
+    return total / n if n else None
 
 
 def candidate_round(state: LearnerState) -> int:
@@ -215,10 +236,15 @@ def due_round(
 
 def published(state: LearnerState, round_: int, schedule: RoundSchedule) -> LearnerState:
     """Record an own publish of `round_` taken now; keeps the last τ publishes."""
-    counters = state.fragments[schedule.fragment_of(round_)]
+    fragment = schedule.fragment_of(round_)
+    counters = state.fragments[fragment]
     entry = Publish(round_, state.local_step, counters.steps, counters.tokens)
+    losses = state.losses
+    if losses:
+        losses = (*losses[:fragment], (0.0, 0), *losses[fragment + 1:])
     return dataclasses.replace(
         state,
+        losses=losses,
         last_published=max(state.last_published, round_),
         last_publish_step=state.local_step,
         phase_step=None,

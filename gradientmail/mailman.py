@@ -96,6 +96,7 @@ class _Job:
     snapshot: Any
     anchor: Any
     step_seconds: float | None
+    loss: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -622,6 +623,7 @@ class Mailman:
             schema_digest=self.adapter.schema.digest(),
             delta_format=fmt,
             step_seconds=job.step_seconds,
+            loss=job.loss,
         )
         # A run kept auditable (`keep_rounds`) holds nothing back: a merge is re-derived
         # from the uploaded contributions, and a held one was never uploaded.

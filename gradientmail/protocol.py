@@ -366,6 +366,7 @@ class Exchange:
         schema_digest: str,
         delta_format: str,
         step_seconds: float | None = None,
+        loss: float | None = None,
     ) -> SnapshotRecord:
         """Upload a delta, then the record that references it (both create-if-absent).
 
@@ -376,6 +377,7 @@ class Exchange:
             round_, learner, fragment=fragment, base_version=base_version,
             local_step=local_step, steps=steps, tokens=tokens, final=final,
             schema_digest=schema_digest, delta_format=delta_format, step_seconds=step_seconds,
+            loss=loss,
         )
         return await self.publish_draft(draft, tensors)
 
@@ -393,6 +395,7 @@ class Exchange:
         schema_digest: str,
         delta_format: str,
         step_seconds: float | None = None,
+        loss: float | None = None,
     ) -> SnapshotRecord:
         """The record of a contribution before its upload: its payload ref names the key
         stem, with size 0 and a zero digest (bad fields fail here, before any upload). An
@@ -403,7 +406,7 @@ class Exchange:
             local_step=local_step, steps=steps, tokens=tokens, final=final,
             schema_digest=schema_digest, delta_format=delta_format,
             payload=PayloadRef(f"{_round_dir('payloads/', round_)}{learner}", 0, "0" * 64),
-            step_seconds=step_seconds,
+            step_seconds=step_seconds, loss=loss,
         )
 
     async def publish_draft(

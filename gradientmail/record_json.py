@@ -26,6 +26,7 @@ __all__ = [
     "build_record",
     "canonical_json",
     "check_count",
+    "check_finite",
     "check_format",
     "check_learner_id",
     "check_seconds",
@@ -226,6 +227,12 @@ def check_format(what: str, value: str) -> None:
 def check_text(what: str, value: str) -> None:
     if not isinstance(value, str) or len(value) > _MAX_TEXT:
         raise LocalProtocolError(f"{what}={value!r:.100} must be a string of at most {_MAX_TEXT}")
+
+
+def check_finite(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise LocalProtocolError(f"{name}={v!r} must be a finite number")
+    return float(v)
 
 
 def check_seconds(name: str, v: Any) -> float:

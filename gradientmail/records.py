@@ -35,6 +35,7 @@ from gradientmail.record_json import (
     build_record,
     canonical_json,
     check_count,
+    check_finite,
     check_format,
     check_learner_id,
     check_seconds,
@@ -256,7 +257,10 @@ class SnapshotRecord(Record):
     learner's step counter when it snapshotted, `steps`/`tokens` what the delta holds,
     `final` marks a flush on close, `delta_format` the dtype of the delta's tensors (e.g.
     "F32", "BF16", "F8_E4M3", "F4"; quantized ones add `<name>.scale` entries) and
-    `payload` the delta itself.
+    `payload` the delta itself. `step_seconds` is the learner's step-time EMA (its steps/s
+    is the inverse) and `loss` its mean training loss over the steps since it last
+    published the fragment, when its training loop reported one (left out of the JSON
+    when None, so records without it keep their bytes).
     """
 
     learner: str
@@ -271,6 +275,7 @@ class SnapshotRecord(Record):
     delta_format: str
     payload: PayloadRef
     step_seconds: float | None = None
+    loss: float | None = None
 
     def __post_init__(self) -> None:
         check_learner_id(self.learner)
@@ -286,9 +291,11 @@ class SnapshotRecord(Record):
                     or s < 0:
                 raise LocalProtocolError(f"step_seconds={s!r} must be a finite number >= 0")
             object.__setattr__(self, "step_seconds", float(s))
+        if self.loss is not None:
+            object.__setattr__(self, "loss", check_finite("loss", self.loss))
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "base_version": self.base_version,
             "delta_format": self.delta_format,
             "final": self.final,
@@ -303,12 +310,17 @@ class SnapshotRecord(Record):
             "tokens": self.tokens,
             "v": FORMAT_VERSION,
         }
+        if self.loss is not None:
+            out["loss"] = self.loss
+        return out
 
     @classmethod
     def from_json(cls, obj: Any, key: str) -> Self:
+        optional = ("loss",) if isinstance(obj, dict) and "loss" in obj else ()
         f = Fields(obj, key, "", ("base_version", "delta_format", "final", "fragment",
                                    "learner", "local_step", "payload", "round",
-                                   "schema_digest", "step_seconds", "steps", "tokens", "v"))
+                                   "schema_digest", "step_seconds", "steps", "tokens", "v",
+                                   *optional))
         return build_record(
             cls, key, "", learner=f.get_str("learner"), round=f.get_int("round"),
             fragment=f.get_int("fragment"), base_version=f.get_int("base_version"),
@@ -318,6 +330,7 @@ class SnapshotRecord(Record):
             delta_format=f.get_str("delta_format"),
             payload=PayloadRef.from_json(f.obj["payload"], key, "payload"),
             step_seconds=f.get_opt_float("step_seconds"),
+            loss=f.get_float("loss") if optional else None,
         )
 
 
@@ -338,6 +351,11 @@ class Participant:
     #: no payload of it was ever uploaded (a contribution that completes its round's set
     #: costs no upload). Left out of the JSON when False.
     held: bool = False
+    #: The learner's mean training loss as its contribution reported it, and the size of
+    #: its uploaded payload (None when held): the run's history outlives the swept
+    #: contributions. Each left out of the JSON when None.
+    loss: float | None = None
+    payload_size: int | None = None
 
     def __post_init__(self) -> None:
         check_learner_id(self.learner)
@@ -350,19 +368,28 @@ class Participant:
         if self.step_seconds is not None:
             object.__setattr__(self, "step_seconds",
                                check_seconds("step_seconds", self.step_seconds))
+        if self.loss is not None:
+            object.__setattr__(self, "loss", check_finite("loss", self.loss))
+        if self.payload_size is not None:
+            check_count("payload_size", self.payload_size)
 
     def to_json(self) -> dict[str, Any]:
-        out = {"learner": self.learner, "local_step": self.local_step, "steps": self.steps,
-               "tokens": self.tokens, "weight": self.weight}
+        out: dict[str, Any] = {"learner": self.learner, "local_step": self.local_step,
+                               "steps": self.steps, "tokens": self.tokens,
+                               "weight": self.weight}
         if self.step_seconds is not None:
             out["step_seconds"] = self.step_seconds
         if self.held:
             out["held"] = True
+        if self.loss is not None:
+            out["loss"] = self.loss
+        if self.payload_size is not None:
+            out["payload_size"] = self.payload_size
         return out
 
     @classmethod
     def from_json(cls, obj: Any, key: str, path: str) -> Participant:
-        optional = tuple(k for k in ("step_seconds", "held")
+        optional = tuple(k for k in ("step_seconds", "held", "loss", "payload_size")
                          if isinstance(obj, dict) and k in obj)
         f = Fields(obj, key, path,
                     ("learner", "local_step", "steps", "tokens", "weight", *optional))
@@ -373,7 +400,10 @@ class Participant:
                       step_seconds=(f.get_float("step_seconds")
                                     if "step_seconds" in optional else None),
                       held="held" in optional and f.get(
-                          "held", lambda v: v is True, "must be true when present"))
+                          "held", lambda v: v is True, "must be true when present"),
+                      loss=f.get_float("loss") if "loss" in optional else None,
+                      payload_size=(f.get_int("payload_size")
+                                    if "payload_size" in optional else None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -516,6 +546,10 @@ class RoundRecord(Record):
     #: The replicated outer step (None in runs that upload the state with every commit,
     #: and left out of the JSON then, so their records keep their bytes).
     step: StepRef | None = None
+    #: When the closer committed, in Unix seconds on its own wall clock: for people
+    #: reading the run's history (`gradientmail log`/`plot`), never for a decision
+    #: (machines share no clock). None in older records, and left out of the JSON then.
+    committed_at: float | None = None
 
     def __post_init__(self) -> None:
         check_count("round", self.round)
@@ -538,6 +572,9 @@ class RoundRecord(Record):
         check_learner_id(self.closer)
         if not isinstance(self.all_final, bool):
             raise LocalProtocolError(f"all_final={self.all_final!r} must be a bool")
+        if self.committed_at is not None:
+            object.__setattr__(self, "committed_at",
+                               check_seconds("committed_at", self.committed_at))
 
     def payload_refs(self) -> tuple[PayloadRef, ...]:
         """Every payload this record references (what sweeping must keep)."""
@@ -573,11 +610,14 @@ class RoundRecord(Record):
             out["arrival"] = self.arrival.to_json()
         if self.step is not None:
             out["step"] = self.step.to_json()
+        if self.committed_at is not None:
+            out["committed_at"] = self.committed_at
         return out
 
     @classmethod
     def from_json(cls, obj: Any, key: str) -> Self:
-        optional = tuple(k for k in ("arrival", "step") if isinstance(obj, dict) and k in obj)
+        optional = tuple(k for k in ("arrival", "step", "committed_at")
+                         if isinstance(obj, dict) and k in obj)
         f = Fields(obj, key, "", ("all_final", "closer", "dropped", "estimates", "fragment",
                                    "mean_cosine", "outer", "participants", "round", "theta",
                                    "update", "v", "version", *optional))
@@ -604,4 +644,6 @@ class RoundRecord(Record):
             closer=f.get_str("closer"), all_final=f.get_bool("all_final"),
             arrival=(Arrival.from_json(f.obj["arrival"], key, "arrival")
                      if "arrival" in optional else None),
+            committed_at=(f.get_float("committed_at")
+                          if "committed_at" in optional else None),
         )

@@ -26,7 +26,7 @@ from gradientmail.algorithms.registry import algorithm_from_json
 from gradientmail.algorithms.schedule import Estimates, RoundSchedule
 from gradientmail.backends.base import Backend
 from gradientmail.caller import RollCaller
-from gradientmail.clock import Clock, MonotonicClock, sleep_unless
+from gradientmail.clock import Clock, MonotonicClock, sleep_unless, wall_time
 from gradientmail.errors import ConfigError, GradientmailError
 from gradientmail.events import (
     ClaimSuperseded,
@@ -102,7 +102,8 @@ class Syncer:
     Construction does no I/O; the manifest is read on the first poll. `run_key` makes
     it read and write the sealed records of an authenticated run (see `gradientmail.auth`).
     `leases` is the lease tracker the caller's `refresh_live` feeds (an embedded syncer
-    shares its learner's); a standalone syncer keeps its own.
+    shares its learner's); a standalone syncer keeps its own. `wall_clock` stamps each
+    commit's `committed_at` (Unix seconds), read by people only.
     """
 
     def __init__(
@@ -125,11 +126,13 @@ class Syncer:
         embedded: bool = False,
         leases: LeaseTracker | None = None,
         replica: Replica | None = None,
+        wall_clock: Callable[[], float] = wall_time,
     ) -> None:
         from gradientmail.records import check_learner_id
 
         self.closer_id = check_learner_id(closer_id)
         self.clock: Clock = clock if clock is not None else MonotonicClock()
+        self.wall_clock = wall_clock
         if exchange is None:
             exchange = Exchange(open_mailbox(mailbox), clock=self.clock, prefix=prefix,
                                 run_key=run_key)
@@ -460,6 +463,11 @@ class Syncer:
         paces = {s.learner: s.step_seconds for s in snaps
                  if s.learner in merged and s.step_seconds is not None}
         step_seconds = list(paces.values())
+        # What the run's history needs of each merged contribution, copied into the
+        # record: the contributions themselves are swept once the round commits.
+        losses = {s.learner: s.loss for s in snaps if s.learner in merged}
+        sizes = {s.learner: s.payload.size for s in snaps
+                 if s.learner in merged and (offer is None or s is not offer.draft)}
         result = merge.result
         new_state = result.state
         participants, cosine, all_final = (
@@ -501,7 +509,9 @@ class Syncer:
             update=update_ref,
             participants=tuple(
                 dataclasses.replace(p, step_seconds=paces.get(p.learner),
-                                    held=offer is not None and p.learner == self.closer_id)
+                                    held=offer is not None and p.learner == self.closer_id,
+                                    loss=losses.get(p.learner),
+                                    payload_size=sizes.get(p.learner))
                 for p in participants
             ),
             estimates=estimates,
@@ -511,6 +521,7 @@ class Syncer:
             all_final=all_final,
             arrival=arrival,
             step=step_ref,
+            committed_at=round(self.wall_clock(), 3),
         )
         if not await ex.commit(record):
             self.on_event(CommitLost(self.closer_id, r))

@@ -6,6 +6,7 @@
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)
+                diloco.report_loss(loss)   # optional: the run's history shows it
                 optimizer.step()
                 optimizer.zero_grad()
 
@@ -37,6 +38,7 @@ from gradientmail.events import Event, EventSink, log_events
 from gradientmail.integration import (
     BatchSizeHook,
     BatchSizes,
+    LossMean,
     RankSync,
     RunMetrics,
     ShareBatchSampler,
@@ -113,6 +115,7 @@ class DiLoCo:
         self._started = False
         self._closed = False
         self._pending_tokens = 0
+        self._losses = LossMean()
         accelerator.register_for_checkpointing(self)
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -175,6 +178,14 @@ class DiLoCo:
         return n
 
     count_tokens = count
+
+    def report_loss(self, loss: Any) -> None:
+        """Report the training loss of one micro-batch (a one-element tensor or a number;
+        None is ignored). The mean over those since the last optimizer step goes to the
+        learner with it, as rank 0 saw it, and from its contributions into the run's
+        history (`gradientmail log`). Optional; costs no device synchronisation."""
+        if self._sync.ranks.is_main:
+            self._losses.add(loss)
 
     # -- batches ------------------------------------------------------------------------
 
@@ -304,8 +315,9 @@ class DiLoCo:
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         per_step = self.plugin.tokens_per_step
+        loss = self._losses.take()
         if isinstance(per_step, int):
-            self._sync.step(per_step, same_on_every_rank=True)
+            self._sync.step(per_step, same_on_every_rank=True, loss=loss)
             return
         if per_step is not None:
             mine = per_step()
@@ -315,4 +327,4 @@ class DiLoCo:
                 )
         else:
             mine, self._pending_tokens = self._pending_tokens, 0
-        self._sync.step(mine)
+        self._sync.step(mine, loss=loss)

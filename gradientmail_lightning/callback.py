@@ -10,7 +10,8 @@ Hooks map to the learner's calls and nothing else:
 - `on_train_batch_end`: a real optimizer step happened when `trainer.global_step` moved
   (gradient accumulation counts once); the tokens every rank counted in the
   micro-batches since the last one (`gradientmail.integration.count_tokens`) are summed
-  and go to `Learner.step()`, and whatever it overwrote is broadcast to the other ranks.
+  and go to `Learner.step()` with rank 0's mean training loss over them (from `outputs`),
+  and whatever it overwrote is broadcast to the other ranks.
 - `on_train_end` (the model is still on its device): close, or flush with
   `algorithm.flush_on_close`. `on_exception` and `teardown` close within a bound and
   never hang on a collective.
@@ -40,11 +41,13 @@ from gradientmail.errors import ConfigError
 from gradientmail.integration import (
     PREFIX,
     BatchSizeHook,
+    LossMean,
     RankSync,
     RunMetrics,
     SingleRank,
     TorchRanks,
     count_tokens,
+    output_loss,
 )
 from gradientmail.learner import Learner
 from gradientmail.mailbox.base import Mailbox
@@ -177,6 +180,7 @@ class DiLoCoCallback(Callback):
         self._known_id: str | None = None  # from a checkpoint, or the last learner's
         self._last_global_step = 0
         self._tokens = 0
+        self._losses = LossMean()  # rank 0's micro-batch losses since the last step
         self._last_local_step = 0
         self._last_rounds_seen = -1
 
@@ -225,6 +229,7 @@ class DiLoCoCallback(Callback):
         check_strategy(trainer.strategy)
         self._last_global_step = trainer.global_step
         self._tokens = 0
+        self._losses = LossMean()
         if trainer.world_size > 1 and torch.distributed.is_initialized():
             strategy = trainer.strategy
             ranks: Any = TorchRanks(
@@ -251,12 +256,15 @@ class DiLoCoCallback(Callback):
         if sync is None:
             return
         self._tokens += self._count(batch)
+        if sync.learner is not None:
+            self._losses.add(output_loss(outputs))
         step = trainer.global_step
         if step == self._last_global_step:
             return
         self._last_global_step = step
         tokens, self._tokens = self._tokens, 0
-        sync.step(tokens, same_on_every_rank=isinstance(self.tokens_per_step, int))
+        sync.step(tokens, same_on_every_rank=isinstance(self.tokens_per_step, int),
+                  loss=self._losses.take())
         learner = sync.learner
         if learner is not None:
             self._last_local_step = learner.local_step

@@ -53,16 +53,23 @@ def setup(accum: int = 1, width: int = 8) -> tuple[Accelerator, Any, Any]:
 
 def train(
     accelerator: Accelerator, model: Any, opt: Any, diloco: DiLoCo, micro_batches: int, count: bool
-) -> None:
+) -> list[float]:
+    """Train; with `count`, count the tokens and report the losses, which it returns."""
+    losses = []
     for i in range(micro_batches):
         g = torch.Generator().manual_seed(i)
         x, y = torch.randn(5, 6, generator=g), torch.randn(5, 2, generator=g)
         if count:
             diloco.count(x)
         with accelerator.accumulate(model):
-            accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            if count:
+                diloco.report_loss(loss)
+                losses.append(float(loss))
             opt.step()
             opt.zero_grad()
+    return losses
 
 
 def records(box: Path) -> list[RoundRecord]:
@@ -72,7 +79,7 @@ def records(box: Path) -> list[RoundRecord]:
 def test_gradient_accumulation_counts_real_steps_and_tokens(tmp_path: Path) -> None:
     accelerator, model, opt = setup(accum=2)
     with DiLoCo(accelerator, model, opt, plugin(tmp_path / "run")) as diloco:
-        train(accelerator, model, opt, diloco, micro_batches=16, count=True)
+        losses = train(accelerator, model, opt, diloco, micro_batches=16, count=True)
         learner = diloco.learner
         assert learner is not None
         assert learner.local_step == diloco.optimizer_steps == 8
@@ -83,6 +90,9 @@ def test_gradient_accumulation_counts_real_steps_and_tokens(tmp_path: Path) -> N
         (0, [(4, 240)]),
         (1, [(4, 240)]),
     ]
+    # Each contribution carries the mean of the losses reported over its 8 micro-batches.
+    assert [r.participants[0].loss for r in recs] == [
+        pytest.approx(sum(losses[:8]) / 8), pytest.approx(sum(losses[8:]) / 8)]
     assert diloco.rounds_seen == 1
     assert diloco.metrics()["diloco/rounds_seen"] == 1.0
     assert diloco.metrics()["diloco/published"] == 2.0

@@ -84,6 +84,8 @@ def test_accumulation_counts_real_steps_and_tokens(tmp_path: Path) -> None:
         (p,) = r.participants
         # 3 real steps of 2 micro-batches of x[4, 6]: the first tensor of each batch.
         assert (p.learner, p.steps, p.tokens) == ("acc-0", 3, 3 * 2 * 24)
+        # ... and the mean of the training losses its micro-batches returned.
+        assert p.loss is not None and 0 < p.loss < 10
 
 
 @pytest.mark.parametrize(

@@ -143,6 +143,41 @@ def test_round_record_arrival_and_participant_pace_are_optional() -> None:
         RoundRecord.decode(extra, KEY)
 
 
+def test_history_fields_are_optional_and_round_trip() -> None:
+    # Records without the run's history fields keep their bytes (the golden above) and
+    # decode with None; records with them carry them and round-trip.
+    assert SNAPSHOT.loss is None and b'"loss"' not in SNAPSHOT.encode()
+    snap = dataclasses.replace(SNAPSHOT, loss=2.75)
+    data = snap.encode()
+    assert b'"local_step":1234,"loss":2.75,"payload"' in data
+    assert SnapshotRecord.decode(data, KEY) == snap
+    assert SnapshotRecord.decode(data.replace(b'"loss":2.75', b'"loss":-1'), KEY).loss == -1.0
+    with pytest.raises(RemoteProtocolError, match="field 'loss' must be a number"):
+        SnapshotRecord.decode(data.replace(b'"loss":2.75', b'"loss":null'), KEY)
+    with pytest.raises(LocalProtocolError, match="loss=inf must be a finite number"):
+        dataclasses.replace(SNAPSHOT, loss=float("inf"))
+    p = ROUND.participants[0]
+    assert (p.loss, p.payload_size, ROUND.committed_at) == (None, None, None)
+    record = dataclasses.replace(
+        ROUND, participants=(dataclasses.replace(p, loss=2.5, payload_size=4096),
+                             dataclasses.replace(ROUND.participants[1], held=True, loss=3.0)),
+        committed_at=1_750_000_000.125)
+    data = record.encode()
+    assert b'"committed_at":1750000000.125,"dropped"' in data
+    assert (b'{"learner":"node-1","local_step":1234,"loss":2.5,"payload_size":4096,'
+            b'"steps":50,') in data
+    assert b'{"held":true,"learner":"node-2","local_step":1200,"loss":3.0,"steps":40' in data
+    assert RoundRecord.decode(data, KEY) == record
+    for bad, field in ((b'"payload_size":4096', b'"payload_size":-1'),
+                       (b'"payload_size":4096', b'"payload_size":1.5'),
+                       (b'"loss":2.5', b'"loss":"low"'),
+                       (b'"committed_at":1750000000.125', b'"committed_at":-3')):
+        with pytest.raises(RemoteProtocolError, match=field.split(b'"')[1].decode()):
+            RoundRecord.decode(data.replace(bad, field), KEY)
+    with pytest.raises(LocalProtocolError, match="payload_size=-1"):
+        dataclasses.replace(p, payload_size=-1)
+
+
 def test_canonical_json_is_utf8_not_escaped() -> None:
     data = Dropped("n", "café ✓").to_json()
     assert canonical_json(data) == '{"learner":"n","reason":"café ✓"}'.encode()

@@ -15,6 +15,7 @@ from gradientmail.integration.batches import (
     ShareBatchSampler,
     per_process_batch,
 )
+from gradientmail.integration.losses import LossMean, output_loss
 from gradientmail.integration.metrics import METRICS, PREFIX, RunMetrics
 from gradientmail.integration.ranks import Ranks, SingleRank, ThreadRanks, TorchRanks
 from gradientmail.integration.sync import RankSync
@@ -25,6 +26,7 @@ __all__ = [
     "PREFIX",
     "BatchSizeHook",
     "BatchSizes",
+    "LossMean",
     "RankSync",
     "Ranks",
     "RunMetrics",
@@ -33,5 +35,6 @@ __all__ = [
     "ThreadRanks",
     "TorchRanks",
     "count_tokens",
+    "output_loss",
     "per_process_batch",
 ]

@@ -93,10 +93,13 @@ class RankSync:
             self._broadcast(range(len(self.plan)))
         self._resized(batch_size)
 
-    def step(self, tokens: int, *, same_on_every_rank: bool = False) -> tuple[int, ...]:
+    def step(self, tokens: int, *, same_on_every_rank: bool = False,
+             loss: float | None = None) -> tuple[int, ...]:
         """After a real optimizer step: `tokens` is this rank's count since the last one
         (`same_on_every_rank`: a fixed count, multiplied by the world size without a
-        collective). Returns the fragments rank 0's learner overwrote."""
+        collective), `loss` the step's training loss as rank 0 saw it (other ranks' is
+        ignored: no collective for a number the records only report). Returns the
+        fragments rank 0's learner overwrote."""
         world = self.ranks.world_size
         if world == 1:
             total = tokens
@@ -111,7 +114,7 @@ class RankSync:
         batch_size = self.batch_size
         if self.learner is not None:
             try:
-                touched = self.learner.step(total)
+                touched = self.learner.step(total, loss)
                 self.rounds_seen = self.learner.rounds_seen
                 batch_size = self.learner.batch_size
             except BaseException as exc:
