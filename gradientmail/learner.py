@@ -129,7 +129,8 @@ class Learner(Mailman):
                 "every learner looks dead between two beats; use about twice lease_every"
             )
         self.adapter = adapter
-        self.algorithm = algorithm
+        # RDA averages the model's embeddings by weight: its adapter names them.
+        self.algorithm = algorithm.with_direct_names(getattr(adapter, "direct_names", ()))
         self.learner_id = check_learner_id(learner_id or default_learner_id())
         self.sync = sync
         self.hold_own = bool(hold_own)

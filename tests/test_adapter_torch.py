@@ -142,3 +142,27 @@ def test_rebase_errors_name_the_parameter() -> None:
         a.rebase({"0.bias": torch.zeros(3)}, {"0.bias": torch.zeros(3)})
     with pytest.raises(SchemaMismatch, match=r"cannot rebase: no base for \['0.bias'\]"):
         a.rebase({"0.bias": torch.zeros(4)}, {})
+
+
+def test_embedding_parameters_are_named_by_their_module_type_not_their_name() -> None:
+    """GPT-2's token and position tables (`wte`, `wpe`) hold no "embed" in their names:
+    the adapter names them from their modules, so RDA averages them by weight (the learner
+    puts them in its merge's `direct_names`). A weight tied to an embedding (GPT-2's
+    `lm_head`) is one parameter, named once."""
+    from gradientmail.algorithms.diloco import DiLoCo
+    from gradientmail.algorithms.merge import Rda
+    from gradientmail.textdata import tiny_gpt2
+
+    gpt2 = tiny_gpt2(64, n_layer=1, n_embd=16, n_head=2, n_positions=8, seed=0)
+    adapter = TorchAdapter(gpt2)
+    assert adapter.direct_names == {"transformer.wte.weight", "transformer.wpe.weight"}
+    assert not any("embed" in n for n in adapter.direct_names)
+    alg = DiLoCo(sync_every=4, fragments=2).with_direct_names(adapter.direct_names)
+    assert isinstance(alg.merge, Rda)
+    assert [n for n in adapter.schema.names if alg.merge.is_direct(n)] == [
+        "transformer.wte.weight", "transformer.wpe.weight"]
+    # other module types on request; none at all for a model without embeddings
+    lin = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.LayerNorm(3))
+    assert TorchAdapter(lin, direct_modules=(torch.nn.LayerNorm,)).direct_names == {
+        "1.weight", "1.bias"}
+    assert TorchAdapter(model()).direct_names == frozenset()

@@ -272,7 +272,7 @@ def _with(**changes: Any) -> dict[str, Any]:
         (_with(merge={"type": "mean"}), "merge.type='mean' is not a merge; use "
          "'weighted_mean' or 'rda'"),
         (_with(merge={"type": "rda"}), "merge: rda needs exactly 'type' and "
-         "'direct_pattern'; got ['type']"),
+         "'direct_pattern' (and may have 'direct_names'); got ['type']"),
         (_with(merge={"type": "rda", "direct_pattern": 3}),
          "merge.direct_pattern=3 must be a string or null"),
         (_with(merge={"type": "weighted_mean", "x": 1}),
@@ -407,3 +407,25 @@ def test_grace_window() -> None:
         assert grace_window(missing, s, 0, poll_interval=0.5) == 1.5
     d = DiLoCo(sync_every=40, fragments=4)
     assert d.grace_window(Estimates(step=2.0), d.schedule, 0, 1.0) == 10.0
+
+
+def test_direct_names_come_from_the_model_and_are_in_the_json_only_when_there_are_some() -> None:
+    d = DiLoCo(sync_every=4, fragments=2)
+    # no embeddings: the configuration, and so the run's bytes, unchanged
+    assert d.with_direct_names(()).to_json() == d.to_json()
+    resolved = d.with_direct_names({"wte.weight", "pos.weight"})
+    assert resolved.to_json()["merge"] == {"type": "rda", "direct_pattern": "embed",
+                                           "direct_names": ["pos.weight", "wte.weight"]}
+    assert algorithm_from_json(json.loads(json.dumps(resolved.to_json()))) == resolved
+    # names the user gave, or another merge, are left alone
+    mine = DiLoCo(sync_every=4, fragments=2, merge=Rda(None, ("a",)))
+    assert mine.with_direct_names({"b"}) is mine
+    mean = DiLoCo(sync_every=4, fragments=2, merge=WeightedMean())
+    assert mean.with_direct_names({"b"}) is mean
+    for bad in (["b", "a"], [], ["a", "a"], [3]):
+        with pytest.raises(RemoteProtocolError, match="direct_names"):
+            algorithm_from_json({**resolved.to_json(),
+                                 "merge": {"type": "rda", "direct_pattern": None,
+                                           "direct_names": bad}})
+    with pytest.raises(ConfigError, match="direct_names"):
+        Rda(None, "wte")  # type: ignore[arg-type]

@@ -808,3 +808,26 @@ def test_a_lone_learner_closes_on_its_own_contribution_without_uploading_it() ->
             assert torch.equal(p.detach(), want[name]), name
         thetas.append(want)
     assert all(torch.equal(thetas[0][n], thetas[1][n]) for n in thetas[0])
+
+
+def test_a_run_of_a_model_with_embeddings_names_them_in_its_merge() -> None:
+    """The creator's adapter names GPT-2's `wte` and `wpe` (embedding modules): the run's
+    algorithm carries them, so every closer averages them by weight; a learner of the same
+    model joins (its configuration resolves alike)."""
+    from gradientmail.textdata import tiny_gpt2
+
+    mailbox = MemoryMailbox()
+    learners = []
+    for who in ("a", "b"):
+        gpt2 = tiny_gpt2(64, n_layer=1, n_embd=16, n_head=2, n_positions=8, seed=0)
+        learner = Learner(TorchAdapter(gpt2), DiLoCo(sync_every=4, fragments=2), mailbox,
+                          who, sync=False, **FAST)
+        learner.start()
+        learners.append(learner)
+    manifest = run(Exchange(mailbox).read_manifest())
+    assert manifest is not None
+    assert manifest.algorithm["merge"] == {
+        "type": "rda", "direct_pattern": "embed",
+        "direct_names": ["transformer.wpe.weight", "transformer.wte.weight"]}
+    for learner in learners:
+        learner.close(flush=False)

@@ -17,6 +17,10 @@ __all__ = ["Adapter"]
 
 @runtime_checkable
 class Adapter(Protocol):
+    """What a learner needs from a model. An adapter may also have `direct_names`, the
+    frozenset of its embedding parameters' names (RDA merges them by weighted mean,
+    `Rda.direct_names`); without it, only `Rda.direct_pattern` picks them."""
+
     @property
     def schema(self) -> Schema: ...
 

@@ -84,10 +84,18 @@ class TorchAdapter:
     """Exposes `module`'s named parameters (all of them, in module order) to a learner.
 
     Pass the unwrapped module (`ddp.module`, `accelerator.unwrap_model(model)`), so names
-    carry no wrapper prefix and match across learners.
+    carry no wrapper prefix and match across learners. `direct_names` are the parameters
+    of its `direct_modules` (embeddings by default, whatever their names: GPT-2's `wte`
+    and `wpe`), which an RDA merge averages by weight instead of preserving norms.
     """
 
-    def __init__(self, module: torch.nn.Module, names: Iterable[str] | None = None) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        names: Iterable[str] | None = None,
+        direct_modules: tuple[type[torch.nn.Module], ...] = (torch.nn.Embedding,
+                                                              torch.nn.EmbeddingBag),
+    ) -> None:
         params = dict(module.named_parameters())
         if names is None:
             chosen = list(params)
@@ -108,6 +116,10 @@ class TorchAdapter:
         self.module = module
         self._params: dict[str, torch.nn.Parameter] = {n: params[n] for n in chosen}
         self.schema = Schema(tuple(specs))
+        # By identity: a tied parameter is named once, after its first owner.
+        owned = {id(p) for m in module.modules() if isinstance(m, direct_modules)
+                 for p in m.parameters(recurse=False)}
+        self.direct_names = frozenset(n for n, p in self._params.items() if id(p) in owned)
 
     @property
     def device(self) -> torch.device:

@@ -11,7 +11,7 @@ order the contributions arrive in.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from gradientmail.algorithms.schedule import Estimates, RoundSchedule
@@ -303,6 +303,11 @@ class Algorithm(Protocol):
 
     def plan(self, schema: Schema) -> tuple[tuple[str, ...], ...]:
         """The tensor names of each fragment; a pure function of the schema."""
+        ...
+
+    def with_direct_names(self, names: Collection[str]) -> Algorithm:
+        """This configuration for a model whose adapter names `names` as embedding
+        parameters (`Adapter.direct_names`); the learner calls it before joining."""
         ...
 
     def aggregator(self, backend: Backend | None = None) -> Aggregator: ...

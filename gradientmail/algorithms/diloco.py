@@ -14,7 +14,7 @@ import dataclasses
 import itertools
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -357,6 +357,15 @@ class DiLoCo:
 
     def plan(self, schema: Schema) -> tuple[tuple[str, ...], ...]:
         return plan(schema, self.fragments, self.partition)
+
+    def with_direct_names(self, names: Collection[str]) -> DiLoCo:
+        """This configuration for a model whose adapter names `names` as embedding
+        parameters (merged by weighted mean under RDA): an `Rda` merge that leaves
+        `direct_names` to the model gets them; any other configuration is returned as is."""
+        m = self.merge
+        if not isinstance(m, Rda) or m.direct_names is not None:
+            return self
+        return dataclasses.replace(self, merge=Rda(m.direct_pattern, tuple(names)))
 
     @property
     def replicated(self) -> bool:

@@ -53,21 +53,34 @@ class WeightedMean:
 @dataclasses.dataclass(frozen=True)
 class Rda:
     """Weighted norm-preserving average: (Σwᵢ‖vᵢ‖/Σwᵢ) · φ(Σwᵢφ(vᵢ)/Σwᵢ),
-    φ(x) = x / ‖x‖. Tensors whose lowercased name contains `direct_pattern` (lowercased)
-    use the weighted mean instead; None sends every tensor through RDA."""
+    φ(x) = x / ‖x‖. Some tensors use the weighted mean instead: those in `direct_names`
+    (the parameters of embedding modules, which the model's adapter names: a learner fills
+    it in when it is None, see `DiLoCo.with_direct_names`), and those whose lowercased
+    name contains `direct_pattern` (lowercased; None: no pattern)."""
 
     direct_pattern: str | None = "embed"
+    direct_names: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.direct_pattern is not None and not isinstance(self.direct_pattern, str):
             raise ConfigError(f"direct_pattern={self.direct_pattern!r} must be a string or None")
+        names = self.direct_names
+        if names is not None:
+            if isinstance(names, str) or not all(isinstance(n, str) and n for n in names):
+                raise ConfigError(f"direct_names={names!r:.100} must be parameter names")
+            object.__setattr__(self, "direct_names", tuple(sorted(set(names))))
 
     def is_direct(self, name: str) -> bool:
+        if self.direct_names is not None and name in self.direct_names:
+            return True
         p = self.direct_pattern
         return p is not None and p.lower() in name.lower()
 
     def to_json(self) -> dict[str, Any]:
-        return {"type": "rda", "direct_pattern": self.direct_pattern}
+        out: dict[str, Any] = {"type": "rda", "direct_pattern": self.direct_pattern}
+        if self.direct_names:  # absent when empty: runs of models without embeddings
+            out["direct_names"] = list(self.direct_names)  # keep their bytes
+        return out
 
 
 Merge = WeightedMean | Rda
@@ -86,16 +99,26 @@ def merge_from_json(obj: Any, field: str = "merge") -> Merge:
             )
         return WeightedMean()
     if kind == "rda":
-        if set(obj) != {"type", "direct_pattern"}:
+        if set(obj) - {"direct_names"} != {"type", "direct_pattern"}:
             raise RemoteProtocolError(
-                f"{field}: rda needs exactly 'type' and 'direct_pattern'; got {sorted(obj)}"
+                f"{field}: rda needs exactly 'type' and 'direct_pattern' (and may have "
+                f"'direct_names'); got {sorted(obj)}"
             )
         pattern = obj["direct_pattern"]
         if pattern is not None and not isinstance(pattern, str):
             raise RemoteProtocolError(
                 f"{field}.direct_pattern={pattern!r:.100} must be a string or null"
             )
-        return Rda(pattern)
+        names = obj.get("direct_names")
+        if names is not None and not (
+            isinstance(names, list) and names and all(isinstance(n, str) and n for n in names)
+            and names == sorted(set(names))
+        ):
+            raise RemoteProtocolError(
+                f"{field}.direct_names={names!r:.100} must be a sorted list of distinct "
+                "parameter names"
+            )
+        return Rda(pattern, None if names is None else tuple(names))
     raise RemoteProtocolError(
         f"{field}.type={kind!r:.100} is not a merge; use 'weighted_mean' or 'rda'"
     )
