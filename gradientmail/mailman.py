@@ -318,6 +318,12 @@ class Mailman:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self._syncer is not None:
+            # The sweep after this learner's last commit, if closing cut it short.
+            try:
+                await self._syncer.sweep_due()
+            except Exception as exc:
+                self.on_event(PollFailed(self.learner_id, repr(exc)))
         await self._release()
         ex = self._exchange
         if ex is not None:

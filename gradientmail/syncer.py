@@ -578,9 +578,9 @@ class Syncer:
         DELETE per key, and the learners waiting at a barrier must not wait for it."""
         if not self._sweep_due:
             return
-        self._sweep_due = False
         doomed = await self.exchange.sweep(self.keep_versions, latest=self._latest,
                                            checkpoint_every=self._alg().checkpoint_every)
+        self._sweep_due = False  # only now: a sweep cancelled midway is done again
         if doomed:
             self.on_event(Swept(len(doomed), 0))
 

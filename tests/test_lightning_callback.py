@@ -125,9 +125,9 @@ def test_metrics_reach_the_progress_bar_and_the_loggers(tmp_path: Path) -> None:
         3.0,
         3.0,
     ]
-    # Each publish is a 106-parameter F32 delta plus its safetensors header.
-    up = [float(r["diloco/bytes_sent"]) for r in rows]
-    assert up[0] == 0.0 and up[-1] >= 3 * 106 * 4
+    # Alone, each contribution completes its round: its closer merges it from memory, and
+    # nothing goes up (held); the commits' steps are its own, so nothing comes down either.
+    assert {float(r["diloco/bytes_sent"]) for r in rows} == {0.0}
     assert [float(r["diloco/published"]) for r in rows][-1] == 3.0
     assert float(rows[-1]["diloco/staleness"]) == 0.0  # the barrier: applied at once
     assert float(rows[-1]["diloco/live_learners"]) == 1.0
