@@ -23,7 +23,7 @@ import dataclasses
 import math
 import queue
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gradientmail.adapters.base import Adapter
@@ -33,9 +33,11 @@ from gradientmail.clock import Clock, sleep_unless
 from gradientmail.errors import LocalProtocolError, RemoteProtocolError, RunVanished
 from gradientmail.events import (
     EventSink,
+    LeaseReleased,
     PollFailed,
     PublishCancelled,
     PublishFailed,
+    ReleaseFailed,
     RoundRecorded,
     SnapshotPublished,
 )
@@ -44,7 +46,7 @@ from gradientmail.join import JoinResult, join_run
 from gradientmail.lease import LeaseTracker
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
-from gradientmail.messages import Commit, Observed, Outgoing
+from gradientmail.messages import Commit, Observed, Outgoing, delta_format
 from gradientmail.protocol import MANIFEST_KEY, Exchange
 from gradientmail.quantization import quantize
 from gradientmail.records import RoundRecord, SnapshotRecord
@@ -81,15 +83,6 @@ def poll_delay(poll_interval: float, blocked_polls: int) -> float:
         return poll_interval
     return min(poll_interval, WAITING_CAP,
                WAITING_POLL * (1 << min(blocked_polls - 1, 30)))
-
-
-def delta_format(configured: str | None, dtypes: Sequence[str]) -> str:
-    """The format a fragment's delta travels in: `delta_dtype` when set, else the model's
-    own precision: BF16 when every tensor of the fragment is held in BF16 (its F32 delta
-    would be twice the bytes of anything the model can represent), F32 otherwise."""
-    if configured is not None:
-        return configured
-    return "BF16" if dtypes and all(d == "BF16" for d in dtypes) else "F32"
 
 
 class Mailman:
@@ -245,10 +238,6 @@ class Mailman:
         """Replace the view with one that differs by `changes` (this thread only)."""
         self.observed = dataclasses.replace(self.observed, **changes)
 
-    def _fetcher_now(self) -> CommitFetcher:
-        assert self._fetcher is not None
-        return self._fetcher
-
     def _thread_main(self, joined: concurrent.futures.Future[JoinResult]) -> None:
         loop = asyncio.new_event_loop()
         self._loop = loop
@@ -330,8 +319,6 @@ class Mailman:
             await ex.mailbox.close()
 
     async def _release(self) -> None:
-        from gradientmail.events import LeaseReleased, ReleaseFailed
-
         ex = self._exchange
         assert ex is not None
         try:
@@ -503,6 +490,7 @@ class Mailman:
         assert ex is not None
         cursor = self._cursor
         records = await ex.rounds_after(cursor)
+        assert self._fetcher is not None
         batch = []
         for rec in records:
             self.on_event(
@@ -515,7 +503,7 @@ class Mailman:
                     rec.closer,
                 )
             )
-            commit = await self._fetcher_now().fetch(rec)
+            commit = await self._fetcher.fetch(rec)
             if commit is None:
                 # Swept under us: a newer commit of this fragment exists; start over from
                 # the newest record.
@@ -529,12 +517,13 @@ class Mailman:
     async def _skip_to(self, newest: int, cursor: int) -> None:
         ex = self._exchange
         assert ex is not None
+        assert self._fetcher is not None
         latest = await ex.latest_commit_per_fragment(len(self._plan), newest)
         batch = []
         for rec in sorted(latest.values(), key=lambda r: r.round):
             if rec.round <= cursor:
                 continue
-            commit = await self._fetcher_now().fetch(rec)
+            commit = await self._fetcher.fetch(rec)
             if commit is None:
                 return
             batch.append(commit)

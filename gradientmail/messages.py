@@ -10,12 +10,13 @@ queue), the rounds whose publish is known not to have landed (a queue), and one 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from gradientmail.protocol import Exchange
 from gradientmail.records import RoundRecord, SnapshotRecord
 
-__all__ = ["Commit", "Observed", "Outgoing"]
+__all__ = ["Commit", "Observed", "Outgoing", "delta_format"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,15 @@ class Outgoing:
                 record.steps, record.tokens, record.final) == (
             self.round, self.fragment, self.base_version, self.local_step, self.steps,
             self.tokens, self.final)
+
+
+def delta_format(configured: str | None, dtypes: Sequence[str]) -> str:
+    """The format a fragment's delta travels in: `delta_dtype` when set, else the model's
+    own precision: BF16 when every tensor of the fragment is held in BF16 (its F32 delta
+    would be twice the bytes of anything the model can represent), F32 otherwise."""
+    if configured is not None:
+        return configured
+    return "BF16" if dtypes and all(d == "BF16" for d in dtypes) else "F32"
 
 
 @dataclasses.dataclass(frozen=True)
