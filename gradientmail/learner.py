@@ -1,25 +1,20 @@
-"""The learner runtime: a training thread that never waits on I/O, and a mailman thread.
+"""The learner runtime: a training thread that never waits on I/O, and its mailman.
 
 The training thread calls `step()` after every optimizer step. It owns the model and
 every counter (a frozen `LearnerState`); it applies commits the mailman queued, snapshots
 a fragment when a round is due and hands it over, and waits only where `overlap_steps`
-says it must. The communication thread runs one asyncio loop: the receive loop (lease,
-new commits, who published the next round, the embedded syncer) and the publish loop
-(anchor − θ, quantize, encode, upload). They meet through two queues and a few plain
-attributes the mailman overwrites.
+says it must. The `Mailman` (`gradientmail.mailman`) runs the communication thread. They
+meet only through messages (`gradientmail.messages`): `Outgoing` contributions and a few
+orders in, `Commit`s, failed rounds and one frozen `Observed` view out.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import contextlib
 import math
 import os
 import queue
 import re
 import socket
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -39,13 +34,10 @@ from gradientmail.events import (
     PollFailed,
     log_events,
 )
-from gradientmail.join import JoinResult
 from gradientmail.mailbox.base import Mailbox
-from gradientmail.mailbox.url import open_mailbox
-from gradientmail.mailman import BACKUP_EVERY, Mailman, _Commit, _Job
-from gradientmail.protocol import Exchange
+from gradientmail.mailman import BACKUP_EVERY, Mailman
+from gradientmail.messages import Commit, Outgoing
 from gradientmail.records import RoundRecord, check_learner_id
-from gradientmail.serialization import TensorBytes
 from gradientmail.syncer_state import effective_quorum, much_slower
 
 __all__ = ["BACKUP_EVERY", "Learner", "default_learner_id"]
@@ -83,7 +75,7 @@ def _wait_steps(algorithm: Algorithm, estimates: Estimates, schedule: RoundSched
     return int(window / step_seconds)
 
 
-class Learner(Mailman):
+class Learner:
     """One learner of a run: `start()`, then `step(samples)` after each optimizer step,
     then `close()`.
 
@@ -132,32 +124,24 @@ class Learner(Mailman):
         # RDA averages the model's embeddings by weight: its adapter names them.
         self.algorithm = algorithm.with_direct_names(getattr(adapter, "direct_names", ()))
         self.learner_id = check_learner_id(learner_id or default_learner_id())
-        self.sync = sync
-        self.hold_own = bool(hold_own)
-        self.backend = backend
         self.clock: Clock = clock if clock is not None else MonotonicClock()
         self.poll_interval = float(poll_interval)
-        self.lease_every = float(lease_every)
         self.lease_timeout = float(lease_timeout)
-        self.compression = compression
         self.on_event = on_event
-        self.prefix = prefix
-        self.keep_versions = keep_versions
-        self._mailbox_arg = mailbox
         run_key = resolve_run_key(run_key)  # None: GRADIENTMAIL_RUN_KEY, when set
-        self._seal = None if run_key is None else HmacSeal(run_key)  # validates the key now
+        seal = None if run_key is None else HmacSeal(run_key)  # validates the key now
+        self._mailman = Mailman(
+            mailbox, adapter, self.algorithm, self.learner_id, clock=self.clock, on_event=on_event,
+            sync=sync, hold_own=bool(hold_own), backend=backend,
+            poll_interval=self.poll_interval, lease_every=float(lease_every),
+            lease_timeout=self.lease_timeout, compression=compression, prefix=prefix,
+            keep_versions=keep_versions, seal=seal,
+        )
         # Set by start():
-        self._exchange: Exchange | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._schedule: RoundSchedule | None = None
         self._plan: tuple[tuple[str, ...], ...] = ()
         self._state: ls.LearnerState | None = None
         self._anchors: list[Any] = []
-        self._inbox: queue.Queue[_Commit] = queue.Queue()
-        self._jobs: asyncio.Queue[_Job | None] | None = None
-        self._dead: BaseException | None = None
-        self._stop: asyncio.Event | None = None
         self._closed = False
         self._last_step_time: float | None = None
         self._touched: set[int] = set()
@@ -167,32 +151,15 @@ class Learner(Mailman):
         self._kept: dict[int, Any] = {}
         # The newest applied record's estimates: how long closers wait for this learner.
         self._estimates = Estimates()
-        # Written by the mailman, read by the training thread (plain attribute swaps).
-        self._others: tuple[int, int] = (-1, 0)  # (round, learners other than us in it)
-        self._live: frozenset[str] = frozenset()
-        self._syncer = None  # the embedded closer, once the receive loop runs
-        self._bad_call: str | None = None  # the last damaged roll call reported
-        self._newest_seen = -1
-        self._cursor = -1  # the newest record fetched (communication thread)
-        self._next_watch = -math.inf
-        self._want_live = 0  # wait_for_learners: list leases every poll until this many
-        # True while the training thread waits for a commit: the mailman polls faster.
-        self._blocked = False
-        # Host bytes of each fragment's newest commit, to rebuild the next from its update.
-        self._host: dict[int, tuple[int, dict[str, TensorBytes]]] = {}
-        # Each fragment's state, followed commit by commit (shared with the closer).
-        self._replica = None
-        self._wake = None
-        # Publishes handed over and finished: each counter has a single writer thread.
+        # Contributions handed to the mailman (its view counts those finished).
         self._handed = 0
-        self._finished = 0
-        self._failed: queue.SimpleQueue[int] = queue.SimpleQueue()
 
     # -- public surface -----------------------------------------------------------------
 
     @property
     def rounds_seen(self) -> int:
-        """The newest round whose commit this learner has applied (-1 before any)."""
+        """The newest round whose commit this learner has applied (-1 before any). The
+        mailman may have received newer ones (`observed.received`), not applied yet."""
         return self._state.rounds_seen if self._state is not None else -1
 
     @property
@@ -201,7 +168,7 @@ class Learner(Mailman):
 
     @property
     def live_learners(self) -> frozenset[str]:
-        return self._live
+        return self._mailman.observed.live
 
     @property
     def batch_size(self) -> int | None:
@@ -209,7 +176,7 @@ class Learner(Mailman):
         g = self.algorithm.global_batch_size
         if g is None:
             return None
-        return -(-g // max(len(self._live), 1))
+        return -(-g // max(len(self._mailman.observed.live), 1))
 
     @property
     def plan(self) -> tuple[tuple[str, ...], ...]:
@@ -221,23 +188,23 @@ class Learner(Mailman):
         for every learner, starts all of them this way so that none runs ahead alone.
         `GradientmailError` after `timeout` seconds."""
         self._require_started()
-        self._want_live = n
+        self._mailman.want_live(n)
         clock = self.clock
         try:
             with clock.busy():
                 deadline = clock.now() + timeout
-                while len(self._live) < n:
+                while len(live := self._mailman.observed.live) < n:
                     self._check_alive()
                     if clock.now() > deadline:
                         raise GradientmailError(
-                            f"only {len(self._live)} of {n} learners are live after "
-                            f"{timeout}s: {sorted(self._live)}; start the others, or wait "
+                            f"only {len(live)} of {n} learners are live after "
+                            f"{timeout}s: {sorted(live)}; start the others, or wait "
                             "longer"
                         )
                     clock.pause(min(self.poll_interval, 0.05))
         finally:
-            self._want_live = 0
-        return self._live
+            self._mailman.want_live(0)
+        return self._mailman.observed.live
 
     def start(self) -> None:
         """Join the run (creating it if nobody has) and align with its newest commits.
@@ -245,22 +212,9 @@ class Learner(Mailman):
         Blocks until joined; raises `SchemaMismatch` / `RunConfigMismatch` when the run
         in the mailbox is another model or configuration.
         """
-        if self._thread is not None:
+        if self._mailman.started:
             raise ConfigError(f"learner {self.learner_id!r} was started already")
-        mailbox = open_mailbox(self._mailbox_arg)
-        self._exchange = Exchange(
-            mailbox, clock=self.clock, compression=self.compression, prefix=self.prefix,
-            seal=self._seal,
-        )
-        joined: concurrent.futures.Future[JoinResult] = concurrent.futures.Future()
-        self._thread = threading.Thread(
-            target=self._thread_main,
-            args=(joined,),
-            name=f"gradientmail-{self.learner_id}",
-            daemon=True,
-        )
-        self._thread.start()
-        result = self.clock.result(joined, None)
+        result = self.clock.result(self._mailman.start(), None)
         self._plan = result.plan
         self._schedule = self.algorithm.schedule_for(len(result.plan))
         self._anchors = [None] * len(result.plan)
@@ -269,13 +223,7 @@ class Learner(Mailman):
             self.adapter.apply(values)
             self._anchors[p] = values
             versions.append(version)
-        self._state = ls.initial_state(len(result.plan), versions, result.rounds_seen)
-        self._host = {
-            p: (v, t) for p, (v, t) in enumerate(zip(versions, result.thetas, strict=True))
-        }
-        self._newest_seen = result.rounds_seen
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._begin_loops, result)
+        self._set_state(ls.initial_state(len(result.plan), versions, result.rounds_seen))
 
     def step(self, samples: int = 0, loss: float | None = None) -> tuple[int, ...]:
         """Account for one optimizer step over `samples` tokens (or samples), whose
@@ -297,8 +245,8 @@ class Learner(Mailman):
             # Count the step on the version it was taken on; a commit applied now rebases
             # it, or overwrites it keeping α of it (the steps counters follow the
             # parameters).
-            self._state = ls.advanced(self._state_now(), int(samples), seconds,
-                                      None if loss is None else float(loss))
+            self._set_state(ls.advanced(self._state_now(), int(samples), seconds,
+                                        None if loss is None else float(loss)))
             self._apply_arrived()
             self._retract_failed()
             self._maybe_publish()
@@ -316,7 +264,7 @@ class Learner(Mailman):
         if self._closed:
             return
         self._closed = True
-        if self._thread is None or self._state is None or self._loop is None:
+        if self._state is None:  # never started, or its join failed (the thread ended)
             return
         with self.clock.busy():
             self._close(self.algorithm.flush_on_close if flush is None else flush)
@@ -324,10 +272,9 @@ class Learner(Mailman):
     # -- training thread ----------------------------------------------------------------
 
     def _close(self, flush: bool) -> None:
-        assert self._thread is not None and self._loop is not None
         pending = self._pending_rounds()
         self.on_event(Closing(self.learner_id, pending, flush))
-        if self._dead is None:
+        if self._mailman.observed.dead is None:
             self._wait_for_pending()
             self._final_catch_up()
             self._apply_arrived()
@@ -341,10 +288,7 @@ class Learner(Mailman):
             for anchor in self._anchors:
                 self.adapter.apply(anchor)
         self._kept.clear()
-        stop = self._stop
-        if stop is not None and self._loop.is_running():
-            self._loop.call_soon_threadsafe(stop.set)
-        self.clock.join(self._thread, self.lease_timeout)
+        self._mailman.stop(self.lease_timeout)
         self.on_event(Closed(self.learner_id, self.rounds_seen, self.local_step))
 
     def _require_started(self) -> ls.LearnerState:
@@ -358,30 +302,34 @@ class Learner(Mailman):
         assert self._state is not None
         return self._state
 
+    def _set_state(self, state: ls.LearnerState) -> None:
+        """Every change of the state goes through here: it tells the mailman the round
+        this learner may publish next, whose publishers it counts for `_maybe_publish`."""
+        self._state = state
+        assert self._schedule is not None
+        self._mailman.watch(ls.publishable(state, self._schedule))
+
     def _check_alive(self) -> None:
-        if self._dead is not None:
+        dead = self._mailman.observed.dead
+        if dead is not None:
             raise GradientmailError(
-                f"the communication thread of learner {self.learner_id!r} died: {self._dead!r}"
-            ) from self._dead
+                f"the communication thread of learner {self.learner_id!r} died: {dead!r}"
+            ) from dead
 
     def _apply_arrived(self) -> None:
         while True:
             try:
-                commit = self._inbox.get_nowait()
+                commit = self._mailman.commits.get_nowait()
             except queue.Empty:
                 return
             self._apply(commit)
 
     def _retract_failed(self) -> None:
-        while True:
-            try:
-                r = self._failed.get_nowait()
-            except queue.Empty:
-                return
-            self._state = ls.retracted(self._state_now(), r)
+        for r in self._mailman.failed_rounds():
+            self._set_state(ls.retracted(self._state_now(), r))
             self._kept.pop(r, None)
 
-    def _apply(self, commit: _Commit) -> None:
+    def _apply(self, commit: Commit) -> None:
         state = self._state_now()
         rec = commit.record
         if rec.round <= state.rounds_seen:
@@ -410,12 +358,12 @@ class Learner(Mailman):
         self._touched.add(rec.fragment)
         self._anchors[rec.fragment] = commit.loaded
         self._estimates = rec.estimates
-        self._state = ls.applied(
+        self._set_state(ls.applied(
             state, rec.round, rec.fragment, rec.version, took_part, mixing,
             rebase=base is not None,
             lag_steps=_lag_steps(rec, state.step_seconds, self.algorithm.overlap_steps),
             led=rec.arrival is not None and rec.arrival.first == self.learner_id,
-        )
+        ))
         self.on_event(
             FragmentAligned(
                 self.learner_id, rec.round, rec.fragment, rec.version, staleness, commit.nbytes
@@ -444,9 +392,9 @@ class Learner(Mailman):
         sch = self._schedule
         assert sch is not None
         candidate = ls.candidate_round(state)
-        seen_round, others = self._others
-        others = others if seen_round == candidate else 0
-        live = max(len(self._live), 1)
+        seen = self._mailman.observed  # one view: its counts are of one moment
+        others = seen.others if seen.watched == candidate else 0
+        live = max(len(seen.live), 1)
         quorum = effective_quorum(self.algorithm.quorum_size, live)
         # Only a publish by opportunity (others in the round) asks how long it is waited
         # for: step() computes nothing more while no one has published.
@@ -460,13 +408,13 @@ class Learner(Mailman):
     def _hand_over(self, r: int, final: bool) -> None:
         state = self._state_now()
         sch = self._schedule
-        assert sch is not None and self._loop is not None and self._jobs is not None
+        assert sch is not None
         p = sch.fragment_of(r)
         counters = state.fragments[p]
         snapshot = self.adapter.snapshot(self._plan[p])
         if self.algorithm.rebase and not final:
             self._kept[r] = snapshot
-        job = _Job(
+        job = Outgoing(
             round=r,
             fragment=p,
             base_version=counters.version,
@@ -474,14 +422,14 @@ class Learner(Mailman):
             steps=counters.steps,
             tokens=counters.tokens,
             final=final,
+            step_seconds=state.step_seconds,
             snapshot=snapshot,
             anchor=self._anchors[p],
-            step_seconds=state.step_seconds,
             loss=ls.mean_loss(state, p),
         )
-        self._state = ls.published(state, r, sch)
+        self._set_state(ls.published(state, r, sch))
         self._handed += 1
-        self._loop.call_soon_threadsafe(self._jobs.put_nowait, job)
+        self._mailman.post(job)
 
     def _wait_while_overdue(self) -> None:
         overlap = self.algorithm.overlap_steps
@@ -502,7 +450,7 @@ class Learner(Mailman):
         # the lease timeout plus a takeover, nobody is going to.
         limit = self.lease_timeout + 10 * self.poll_interval
         if not self._wait_applying(
-            lambda: bool(self._pending_rounds()) and self._dead is None, limit
+            lambda: bool(self._pending_rounds()) and self._mailman.observed.dead is None, limit
         ):
             self.on_event(GaveUp(self.learner_id, self._pending_rounds(), limit))
 
@@ -510,29 +458,23 @@ class Learner(Mailman):
         """Apply commits as they arrive while `waiting()` holds, the mailman polling faster
         meanwhile; False when `limit` seconds passed first."""
         t0 = self.clock.now()
-        self._blocked = True
-        loop, wake = self._loop, self._wake
-        if loop is not None and wake is not None:
-            # The mailman may be sleeping out a poll interval begun before this wait.
-            with contextlib.suppress(RuntimeError):  # its loop closed: nothing to wake
-                loop.call_soon_threadsafe(wake.set)
+        self._mailman.blocked(True)
         try:
             while waiting():
                 if limit is not None and self.clock.now() - t0 > limit:
                     return False
                 try:
-                    commit = self.clock.get(self._inbox, 0.05)
+                    commit = self.clock.get(self._mailman.commits, 0.05)
                 except queue.Empty:
                     continue
                 self._apply(commit)
             return True
         finally:
-            self._blocked = False
+            self._mailman.blocked(False)
 
     def _final_catch_up(self) -> None:
         """Fetch every commit recorded so far, so the model ends on the newest ones."""
-        assert self._loop is not None
-        future = asyncio.run_coroutine_threadsafe(self._catch_up(), self._loop)
+        future = self._mailman.catch_up()
         try:
             self.clock.result(future, self.lease_timeout)
         except Exception as exc:  # close() must not fail for the store
@@ -551,8 +493,8 @@ class Learner(Mailman):
             self._hand_over(r, final=True)
         t0 = self.clock.now()
         while (
-            self._handed > self._finished
-            and self._dead is None
+            self._handed > (seen := self._mailman.observed).finished
+            and seen.dead is None
             and self.clock.now() - t0 < self.lease_timeout
         ):
             self.clock.pause(0.02)

@@ -6,7 +6,9 @@ when to wait (`publishable`, `due_round`, `overdue`) are answered from the state
 they are tested exhaustively with no threads, no mailbox and no clock.
 
 Round numbers: `rounds_seen` is the index of the newest commit record applied (-1 before
-any); `last_published` the newest round this learner published (-1 before any).
+any): the training thread's count, which the mailman's receive cursor (`Observed.received`:
+commits fetched and queued) may be ahead of; `last_published` the newest round this
+learner published (-1 before any).
 """
 
 from __future__ import annotations

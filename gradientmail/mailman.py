@@ -1,18 +1,17 @@
 """The learner's communication thread: one asyncio loop that mails and fetches.
 
-`Mailman` is the half of `Learner` that runs on the communication thread: the receive loop
-(lease listings, new commits, who published the next round, the embedded syncer), the
+A `Learner` owns one `Mailman`, which runs the communication thread: the receive loop
+(lease listings, new commits, who published the watched round, the embedded syncer), the
 lease loop (beats, roll calls: `gradientmail.rollcall`) and the publish loop (anchor − θ,
-quantize, encode, upload). It shares nothing with the training thread but two queues and a
-few attributes it overwrites whole; `Learner` holds the other half.
+quantize, encode, upload). The two threads meet only through the messages of
+`gradientmail.messages`: contributions in, commits, failed rounds and one frozen view of
+what the mailman observed out.
 
-Copies of a fragment's bytes (F32, codec off; "+1 GPU" where a device adds one). Publish:
-the snapshot clone (training thread), anchor − θ (a new tensor), its device-to-host copy
-(GPU only; `from_torch` then holds that host memory as is), quantize (only with a
-delta_dtype: the codes), `pack` (header and tensors joined into one blob), upload.
-Receive: download, `decode` (none: the tensors view the payload; zstd: decompress and
-unshuffle), `adapter.load` (one copy straight from the payload onto the device, the anchor
-the learner keeps), and `apply` (the parameters' in-place copy).
+Copies of a fragment's bytes on the way out (F32, codec off; "+1 GPU" where a device adds
+one): the snapshot clone (training thread), anchor − θ (a new tensor), its device-to-host
+copy (GPU only; `from_torch` then holds that host memory as is), quantize (only with a
+delta_dtype: the codes), `pack` (header and tensors joined into one blob), upload. On the
+way in: `gradientmail.fetcher`.
 """
 
 from __future__ import annotations
@@ -23,31 +22,35 @@ import contextlib
 import dataclasses
 import math
 import queue
-from collections.abc import Awaitable, Callable, Sequence
+import threading
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from gradientmail import learner_state as ls
 from gradientmail.adapters.base import Adapter
 from gradientmail.algorithms.base import Algorithm
-from gradientmail.algorithms.diloco import rebuild_theta
-from gradientmail.algorithms.schedule import RoundSchedule
 from gradientmail.auth import HmacSeal
 from gradientmail.clock import Clock, sleep_unless
 from gradientmail.errors import LocalProtocolError, RemoteProtocolError, RunVanished
 from gradientmail.events import (
     EventSink,
+    LeaseReleased,
     PollFailed,
     PublishCancelled,
     PublishFailed,
+    ReleaseFailed,
     RoundRecorded,
     SnapshotPublished,
 )
+from gradientmail.fetcher import CommitFetcher
 from gradientmail.join import JoinResult, join_run
 from gradientmail.lease import LeaseTracker
-from gradientmail.protocol import MANIFEST_KEY, Exchange, payload_bound
+from gradientmail.mailbox.base import Mailbox
+from gradientmail.mailbox.url import open_mailbox
+from gradientmail.messages import Commit, Observed, Outgoing, delta_format
+from gradientmail.protocol import MANIFEST_KEY, Exchange
 from gradientmail.quantization import quantize
 from gradientmail.records import RoundRecord, SnapshotRecord
-from gradientmail.replica import Replica, theta_digest
+from gradientmail.replica import Replica
 from gradientmail.rollcall import READ_EVERY, Call, reply
 from gradientmail.serialization import TensorBytes
 from gradientmail.syncer import Syncer
@@ -82,85 +85,158 @@ def poll_delay(poll_interval: float, blocked_polls: int) -> float:
                WAITING_POLL * (1 << min(blocked_polls - 1, 30)))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Job:
-    """A due round handed from the training thread to the mailman."""
-
-    round: int
-    fragment: int
-    base_version: int
-    local_step: int
-    steps: int
-    tokens: int
-    final: bool
-    snapshot: Any
-    anchor: Any
-    step_seconds: float | None
-    loss: float | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Commit:
-    """A commit ready to apply: its record and its parameters on the model's device."""
-
-    record: RoundRecord
-    loaded: Any
-    nbytes: int
-
-
-def delta_format(configured: str | None, dtypes: Sequence[str]) -> str:
-    """The format a fragment's delta travels in: `delta_dtype` when set, else the model's
-    own precision: BF16 when every tensor of the fragment is held in BF16 (its F32 delta
-    would be twice the bytes of anything the model can represent), F32 otherwise."""
-    if configured is not None:
-        return configured
-    return "BF16" if dtypes and all(d == "BF16" for d in dtypes) else "F32"
-
-
 class Mailman:
-    """The communication-thread half of a `Learner` (see there for the attributes)."""
+    """A learner's communication thread: one asyncio loop that mails and fetches.
 
-    adapter: Adapter
-    algorithm: Algorithm
-    learner_id: str
-    sync: bool
-    hold_own: bool
-    backend: Any
-    clock: Clock
-    poll_interval: float
-    lease_every: float
-    lease_timeout: float
-    on_event: EventSink
-    prefix: str
-    keep_versions: int
-    _seal: HmacSeal | None
-    _exchange: Exchange | None
-    _loop: asyncio.AbstractEventLoop | None
-    _schedule: RoundSchedule | None
-    _plan: tuple[tuple[str, ...], ...]
-    _state: ls.LearnerState | None
-    _inbox: queue.Queue[_Commit]
-    _jobs: asyncio.Queue[_Job | None] | None
-    _dead: BaseException | None
-    _stop: asyncio.Event | None
-    _wake: asyncio.Event | None
-    _others: tuple[int, int]
-    _live: frozenset[str]
-    _tracker: LeaseTracker
-    _syncer: Syncer | None
-    _bad_call: str | None
-    _newest_seen: int
-    _cursor: int
-    _next_watch: float
-    _want_live: int
-    _blocked: bool
-    _host: dict[int, tuple[int, dict[str, TensorBytes]]]
-    _replica: Replica | None
-    _finished: int
-    _failed: queue.SimpleQueue[int]
-    _tasks: list[asyncio.Task[None]]
+    It talks to the training thread through messages only, and reads none of its state.
+    In (method calls of the training thread): `start` (join the run), `post` (an
+    `Outgoing` contribution to publish), `watch` (the round whose publishers to count),
+    `blocked` (training waits for a commit: look sooner), `want_live` (list the leases
+    every poll until that many learners hold one), `catch_up` and `stop`. Out: `commits`
+    (each `Commit` ready to apply, in order), `failed_rounds` (publishes known not to
+    have landed: retract them) and `observed`, one frozen `Observed` replaced whole.
+
+    It calls the adapter's `schema`, `read` (when it creates the run, before training
+    starts), `load` (a commit's theta onto the model's device) and `delta` (anchor −
+    snapshot of a contribution), never `apply`, `rebase` or `snapshot`: the model's
+    parameters belong to the training thread.
+    """
+
+    def __init__(
+        self,
+        mailbox: Mailbox | str,
+        adapter: Adapter,
+        algorithm: Algorithm,
+        learner_id: str,
+        *,
+        clock: Clock,
+        on_event: EventSink,
+        sync: bool = True,
+        hold_own: bool = True,
+        backend: Any = None,
+        poll_interval: float = 1.0,
+        lease_every: float = 60.0,
+        lease_timeout: float = 120.0,
+        compression: str = "off",
+        prefix: str = "",
+        keep_versions: int = 2,
+        seal: HmacSeal | None = None,
+    ) -> None:
+        self.adapter = adapter
+        self.algorithm = algorithm
+        self.learner_id = learner_id
+        self.clock = clock
+        self.on_event = on_event
+        self.sync = sync
+        self.hold_own = hold_own
+        self.backend = backend
+        self.poll_interval = poll_interval
+        self.lease_every = lease_every
+        self.lease_timeout = lease_timeout
+        self.compression = compression
+        self.prefix = prefix
+        self.keep_versions = keep_versions
+        self._mailbox_arg = mailbox
+        self._seal = seal
+        # Out: read by the training thread.
+        self.commits: queue.Queue[Commit] = queue.Queue()
+        self.observed = Observed()
+        self._failed: queue.SimpleQueue[int] = queue.SimpleQueue()
+        # In: single assignments by the training thread, read at the loops' next pass.
+        self._watch: int | None = None
+        self._blocked = False
+        self._want_live = 0
+        # Set by start() and on the communication thread:
+        self._exchange: Exchange | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._jobs: asyncio.Queue[Outgoing | None] | None = None
+        self._stop: asyncio.Event | None = None
+        self._wake: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._tracker = LeaseTracker(lease_timeout)
+        self._syncer: Syncer | None = None  # the embedded closer, once the receive loop runs
+        self._replica: Replica | None = None  # each fragment's state (shared with the closer)
+        self._plan: tuple[tuple[str, ...], ...] = ()
+        self._fetcher: CommitFetcher | None = None
+        # The newest round whose commit is queued: the one receive cursor (what `_publish`
+        # and `_settle` ask of "has this round closed"; `observed.received` shows it).
+        self._cursor = -1
+        self._next_watch = -math.inf
+        self._bad_call: str | None = None  # the last damaged roll call reported
+
+    # -- messages from the training thread ------------------------------------------------
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def start(self) -> concurrent.futures.Future[JoinResult]:
+        """Open the mailbox and start the thread, which joins the run and then runs its
+        loops; the future resolves with the join's result (or its error)."""
+        self._exchange = Exchange(
+            open_mailbox(self._mailbox_arg), clock=self.clock, compression=self.compression,
+            prefix=self.prefix, seal=self._seal,
+        )
+        joined: concurrent.futures.Future[JoinResult] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._thread_main, args=(joined,), name=f"gradientmail-{self.learner_id}",
+            daemon=True,
+        )
+        self._thread.start()
+        return joined
+
+    def post(self, job: Outgoing) -> None:
+        """Publish `job` (in the order posted)."""
+        assert self._loop is not None and self._jobs is not None
+        self._loop.call_soon_threadsafe(self._jobs.put_nowait, job)
+
+    def watch(self, round_: int | None) -> None:
+        """Count the learners who publish `round_` (the round the training thread may
+        publish next; None: none): `observed.others`, for "due by opportunity"."""
+        self._watch = round_
+
+    def blocked(self, waiting: bool) -> None:
+        """The training thread waits for a commit (True) or trains again (False): while it
+        waits, the next record is looked for every `poll_delay`, not every poll."""
+        self._blocked = waiting
+        loop, wake = self._loop, self._wake
+        if waiting and loop is not None and wake is not None:
+            # The receive loop may be sleeping out a poll interval begun before this wait.
+            with contextlib.suppress(RuntimeError):  # its loop closed: nothing to wake
+                loop.call_soon_threadsafe(wake.set)
+
+    def want_live(self, n: int) -> None:
+        """List the leases every poll until `n` learners hold one (0: every lease period)."""
+        self._want_live = n
+
+    def failed_rounds(self) -> list[int]:
+        """The rounds whose publish is known not to have landed since the last call."""
+        out = []
+        while True:
+            try:
+                out.append(self._failed.get_nowait())
+            except queue.Empty:
+                return out
+
+    def catch_up(self) -> concurrent.futures.Future[list[RoundRecord]]:
+        """Fetch every commit recorded so far (into `commits`)."""
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(self._catch_up(), self._loop)
+
+    def stop(self, timeout: float) -> None:
+        """Stop the loops, release the lease, and wait up to `timeout` for the thread."""
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None and loop.is_running():
+            loop.call_soon_threadsafe(stop.set)
+        if self._thread is not None:
+            self.clock.join(self._thread, timeout)
 
     # -- communication thread -----------------------------------------------------------
+
+    def _see(self, **changes: Any) -> None:
+        """Replace the view with one that differs by `changes` (this thread only)."""
+        self.observed = dataclasses.replace(self.observed, **changes)
 
     def _thread_main(self, joined: concurrent.futures.Future[JoinResult]) -> None:
         loop = asyncio.new_event_loop()
@@ -172,7 +248,7 @@ class Mailman:
         try:
             loop.run_until_complete(self._main(joined))
         except BaseException as exc:
-            self._dead = exc
+            self._see(dead=exc)
             if not joined.done():
                 joined.set_exception(exc)
         finally:
@@ -195,20 +271,23 @@ class Mailman:
             )
         except BaseException as exc:
             joined.set_exception(exc)
-            self._dead = exc
+            self._see(dead=exc)
             return
-        self._replica = result.replica
+        self._replica, self._plan = result.replica, result.plan
+        self._fetcher = CommitFetcher(ex, self.adapter, result)
+        self._cursor = result.rounds_seen
+        self._see(received=result.rounds_seen)
+        self._begin_loops()
         joined.set_result(result)
         assert self._stop is not None
         await self.clock.idle(self._stop.wait())
         await self._shutdown()
 
-    def _begin_loops(self, result: JoinResult) -> None:
+    def _begin_loops(self) -> None:
         loop = self._loop
         assert loop is not None
-        self._tracker = LeaseTracker(self.lease_timeout)
         self._tasks = [
-            loop.create_task(self._receive_loop(result)),
+            loop.create_task(self._receive_loop()),
             loop.create_task(self._lease_loop()),
             loop.create_task(self._publish_loop()),
         ]
@@ -219,13 +298,13 @@ class Mailman:
         if task.cancelled():
             return
         exc = task.exception()
-        if exc is not None and self._dead is None:
-            self._dead = exc
+        if exc is not None and self.observed.dead is None:
+            self._see(dead=exc)
 
     async def _shutdown(self) -> None:
-        for task in getattr(self, "_tasks", []):
+        for task in self._tasks:
             task.cancel()
-        for task in getattr(self, "_tasks", []):
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         if self._syncer is not None:
@@ -240,8 +319,6 @@ class Mailman:
             await ex.mailbox.close()
 
     async def _release(self) -> None:
-        from gradientmail.events import LeaseReleased, ReleaseFailed
-
         ex = self._exchange
         assert ex is not None
         try:
@@ -251,7 +328,7 @@ class Mailman:
             return
         self.on_event(LeaseReleased(self.learner_id))
 
-    async def _receive_loop(self, joined: JoinResult) -> None:
+    async def _receive_loop(self) -> None:
         ex = self._exchange
         assert ex is not None
         tracker = self._tracker
@@ -275,27 +352,27 @@ class Mailman:
                 keep_versions=self.keep_versions,
                 embedded=True,
                 leases=tracker,
-                replica=joined.replica,
+                replica=self._replica,
             )
             self._syncer = syncer
 
         async def refresh() -> frozenset[str]:
-            self._live = await ex.observe_leases(tracker)
-            return self._live
+            live = await ex.observe_leases(tracker)
+            self._see(live=live)
+            return live
 
         try:
-            await self._receive(joined, syncer, refresh)
+            await self._receive(syncer, refresh)
         finally:
             if syncer is not None:
                 syncer.decline_offers()  # no poll will take them: the publishes upload
 
-    async def _receive(self, joined: JoinResult, syncer: Syncer | None,
+    async def _receive(self, syncer: Syncer | None,
                        refresh: Callable[[], Awaitable[frozenset[str]]]) -> None:
         ex = self._exchange
         assert ex is not None
         tracker = self._tracker
         next_leases = -math.inf
-        self._cursor = joined.rounds_seen
         next_manifest = self.clock.now() + MANIFEST_EVERY * self.poll_interval
         blocked = 0
         while True:
@@ -306,21 +383,26 @@ class Mailman:
                 await self._check_run_exists()
                 next_manifest = now + MANIFEST_EVERY * self.poll_interval
             try:
-                if now >= next_leases or len(self._live) < self._want_live:
-                    self._live = await ex.observe_leases(tracker)
+                if now >= next_leases or len(self.observed.live) < self._want_live:
+                    self._see(live=await ex.observe_leases(tracker))
                     # Leases change once per lease period; listing them every poll would
                     # cost a LIST per poll per learner for nothing.
                     next_leases = now + self.lease_every
                 fresh = await self._catch_up()
+                # The embedded closer keeps a cursor of its own (the rounds it has
+                # accepted: it is the class a standalone `gradientmail sync` runs, and it
+                # leads this one when it commits a round); it is fed the records read
+                # here rather than reading them again.
                 if syncer is not None and await syncer.poll(
-                    live=self._live, refresh_live=refresh, records=fresh, waiting=self._blocked
+                    live=self.observed.live, refresh_live=refresh, records=fresh,
+                    waiting=self._blocked,
                 ):
                     # It committed a round: its own learner takes the commit now, not a
                     # poll later; the sweep after it, while training goes on.
                     await self._catch_up()
                     await syncer.sweep_due()
                 # A roll call's verdict may have dropped learners from the tracker.
-                self._live = tracker.live(self.clock.now())
+                self._see(live=tracker.live(self.clock.now()))
                 await self._watch_next_round(syncer, now)
             except asyncio.CancelledError:
                 raise
@@ -354,7 +436,7 @@ class Mailman:
                         for learner, counter in answer.drop.items():
                             self._tracker.drop(learner, counter)
                         if answer.drop:
-                            self._live = self._tracker.live(now)
+                            self._see(live=self._tracker.live(now))
                         beat, answering = beat or answer.beat, call
                 if beat:
                     await ex.beat(self.learner_id)
@@ -401,20 +483,14 @@ class Mailman:
             )
 
     async def _catch_up(self) -> list[RoundRecord]:
-        # Runs on the loop only; the final catch-up of close() may interleave with the
-        # receive loop's, and the training thread ignores a commit it applied already.
-        records: list[RoundRecord] = []
-        self._cursor = max(self._cursor, await self._receive_commits(self._cursor, records))
-        return records
-
-    async def _receive_commits(self, cursor: int, out: list[RoundRecord] | None = None) -> int:
+        """Queue the commits recorded after the cursor; the records read. Runs on the loop
+        only; the final catch-up of close() may interleave with the receive loop's, and
+        the training thread ignores a commit it applied already."""
         ex = self._exchange
         assert ex is not None
+        cursor = self._cursor
         records = await ex.rounds_after(cursor)
-        if out is not None:
-            out.extend(records)
-        if not records:
-            return cursor
+        assert self._fetcher is not None
         batch = []
         for rec in records:
             self.on_event(
@@ -427,100 +503,55 @@ class Mailman:
                     rec.closer,
                 )
             )
-            commit = await self._fetch_commit(rec)
+            commit = await self._fetcher.fetch(rec)
             if commit is None:
                 # Swept under us: a newer commit of this fragment exists; start over from
                 # the newest record.
-                newest = await ex.newest_round(cursor)
-                return await self._skip_to(newest, cursor)
+                await self._skip_to(await ex.newest_round(cursor), cursor)
+                return records
             batch.append(commit)
-        # A batch is queued only once every payload in it is in hand.
-        for commit in batch:
-            self._inbox.put(commit)
-        self._newest_seen = records[-1].round
-        return records[-1].round
+        if records:
+            self._queue(batch, records[-1].round)
+        return records
 
-    async def _skip_to(self, newest: int, cursor: int) -> int:
+    async def _skip_to(self, newest: int, cursor: int) -> None:
         ex = self._exchange
         assert ex is not None
+        assert self._fetcher is not None
         latest = await ex.latest_commit_per_fragment(len(self._plan), newest)
         batch = []
         for rec in sorted(latest.values(), key=lambda r: r.round):
             if rec.round <= cursor:
                 continue
-            commit = await self._fetch_commit(rec)
+            commit = await self._fetcher.fetch(rec)
             if commit is None:
-                return cursor
+                return
             batch.append(commit)
+        self._queue(batch, newest)
+
+    def _queue(self, batch: list[Commit], newest: int) -> None:
+        """Hand a batch of commits to the training thread, and move the cursor to
+        `newest`. A batch is queued only once every payload in it is in hand."""
         for commit in batch:
-            self._inbox.put(commit)
-        self._newest_seen = max(self._newest_seen, newest)
-        return newest
+            self.commits.put(commit)
+        self._cursor = max(self._cursor, newest)
+        self._see(received=self._cursor)
 
-    async def _fetch_commit(self, rec: RoundRecord) -> _Commit | None:
-        """The commit's parameters. With a replicated outer step, the replica's state at
-        its version (its step applied to the state held); otherwise rebuilt from its
-        quantized update when this learner holds the previous version (checked against
-        the record's digest), else downloaded. None when the payloads were swept."""
-        ex = self._exchange
-        assert ex is not None
-        names = self._plan[rec.fragment]
-        schema = self.adapter.schema
-        theta: dict[str, TensorBytes] | None = None
-        nbytes = 0
-        replica = self._replica
-        if replica is not None and replica.algorithm.replicated:
-            before = replica.bytes_down
-            state = await replica.at(rec.fragment, rec)
-            if state is None:
-                return None
-            theta, nbytes = dict(state.theta), replica.bytes_down - before
-        held = self._host.get(rec.fragment)
-        if theta is None and rec.update is not None and held is not None \
-                and held[0] == rec.version - 1:
-            update = await ex.fetch_tensors(rec.update.payload,
-                                            payload_bound(schema, names, "updates"))
-            if update is not None:
-                rebuilt = await asyncio.to_thread(rebuild_theta, held[1], update, rec.update.format)
-                if theta_digest(rebuilt, names) == rec.update.theta_sha256:
-                    theta, nbytes = rebuilt, rec.update.payload.size
-        if theta is None:
-            if rec.theta is None:
-                raise RemoteProtocolError(
-                    f"round {rec.round}'s record carries no theta and this run does not "
-                    "replicate its outer step"
-                )
-            fetched = await ex.fetch_tensors(rec.theta, payload_bound(schema, names, "theta"))
-            if fetched is None:
-                return None
-            theta, nbytes = {n: fetched[n] for n in names}, rec.theta.size
-        self._host[rec.fragment] = (rec.version, theta)
-        loaded = await asyncio.to_thread(self.adapter.load, theta)
-        return _Commit(rec, loaded, nbytes)
-
-    async def _watch_next_round(self, syncer: Any, now: float) -> None:
-        """Count the others who published the round this learner may publish next (for
-        "due by opportunity"). The embedded syncer's listing is reused when it watches
-        that round; otherwise one LIST every `backup_every` polls: a LIST per poll per
-        learner would be the dearest request of the run."""
-        ex = self._exchange
-        state = self._state
-        if ex is None or state is None:
-            return
-        candidate = ls.candidate_round(state)
-        if ls.publishable(state, self._schedule_now()) is None:
+    async def _watch_next_round(self, syncer: Syncer | None, now: float) -> None:
+        """Count the others who published the round the training thread watches (the one
+        it may publish next, for "due by opportunity"). The embedded syncer's listing is
+        reused when it watches that round; otherwise one LIST every `BACKUP_EVERY` polls:
+        a LIST per poll per learner would be the dearest request of the run."""
+        ex, candidate = self._exchange, self._watch
+        if ex is None or candidate is None:
             return
         who = syncer.publishers_seen(candidate) if syncer is not None else None
         if who is None:
-            if now < self._next_watch and self._others[0] == candidate:
+            if now < self._next_watch and self.observed.watched == candidate:
                 return
             who = await ex.publishers(candidate)
             self._next_watch = now + (BACKUP_EVERY - 1) * self.poll_interval * 0.999
-        self._others = (candidate, len(who - {self.learner_id}))
-
-    def _schedule_now(self) -> RoundSchedule:
-        assert self._schedule is not None
-        return self._schedule
+        self._see(watched=candidate, others=len(who - {self.learner_id}))
 
     async def _publish_loop(self) -> None:
         assert self._jobs is not None
@@ -536,9 +567,9 @@ class Mailman:
             except Exception as exc:
                 await self._publish_failed(job, exc, t0)
             finally:
-                self._finished += 1
+                self._see(finished=self.observed.finished + 1)
 
-    async def _publish_failed(self, job: _Job, exc: Exception, t0: float) -> None:
+    async def _publish_failed(self, job: Outgoing, exc: Exception, t0: float) -> None:
         """A publish raised. Unless the error was our own (a refused field, a round taken
         already), its record may have been written all the same (the answer was lost, or
         the retries ran out after an attempt that landed), so look before retracting: a
@@ -560,13 +591,13 @@ class Mailman:
             # thread learns it from there.)
             self._failed.put(job.round)
 
-    async def _settle(self, job: _Job) -> tuple[str, SnapshotRecord | None]:
+    async def _settle(self, job: Outgoing) -> tuple[str, SnapshotRecord | None]:
         """Whether a failed publish's record landed: ("landed", record), ("absent", None),
         or ("closed", None) when the round's commit arrived before the store would say
         (one GET per poll interval while it fails)."""
         ex = self._exchange
         assert ex is not None
-        while self._newest_seen < job.round:
+        while self._cursor < job.round:
             try:
                 record = await ex.contribution(job.round, self.learner_id)
             except asyncio.CancelledError:
@@ -574,16 +605,12 @@ class Mailman:
             except Exception:
                 await self.clock.sleep(self.poll_interval)
                 continue
-            if record is not None and (
-                record.fragment, record.base_version, record.local_step, record.steps,
-                record.tokens, record.final,
-            ) == (job.fragment, job.base_version, job.local_step, job.steps, job.tokens,
-                  job.final):
+            if record is not None and job.landed_as(record):
                 return "landed", record
             return "absent", None
         return "closed", None
 
-    def _published(self, job: _Job, record: SnapshotRecord, t0: float,
+    def _published(self, job: Outgoing, record: SnapshotRecord, t0: float,
                    tensors: dict[str, TensorBytes] | None = None, held: bool = False) -> None:
         if self._syncer is not None and not held:
             self._syncer.note_contribution(job.round, self.learner_id, record.payload, tensors)
@@ -602,29 +629,16 @@ class Mailman:
             )
         )
 
-    async def _publish(self, job: _Job, t0: float) -> None:
+    async def _publish(self, job: Outgoing, t0: float) -> None:
         ex = self._exchange
         assert ex is not None
-        if job.round <= self._newest_seen and not job.final:
+        if job.round <= self._cursor and not job.final:
             self.on_event(PublishCancelled(self.learner_id, job.round, "round already closed"))
             return
         fmt = delta_format(self.algorithm.delta_dtype,
                            [self.adapter.schema[n].dtype for n in self._plan[job.fragment]])
         tensors = await asyncio.to_thread(self._encode_delta, job, fmt)
-        draft = ex.draft(
-            job.round,
-            self.learner_id,
-            fragment=job.fragment,
-            base_version=job.base_version,
-            local_step=job.local_step,
-            steps=job.steps,
-            tokens=job.tokens,
-            final=job.final,
-            schema_digest=self.adapter.schema.digest(),
-            delta_format=fmt,
-            step_seconds=job.step_seconds,
-            loss=job.loss,
-        )
+        draft = job.draft(ex, self.learner_id, self.adapter.schema.digest(), fmt)
         # A run kept auditable (`keep_rounds`) holds nothing back: a merge is re-derived
         # from the uploaded contributions, and a held one was never uploaded.
         hold = self.hold_own and self.algorithm.keep_rounds is None
@@ -639,7 +653,7 @@ class Mailman:
         record = await ex.publish_draft(draft, tensors)
         self._published(job, record, t0, tensors)
 
-    def _encode_delta(self, job: _Job, fmt: str) -> dict[str, TensorBytes]:
+    def _encode_delta(self, job: Outgoing, fmt: str) -> dict[str, TensorBytes]:
         delta = self.adapter.delta(job.anchor, job.snapshot)
         if fmt == "F32":
             return delta

@@ -328,13 +328,14 @@ def shut(clock: FakeClock, *learners: Learner) -> None:
 def kill(learner: Learner) -> None:
     """SIGKILL, as far as the run can tell: the learner's loops stop where they are, and
     its lease stays behind."""
-    loop = learner._loop
+    mailman = learner._mailman
+    loop = mailman._loop
     assert loop is not None
 
     async def cancel() -> None:
-        for task in learner._tasks:
+        for task in mailman._tasks:
             task.cancel()
-        await asyncio.gather(*learner._tasks, return_exceptions=True)
+        await asyncio.gather(*mailman._tasks, return_exceptions=True)
 
     asyncio.run_coroutine_threadsafe(cancel(), loop).result(timeout=10)
 

@@ -1,0 +1,81 @@
+"""A commit's parameters, fetched for a learner by the cheapest way it has.
+
+Copies of a fragment's bytes on the way in (F32, codec off): download, `decode` (none:
+the tensors view the payload; zstd: decompress and unshuffle), `adapter.load` (one copy
+straight from the payload onto the device, the anchor the learner keeps), and the
+training thread's `apply` (the parameters' in-place copy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from gradientmail.adapters.base import Adapter
+from gradientmail.algorithms.diloco import rebuild_theta
+from gradientmail.errors import RemoteProtocolError
+from gradientmail.join import JoinResult
+from gradientmail.messages import Commit
+from gradientmail.protocol import Exchange, payload_bound
+from gradientmail.records import RoundRecord
+from gradientmail.replica import theta_digest
+from gradientmail.serialization import TensorBytes
+
+__all__ = ["CommitFetcher"]
+
+
+class CommitFetcher:
+    """Fetches commits for a learner that joined as `joined` says, holding the host bytes
+    of each fragment's newest commit to rebuild the next from its update (communication
+    thread only)."""
+
+    def __init__(self, exchange: Exchange, adapter: Adapter, joined: JoinResult) -> None:
+        self._exchange = exchange
+        self._adapter = adapter
+        self._plan = joined.plan
+        self._replica = joined.replica
+        self._host: dict[int, tuple[int, dict[str, TensorBytes]]] = {
+            p: (version, theta)
+            for p, ((version, _), theta) in enumerate(
+                zip(joined.fragments, joined.thetas, strict=True))
+        }
+
+    async def fetch(self, rec: RoundRecord) -> Commit | None:
+        """The commit's parameters, loaded onto the model's device. With a replicated
+        outer step, the replica's state at its version (its step applied to the state
+        held); otherwise rebuilt from its quantized update when this learner holds the
+        previous version (checked against the record's digest), else downloaded. None
+        when the payloads were swept."""
+        ex = self._exchange
+        names = self._plan[rec.fragment]
+        schema = self._adapter.schema
+        theta: dict[str, TensorBytes] | None = None
+        nbytes = 0
+        replica = self._replica
+        if replica.algorithm.replicated:
+            before = replica.bytes_down
+            state = await replica.at(rec.fragment, rec)
+            if state is None:
+                return None
+            theta, nbytes = dict(state.theta), replica.bytes_down - before
+        held = self._host.get(rec.fragment)
+        if theta is None and rec.update is not None and held is not None \
+                and held[0] == rec.version - 1:
+            update = await ex.fetch_tensors(rec.update.payload,
+                                            payload_bound(schema, names, "updates"))
+            if update is not None:
+                rebuilt = await asyncio.to_thread(rebuild_theta, held[1], update, rec.update.format)
+                if theta_digest(rebuilt, names) == rec.update.theta_sha256:
+                    theta, nbytes = rebuilt, rec.update.payload.size
+        if theta is None:
+            if rec.theta is None:
+                raise RemoteProtocolError(
+                    f"round {rec.round}'s record carries no theta and this run does not "
+                    "replicate its outer step"
+                )
+            fetched = await ex.fetch_tensors(rec.theta, payload_bound(schema, names, "theta"))
+            if fetched is None:
+                return None
+            theta, nbytes = {n: fetched[n] for n in names}, rec.theta.size
+        self._host[rec.fragment] = (rec.version, theta)
+        loaded = await asyncio.to_thread(self._adapter.load, theta)
+        return Commit(rec, loaded, nbytes)
