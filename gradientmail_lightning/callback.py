@@ -28,7 +28,7 @@ has one (`TextDataModule` does).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -44,6 +44,7 @@ from gradientmail.integration import (
     LossMean,
     RankSync,
     RunMetrics,
+    ShareBatchSampler,
     SingleRank,
     TorchRanks,
     count_tokens,
@@ -58,6 +59,7 @@ __all__ = [
     "DiLoCoCallback",
     "RunMetrics",
     "batch_tokens",
+    "check_share_samplers",
     "check_strategy",
 ]
 
@@ -105,6 +107,44 @@ def check_strategy(strategy: Any) -> None:
             "'ddp_notebook'), where every rank holds the whole model. Train each learner "
             "with DDP or on one device (sharded strategies are not supported yet)"
         )
+
+
+def check_share_samplers(loaders: Any, global_batch_size: int | None) -> None:
+    """Raise ConfigError when `global_batch_size` is set and a DataLoader in `loaders` (a
+    loader or a collection of them, as `Trainer.train_dataloader`) has a
+    `ShareBatchSampler` without `size=`: its batches would keep their size.
+
+    Under DDP, Lightning re-creates a custom batch sampler to put its DistributedSampler
+    in. Only for a DataLoader built inside a `*_dataloader()` hook does it know every
+    argument; for one passed to `fit()` ready-made it calls
+    `ShareBatchSampler(sampler, batch_size=, drop_last=)`, and `size=` is lost.
+    """
+    if global_batch_size is None:
+        return
+    for loader in _loaders(loaders):
+        sampler = getattr(loader, "batch_sampler", None)
+        if isinstance(sampler, ShareBatchSampler) and sampler.size is None:
+            raise ConfigError(
+                f"global_batch_size={global_batch_size} cannot resize the training batches: "
+                f"the DataLoader's ShareBatchSampler has no size= (batches of "
+                f"{sampler.batch_size}). Under DDP Lightning re-creates a custom batch "
+                "sampler to put its DistributedSampler in, and keeps size= only when the "
+                "DataLoader is built inside a train_dataloader() hook. Build it in your "
+                "LightningModule's or LightningDataModule's train_dataloader(), or pass "
+                "Trainer(use_distributed_sampler=False) and give the ShareBatchSampler a "
+                "DistributedSampler yourself"
+            )
+
+
+def _loaders(obj: Any) -> Iterator[Any]:
+    if isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from _loaders(value)
+    elif isinstance(obj, list | tuple):
+        for value in obj:
+            yield from _loaders(value)
+    elif obj is not None:
+        yield obj
 
 
 #: Kept for code written against earlier versions: the integrations' one token rule.
@@ -227,6 +267,8 @@ class DiLoCoCallback(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         check_strategy(trainer.strategy)
+        if trainer.world_size > 1:
+            check_share_samplers(trainer.train_dataloader, self.algorithm.global_batch_size)
         self._last_global_step = trainer.global_step
         self._tokens = 0
         self._losses = LossMean()

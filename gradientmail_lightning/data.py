@@ -13,6 +13,14 @@ i mod `num_shards`; the shard is `shard`, or derived from `learner_id` (see
 (a hash of their content, `val_fraction`) form the validation set, the same for every
 learner. Under DDP the map-style path relies on Lightning's distributed sampler; the
 streaming path splits its shard by global rank itself.
+
+With `global_batch_size`, `resize_batches` (the callback's batch-size hook) sizes the
+training batches from the next one drawn: the map-style path draws them through a
+`ShareBatchSampler`; on the streaming path the loader workers only pack blocks and the
+main process forms the batches, since workers never see a new share. One batch of a
+stream keeps `batch_size`: the first, which Lightning draws from a loader without a
+length before `on_train_start`, where the learner joins and learns its share (set
+`batch_size` to the expected share to avoid it).
 """
 
 from __future__ import annotations
@@ -22,13 +30,13 @@ import itertools
 import math
 import re
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, default_collate
 
 from gradientmail.errors import ConfigError, MissingExtra
 from gradientmail.integration import BatchSizes, ShareBatchSampler
@@ -109,6 +117,36 @@ class _StreamBlocks(IterableDataset[dict[str, torch.Tensor]]):
                 made += 1
                 if self.limit is not None and made >= self.limit:
                     return
+
+
+class _StreamBatches:
+    """Batches of `size()` blocks of a stream, formed in the main process.
+
+    A DataLoader with `batch_size` forms batches inside its workers, which never see a
+    new share: the size is read in the main process, at every batch, so a share applies
+    from the next batch. The workers (`num_workers`) still tokenize and pack the blocks.
+    A final shorter batch is kept.
+    """
+
+    def __init__(
+        self,
+        blocks: IterableDataset[dict[str, torch.Tensor]],
+        size: Callable[[], int],
+        num_workers: int,
+    ) -> None:
+        self.blocks = blocks
+        self.size = size
+        self.num_workers = num_workers
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        loader = DataLoader(self.blocks, batch_size=None, num_workers=self.num_workers)
+        stream = iter(loader)
+        while True:
+            batch = list(itertools.islice(stream, self.size()))
+            if not batch:
+                return
+            out: dict[str, torch.Tensor] = default_collate(batch)
+            yield out
 
 
 class TextDataModule(LightningDataModule):
@@ -304,12 +342,12 @@ class TextDataModule(LightningDataModule):
             self.val_blocks,
         )
 
-    def train_dataloader(self) -> DataLoader[dict[str, torch.Tensor]]:
+    def train_dataloader(self) -> Iterable[dict[str, torch.Tensor]]:
         if self._train is None:
             self.setup("fit")
         assert self._train is not None
         if isinstance(self._train, IterableDataset):
-            return DataLoader(self._train, batch_size=self.batch_size, num_workers=self.num_workers)
+            return _StreamBatches(self._train, self.batch_sizes, self.num_workers)
         assert isinstance(self._train, _Blocks)
         order = RandomSampler(self._train, generator=torch.Generator().manual_seed(self.seed))
         return DataLoader(

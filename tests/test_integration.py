@@ -178,6 +178,89 @@ def test_a_failure_on_rank0_stops_every_rank_instead_of_hanging() -> None:
     )
 
 
+class LateReleasingGloo:
+    """`torch.distributed` as gloo behaves: a collective returns when its work is done,
+    and a worker thread lets go of the work's tensor a moment later."""
+
+    def __init__(self, rank: int, delay: float = 0.05) -> None:
+        self.rank = rank
+        self.delay = delay
+        self.held_after_return: list[bool] = []
+        self._released = threading.Event()
+
+    def get_world_size(self) -> int:
+        return 2
+
+    def get_rank(self) -> int:
+        return self.rank
+
+    def _collective(self, t: torch.Tensor) -> None:
+        self._released.clear()
+        holder = [t.view(-1)]  # a C++ reference to t, as gloo's work holds
+        released = self._released
+
+        def worker() -> None:
+            released.wait(self.delay)  # a worker thread that gets its turn late
+            holder.clear()
+            released.set()
+
+        threading.Thread(target=worker, daemon=True).start()
+
+    def broadcast(self, t: torch.Tensor, src: int) -> None:
+        self._collective(t)
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        self._collective(t)
+
+    def returned(self) -> None:
+        self.held_after_return.append(not self._released.is_set())
+
+
+def test_torch_ranks_keep_a_collectives_tensor_until_the_backend_let_go_of_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A tensor dropped here first is freed by gloo's worker thread, which needs the GIL:
+    # at interpreter exit that aborted the rank (SIGABRT, "terminate called without an
+    # active exception"). Every collective returns only once the backend let go.
+    import torch.distributed as dist
+
+    from gradientmail.integration import TorchRanks
+
+    for rank in (0, 1):
+        fake = LateReleasingGloo(rank)
+        for name in ("get_world_size", "get_rank", "broadcast", "all_reduce"):
+            monkeypatch.setattr(dist, name, getattr(fake, name))
+        ranks = TorchRanks("cpu")
+        assert ranks.broadcast_ints([3, 4]) == [3, 4]
+        fake.returned()
+        assert ranks.sum_int(5) == 5
+        fake.returned()
+        params = [torch.ones(2), torch.zeros(3, dtype=torch.int64)]
+        ranks.broadcast_tensors(params)
+        fake.returned()
+        assert fake.held_after_return == [False, False, False]
+
+
+def test_released_waits_for_the_other_holder_and_gives_up_after_its_sleeps() -> None:
+    from gradientmail.integration.ranks import _released
+
+    t = torch.zeros(4)
+    other = [t.view(4)]  # a view holds its base, as a backend's work holds the tensor
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        if len(slept) == 2:
+            other.clear()
+
+    assert _released(t, sleeps=[0.1, 0.2, 0.3], sleep=sleep)
+    assert slept == [0.1, 0.2]
+    stuck = t.view(4)
+    assert not _released(t, sleeps=[0.1, 0.2], sleep=lambda s: None)
+    del stuck
+    assert _released(t, sleeps=[], sleep=sleep)
+
+
 # -- batches -----------------------------------------------------------------------------
 
 

@@ -33,6 +33,7 @@ from gradientmail_lightning import DiLoCoCallback
 from gradientmail_lightning.callback import (
     PROGRESS_BAR,
     STATE_KEY,
+    check_share_samplers,
     check_strategy,
 )
 
@@ -268,6 +269,28 @@ def test_sharded_strategies_are_refused_by_name() -> None:
             f"DiLoCoCallback does not support the {name} strategy; it supports a single "
             "device and DDP"
         )
+
+
+def test_a_share_sampler_that_lost_its_size_is_refused_when_a_global_batch_is_set() -> None:
+    from torch.utils.data import DataLoader
+
+    from gradientmail.integration import BatchSizes, ShareBatchSampler
+
+    data = list(range(8))
+    sized = DataLoader(data, batch_sampler=ShareBatchSampler(data, 4, False, BatchSizes(4)))
+    # What Lightning's DDP makes of a ready-made loader: ShareBatchSampler(sampler,
+    # batch_size=, drop_last=), without size=.
+    lost = DataLoader(data, batch_sampler=ShareBatchSampler(data, batch_size=4, drop_last=False))
+    check_share_samplers([sized, {"b": sized}], 12)
+    check_share_samplers(lost, None)  # no global batch: a fixed size is what was asked
+    for loaders in (lost, [sized, {"b": lost}]):
+        with pytest.raises(ConfigError) as info:
+            check_share_samplers(loaders, 12)
+        assert str(info.value).startswith(
+            "global_batch_size=12 cannot resize the training batches: the DataLoader's "
+            "ShareBatchSampler has no size= (batches of 4). Under DDP Lightning re-creates"
+        )
+        assert "inside a train_dataloader() hook" in str(info.value)
 
 
 def test_without_run_key_the_callback_takes_the_variable(

@@ -217,6 +217,40 @@ def test_ddp_learner_keeps_its_ranks_identical_after_every_apply(tmp_path: Path)
     assert all(p.tokens == p.steps * 24 * 2 for p in mine)
 
 
+def test_a_ddp_learners_ranks_draw_disjoint_batches_of_their_part_of_the_share(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "hook"
+    # One learner holds the whole global batch of 20; 2 ranks x 2 micro-batches per step.
+    finish(
+        spawn(
+            [sys.executable, str(WORKERS / "lightning_share.py"), str(tmp_path / "run"),
+             str(out), "--loader", "hook", "--global-batch", "20", "--accum", "2"]
+        )
+    )  # fmt: skip
+    ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text())["batches"] for r in (0, 1)]
+    for batches in ranks:
+        assert [len(b) for b in batches] == [5] * 12  # 6 steps x 2 micro-batches of 5
+    mine = [[i for b in batches for i in b] for batches in ranks]
+    assert len(set(mine[0])) == len(mine[0]) == len(set(mine[1])) == 60
+    assert not set(mine[0]) & set(mine[1])
+
+
+def test_a_ready_made_loader_under_ddp_is_refused_before_it_ignores_the_share(
+    tmp_path: Path,
+) -> None:
+    proc = spawn(
+        [sys.executable, str(WORKERS / "lightning_share.py"), str(tmp_path / "run"),
+         str(tmp_path / "direct"), "--loader", "direct"]
+    )  # fmt: skip
+    out, _ = proc.communicate(timeout=240)
+    text = out.decode()
+    assert proc.returncode != 0, text[-4000:]
+    assert "global_batch_size=12 cannot resize the training batches" in text, text[-4000:]
+    assert "built inside a train_dataloader() hook" in text
+    assert not list(tmp_path.glob("direct.rank*.json"))
+
+
 def test_tiny_recipe_through_gradientmail_train(tmp_path: Path) -> None:
     script = Path(sys.executable).parent / "gradientmail-train"
     assert script.exists(), "gradientmail-train is not installed; run pip install -e ."

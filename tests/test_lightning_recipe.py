@@ -4,6 +4,7 @@ parser (offline: no recipe is instantiated against the hub)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -324,7 +325,10 @@ def test_the_outlier_factor_is_set_from_the_recipe_and_the_command_line(
     assert outlier_factor(own) == 3.0
 
 
-def test_global_batch_size_sizes_the_data_modules_batches(tmp_path: Path) -> None:
+@pytest.mark.parametrize("streaming", [False, True], ids=["map-style", "streaming"])
+def test_global_batch_size_sizes_the_data_modules_batches(
+    tmp_path: Path, streaming: bool
+) -> None:
     from lightning.pytorch import LightningModule, Trainer
 
     from gradientmail.algorithms.diloco import DiLoCo as Config
@@ -332,7 +336,7 @@ def test_global_batch_size_sizes_the_data_modules_batches(tmp_path: Path) -> Non
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents(120)))
     data = TextDataModule(files=[str(path)], vocab_size=300, block_size=8, batch_size=4,
-                          val_fraction=0.0, cache_dir=str(tmp_path))
+                          val_fraction=0.0, cache_dir=str(tmp_path), streaming=streaming)
 
     class Sizes(LightningModule):
         def __init__(self) -> None:
@@ -355,5 +359,24 @@ def test_global_batch_size_sizes_the_data_modules_batches(tmp_path: Path) -> Non
             callbacks=[cb], logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False).fit(module, data)
     # One live learner holds the whole global batch of 12: 2 micro-batches of 6 per step.
-    assert module.seen == [6] * 8
+    # Lightning draws a stream's first batch before on_train_start, where the learner
+    # joins and learns its share: that one keeps data.batch_size.
+    assert module.seen == ([4] + [6] * 7 if streaming else [6] * 8)
     assert data.batch_sizes.share == 12
+
+
+def test_a_streams_batches_follow_a_new_share_although_workers_pack_the_blocks(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents(60)))
+    data = TextDataModule(files=[str(path)], streaming=True, vocab_size=300, block_size=8,
+                          batch_size=4, val_fraction=0.0, tokenizer_documents=60,
+                          cache_dir=str(tmp_path), num_workers=1)
+    data.setup("fit")
+    batches = iter(data.train_dataloader())
+    assert next(batches)["input_ids"].shape == (4, 8)
+    data.resize_batches(6)  # no Trainer: one process, no accumulation
+    assert [b["input_ids"].shape for b in itertools.islice(batches, 3)] == [(6, 8)] * 3
+    data.resize_batches(2)
+    assert next(batches)["input_ids"].shape == (2, 8)

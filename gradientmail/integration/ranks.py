@@ -11,7 +11,9 @@ of one process, so the synchronisation is tested without process groups.
 from __future__ import annotations
 
 import copy
+import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -20,6 +22,8 @@ import torch
 from gradientmail.errors import GradientmailError
 
 __all__ = ["Ranks", "SingleRank", "ThreadRanks", "TorchRanks"]
+
+_log = logging.getLogger("gradientmail.integration")
 
 
 class Ranks(Protocol):
@@ -68,12 +72,46 @@ class SingleRank:
         return None
 
 
+# Sleeps between looks at a tensor a process group may still hold: from 10 µs, doubling
+# up to 1 ms each, 10 s in all.
+_RELEASE_SLEEPS = tuple(1e-5 * 2**k for k in range(7)) + (1e-3,) * 10_000
+
+
+def _released(
+    tensor: torch.Tensor,
+    sleeps: Sequence[float] = _RELEASE_SLEEPS,
+    sleep: Callable[[float], None] = time.sleep,
+) -> bool:
+    """Wait (sleeping `sleeps` in turn, without the GIL) until nothing but the caller holds
+    `tensor`; False when something still does after the last sleep."""
+    use_count = getattr(tensor, "_use_count", None)  # as torch.utils.swap_tensors reads it
+    if use_count is None:
+        return True
+    for seconds in sleeps:
+        if int(use_count()) <= 1:
+            return True
+        sleep(seconds)
+    return int(use_count()) <= 1
+
+
 class TorchRanks:
     """`Ranks` on the default `torch.distributed` group, with tensors on `device` (the
     device the backend communicates from: cuda for NCCL, cpu for gloo).
 
     `broadcast_object` is the framework's own (Lightning's `strategy.broadcast`); without
     one, `torch.distributed.broadcast_object_list`.
+
+    Every collective on CPU tensors keeps them until the backend has let go of them
+    (`_released`). Gloo's worker thread marks a collective done, which wakes the caller,
+    and drops its own reference to the tensor a moment later (up to ~5 ms later after
+    about half the collectives, measured on a loaded 2-core machine). A tensor this
+    process dropped first is then freed by that worker thread, which needs the GIL to
+    free the Python object. After the last collective of a run (`RankSync.close()`) the
+    process goes on to exit; when the worker's turn comes once the interpreter is
+    finalizing, Python ends that non-Python thread with pthread_exit, the unwinding
+    meets a noexcept C++ frame and the rank aborts ("terminate called without an active
+    exception", SIGABRT, exit -6) after a good run. Holding the tensor until the backend
+    let go makes this process's own drop the last: on this thread, with the GIL.
     """
 
     def __init__(
@@ -99,13 +137,21 @@ class TorchRanks:
     def broadcast_ints(self, values: Sequence[int]) -> list[int]:
         t = torch.tensor(list(values), dtype=torch.int64, device=self._device)
         self._dist.broadcast(t, src=0)
+        self._let_go(t)
         out: list[int] = t.tolist()
         return out
 
     def sum_int(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64, device=self._device)
         self._dist.all_reduce(t)
+        self._let_go(t)
         return int(t.item())
+
+    def _let_go(self, t: torch.Tensor) -> None:
+        # Gloo's case only: NCCL's watchdog thread holds a CUDA collective's tensor until
+        # the GPU has run it, checking every 100 ms, and a step must not wait for that.
+        if t.device.type == "cpu" and not _released(t):
+            _log.warning("a collective's tensor is still held by the process group after 10 s")
 
     @torch.no_grad()
     def broadcast_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -118,6 +164,7 @@ class TorchRanks:
             group = groups[dtype]
             flat = torch.cat([t.detach().reshape(-1).to(self._device) for t in group])
             self._dist.broadcast(flat, src=0)
+            self._let_go(flat)
             if self.is_main:
                 continue
             offset = 0

@@ -119,9 +119,10 @@ def main() -> None:
     }
     path = Path(args.out) / f"{args.learner_id}.rank{rank}.json"
     path.write_text(json.dumps(out))
-    # Tear the gloo process group down here: left to interpreter exit, its threads now and
-    # then abort the process ("terminate called without an active exception", exit -6)
-    # after a good run, as in the Lightning DDP worker.
+    # What an Accelerate script ends with. It is not what keeps a rank from aborting at
+    # exit ("terminate called without an active exception", exit -6): gloo has no
+    # shutdown and DDP still holds the group, so its worker threads live on; TorchRanks
+    # waits until they let go of each collective's tensors (gradientmail.integration.ranks).
     accelerator.end_training()
 
 

@@ -93,9 +93,10 @@ def main() -> None:
         Path(args.out).write_text(
             json.dumps({"points": check.points, "start": check.start, "aligned": aligned})
         )
-    # Lightning leaves the gloo process group up; torn down by interpreter exit instead,
-    # its threads now and then abort the process ("terminate called without an active
-    # exception", exit -6) after the run has finished.
+    # Lightning leaves the process group up. The abort at exit once blamed on that
+    # ("terminate called without an active exception", exit -6) came from gloo's worker
+    # threads freeing a collective's tensor during interpreter finalization; TorchRanks
+    # now waits until they let go of its tensors (gradientmail.integration.ranks).
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
