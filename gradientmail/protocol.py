@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Iterable, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from gradientmail import compression as codec
 from gradientmail.auth import HmacSeal, Seal, open_manifest, refuse_sealed
@@ -352,34 +352,15 @@ class Exchange:
     # -- contributions ---------------------------------------------------------------
 
     async def publish(
-        self,
-        round_: int,
-        learner: str,
-        tensors: Mapping[str, TensorBytes],
-        *,
-        fragment: int,
-        base_version: int,
-        local_step: int,
-        steps: int,
-        tokens: int,
-        final: bool,
-        schema_digest: str,
-        delta_format: str,
-        step_seconds: float | None = None,
-        loss: float | None = None,
+        self, round_: int, learner: str, tensors: Mapping[str, TensorBytes], **fields: Any
     ) -> SnapshotRecord:
-        """Upload a delta, then the record that references it (both create-if-absent).
+        """Upload a delta, then the record that references it (both create-if-absent):
+        `publish_draft` of `draft(round_, learner, **fields)`.
 
         Raises `AlreadyContributed` if `learner` has contributed to `round_` already (one
         contribution per learner and round; its steps can go out with a later round).
         """
-        draft = self.draft(
-            round_, learner, fragment=fragment, base_version=base_version,
-            local_step=local_step, steps=steps, tokens=tokens, final=final,
-            schema_digest=schema_digest, delta_format=delta_format, step_seconds=step_seconds,
-            loss=loss,
-        )
-        return await self.publish_draft(draft, tensors)
+        return await self.publish_draft(self.draft(round_, learner, **fields), tensors)
 
     @staticmethod
     def draft(
