@@ -14,12 +14,13 @@ import asyncio
 import dataclasses
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from test_learner_runtime import in_threads
 from test_syncer import SCHEMA, GateClock, Run, delta, fake, init_tensors
 from workers.toy import inner_step, make_model
 
@@ -234,12 +235,11 @@ def test_held_rounds_are_unverifiable_not_failures(mailbox: Mailbox) -> None:
 def learner_run(url: str, alg: DiLoCo, steps: int, learners: int = 2,
                 standard: bool = False) -> None:
     """`learners` Learner threads train the toy model for `steps` steps on `url`."""
-    errors: list[BaseException] = []
     models = [make_model() for _ in range(learners)]
     ready = threading.Barrier(learners)
 
-    def work(w: int) -> None:
-        try:
+    def work(w: int) -> Callable[[], None]:
+        def go() -> None:
             model = models[w]
             learner = Learner(TorchAdapter(model), alg, url, f"learner-{w}",
                               poll_interval=0.01, lease_every=5.0, lease_timeout=30.0)
@@ -252,16 +252,10 @@ def learner_run(url: str, alg: DiLoCo, steps: int, learners: int = 2,
                 inner_step(model, opt, w, step)
                 learner.step(5)
             learner.close()
-        except BaseException as exc:  # re-raised in the test thread
-            errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(w,)) for w in range(learners)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    if errors:
-        raise errors[0]
+        return go
+
+    in_threads(*(work(w) for w in range(learners)))
 
 
 def records_of(mailbox: Mailbox) -> list[RoundRecord]:
