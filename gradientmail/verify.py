@@ -274,6 +274,8 @@ def compare_round(rec: RoundRecord, alg: Algorithm, derived: Derived,
     state = res.state
     if rec.version != state.version:
         miss("version", f"recorded {rec.version}, re-derived {state.version}")
+    # The re-derived theta's digest, which a step and an update both record (one SHA-256).
+    digest = theta_digest(state.theta, derived.names) if rec.step or rec.update else ""
     if (rec.step is None) != (res.step is None):
         miss("step", f"the record {'has no' if rec.step is None else 'has a'} step; the run's "
              f"algorithm {'replicates' if alg.replicated else 'does not replicate'} the "
@@ -283,7 +285,6 @@ def compare_round(rec: RoundRecord, alg: Algorithm, derived: Derived,
             miss("step", f"recorded format {rec.step.format} rule {rec.step.rule}, re-derived "
                  f"format {res.step_format} rule {res.rule}")
         _payload(miss, "step", stored, res.step)
-        digest = theta_digest(state.theta, derived.names)
         if digest != rec.step.theta_sha256:
             miss("theta digest", f"recorded {rec.step.theta_sha256[:16]}…, the re-derived "
                  f"theta gives {digest[:16]}…")
@@ -303,7 +304,6 @@ def compare_round(rec: RoundRecord, alg: Algorithm, derived: Derived,
             miss("update", f"recorded format {rec.update.format}, the run's commit_dtype is "
                  f"{alg.commit_dtype}")
         _payload(miss, "update", stored, res.update)
-        digest = theta_digest(state.theta, derived.names)
         if digest != rec.update.theta_sha256:
             miss("update", f"its theta digest is {rec.update.theta_sha256[:16]}…, the "
                  f"re-derived theta gives {digest[:16]}…")
