@@ -54,10 +54,10 @@ def run_arm(learners: int, rounds: int, checkpoint_every: int,
 
     from gradientmail.adapters import TorchAdapter
     from gradientmail.algorithms.diloco import DiLoCo
-    from gradientmail.learner import Learner
+    from gradientmail.learner.runtime import Learner
     from gradientmail.mailbox import MemoryMailbox
     from gradientmail.mailbox.wrappers import CountingMailbox
-    from gradientmail.protocol import Exchange
+    from gradientmail.run.protocol import Exchange
 
     torch.set_num_threads(1)
     name = f"bytes-{learners}-{checkpoint_every}-{os.getpid()}"

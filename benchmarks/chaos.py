@@ -113,7 +113,7 @@ def _slot_worker(job: SlotJob) -> None:
     import torch
 
     from gradientmail.adapters import TorchAdapter
-    from gradientmail.learner import Learner
+    from gradientmail.learner.runtime import Learner
 
     torch.set_num_threads(1)
     cs, s, wd = job.cs, job.cs.model, Path(job.workdir)
@@ -231,7 +231,7 @@ def _steps_logged(workdir: Path, run: str, slot: int) -> list[tuple[int, float, 
 
 def _newest_closer(box: Path) -> str | None:
     from gradientmail.mailbox import LocalMailbox
-    from gradientmail.protocol import Exchange
+    from gradientmail.run.protocol import Exchange
 
     async def go() -> str | None:
         ex = Exchange(LocalMailbox(box))
@@ -318,8 +318,8 @@ def audit(box: Path, cs: ChaosSettings) -> dict[str, Any]:
     from gradientmail.algorithms.registry import algorithm_from_json
     from gradientmail.errors import GradientmailError
     from gradientmail.mailbox import LocalMailbox
-    from gradientmail.protocol import Exchange, round_key
-    from gradientmail.replica import Replica
+    from gradientmail.run.protocol import Exchange, round_key
+    from gradientmail.run.replica import Replica
 
     async def go() -> dict[str, Any]:
         mailbox = LocalMailbox(box)

@@ -28,9 +28,9 @@ import ml_dtypes
 import numpy as np
 import zstandard
 
-from gradientmail.compression import decode, encode
-from gradientmail.quantization import FORMATS, dequantize, quantize
-from gradientmail.serialization import TensorBytes, pack
+from gradientmail.wire.compression import decode, encode
+from gradientmail.wire.quantization import FORMATS, dequantize, quantize
+from gradientmail.wire.serialization import TensorBytes, pack
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 GOALS = {"speed": 0.75, "ratio_F32": 1.18, "ratio_BF16": 1.45, "quantize_MBps": 1000.0}

@@ -141,7 +141,7 @@ def algorithm(arm: str, s: Settings) -> Any:
 
 
 def build_model(s: Settings, vocab: int) -> Any:
-    from gradientmail.textdata import tiny_gpt2
+    from gradientmail.app.textdata import tiny_gpt2
 
     return tiny_gpt2(vocab, n_layer=s.n_layer, n_embd=s.n_embd, n_head=s.n_head,
                      n_positions=s.block, seed=s.seed)
@@ -153,7 +153,7 @@ def prepare_data(s: Settings, workdir: Path) -> tuple[int, int]:
     workers; returns (vocabulary, training tokens)."""
     import torch
 
-    from gradientmail.textdata import read_budget, stdlib_corpus, token_blocks, train_tokenizer
+    from gradientmail.app.textdata import read_budget, stdlib_corpus, token_blocks, train_tokenizer
 
     train = read_budget(stdlib_corpus("train"), s.text_budget)
     val = read_budget(stdlib_corpus("val"), max(s.text_budget // 10, 50_000))
@@ -211,7 +211,7 @@ def _worker(job: Job) -> None:
     if arm.kind == "learner":
         from gradientmail.adapters import TorchAdapter
         from gradientmail.events import Event, SnapshotPublished
-        from gradientmail.learner import Learner
+        from gradientmail.learner.runtime import Learner
 
         def on_event(e: Event) -> None:
             if isinstance(e, SnapshotPublished):
@@ -320,7 +320,7 @@ def _free_port() -> int:
 
 #: Imported once by the fork server, so a worker starts in a fraction of a second instead
 #: of importing torch and transformers again (seconds of CPU each on a small machine).
-PRELOAD = ["torch", "transformers.models.gpt2.modeling_gpt2", "gradientmail.learner",
+PRELOAD = ["torch", "transformers.models.gpt2.modeling_gpt2", "gradientmail.learner.runtime",
            "gradientmail.adapters.torch", "accelerate"]
 
 
@@ -382,8 +382,8 @@ def committed_state(box: Path, upto: int) -> dict[str, Any]:
     """The committed parameters as of round `upto`: each fragment's newest theta then."""
     from gradientmail.adapters.torch import to_torch
     from gradientmail.mailbox import LocalMailbox
-    from gradientmail.protocol import Exchange
-    from gradientmail.replica import state_at
+    from gradientmail.run.protocol import Exchange
+    from gradientmail.run.replica import state_at
 
     async def go() -> dict[str, Any]:
         ex = Exchange(LocalMailbox(box))
@@ -401,7 +401,7 @@ def committed_state(box: Path, upto: int) -> dict[str, Any]:
 
 def records_of(box: Path) -> list[Any]:
     from gradientmail.mailbox import LocalMailbox
-    from gradientmail.protocol import Exchange
+    from gradientmail.run.protocol import Exchange
 
     return asyncio.run(Exchange(LocalMailbox(box)).rounds_after(-1))
 

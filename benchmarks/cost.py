@@ -14,7 +14,7 @@ and counts only that learner's requests, through a CountingMailbox:
   where the run uploads it with every commit);
 - its lease loop as `Mailman._lease_loop` runs it: a beat (PUT + free DELETE) per lease
   period, one GET of the roll call (`rollcall.json`) every `READ_EVERY` polls, and a beat
-  for each call it answers (`gradientmail.rollcall.reply`);
+  for each call it answers (`gradientmail.run.rollcall.reply`);
 - its embedded closer: the real `Syncer(embedded=True)`, which watches a round closely
   only when it is the round's preferred closer (1 in N rounds) and closes those rounds
   (claim, contributions, step, record, sweep; theta and outer state every 20 versions),
@@ -50,17 +50,17 @@ import numpy as np
 from gradientmail import events as ev
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.clock import FakeClock
-from gradientmail.learner import BACKUP_EVERY
-from gradientmail.lease import LeaseTracker
+from gradientmail.learner.mailman import MANIFEST_EVERY
+from gradientmail.learner.runtime import BACKUP_EVERY
 from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox, RequestCounts
-from gradientmail.mailman import MANIFEST_EVERY
-from gradientmail.protocol import Exchange
-from gradientmail.records import Manifest
-from gradientmail.rollcall import READ_EVERY, Call, reply
-from gradientmail.serialization import Schema, TensorBytes
-from gradientmail.syncer import Syncer
-from gradientmail.syncer_state import preferred_closer
+from gradientmail.run.lease import LeaseTracker
+from gradientmail.run.protocol import Exchange
+from gradientmail.run.rollcall import READ_EVERY, Call, reply
+from gradientmail.syncer.runtime import Syncer
+from gradientmail.syncer.state import preferred_closer
+from gradientmail.wire.records import Manifest
+from gradientmail.wire.serialization import Schema, TensorBytes
 
 HOUR = 3600.0
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"

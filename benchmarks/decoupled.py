@@ -95,7 +95,7 @@ def _worker(case: Case) -> None:
 
     from gradientmail.adapters import TorchAdapter
     from gradientmail.events import Event, RoundRecorded
-    from gradientmail.learner import Learner
+    from gradientmail.learner.runtime import Learner
 
     torch.set_num_threads(1)
     s, wd = case.settings, Path(case.workdir)

@@ -32,7 +32,7 @@ import torch
 
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo
-from gradientmail.learner import Learner
+from gradientmail.learner.runtime import Learner
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
@@ -194,7 +194,7 @@ def main() -> None:
         proc = None
         if closer == "process":
             proc = subprocess.Popen(
-                [sys.executable, "-m", "gradientmail.cli", "sync", box, "--poll-interval",
+                [sys.executable, "-m", "gradientmail.app.cli", "sync", box, "--poll-interval",
                  "0.2", "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         rss1 = rss_mib()
         plain, gm = [], []

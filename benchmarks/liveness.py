@@ -74,7 +74,7 @@ def _worker(job: Job) -> None:
     from gradientmail import events as ev
     from gradientmail.adapters import TorchAdapter
     from gradientmail.algorithms.diloco import DiLoCo
-    from gradientmail.learner import Learner
+    from gradientmail.learner.runtime import Learner
 
     torch.set_num_threads(1)
     s, wd = job.settings, Path(job.workdir)

@@ -27,12 +27,12 @@ import numpy as np
 
 from gradientmail.algorithms.schedule import Estimates
 from gradientmail.clock import FakeClock
-from gradientmail.lease import LeaseTracker
 from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox, RequestCounts
-from gradientmail.protocol import Exchange
-from gradientmail.records import Participant, RoundRecord
-from gradientmail.serialization import TensorBytes
+from gradientmail.run.lease import LeaseTracker
+from gradientmail.run.protocol import Exchange
+from gradientmail.wire.records import Participant, RoundRecord
+from gradientmail.wire.serialization import TensorBytes
 
 __all__ = ["PATTERNS", "Pattern", "per_learner_hour", "polling_requests"]
 

@@ -37,7 +37,7 @@ from gradientmail.algorithms import Aggregator, Contribution, FragmentState
 from gradientmail.algorithms.diloco import DiLoCo, Rda, WeightedMean
 from gradientmail.backends import NumpyBackend
 from gradientmail.backends.base import Backend
-from gradientmail.serialization import ParameterSpec, Schema, TensorBytes
+from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 

@@ -31,13 +31,13 @@ from pathlib import Path
 import numpy as np
 
 from gradientmail.algorithms.diloco import DiLoCo, Rda
+from gradientmail.app.verify import Verifier
 from gradientmail.events import Event, RoundClosed
 from gradientmail.mailbox import MemoryMailbox
-from gradientmail.protocol import Exchange
-from gradientmail.records import Manifest
-from gradientmail.serialization import ParameterSpec, Schema, TensorBytes
-from gradientmail.syncer import Syncer
-from gradientmail.verify import Verifier
+from gradientmail.run.protocol import Exchange
+from gradientmail.syncer.runtime import Syncer
+from gradientmail.wire.records import Manifest
+from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 

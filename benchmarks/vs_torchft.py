@@ -216,7 +216,7 @@ def _gradientmail_worker(job: Job, model: Any, opt: Any, batches: Iterator[Any])
 
     from gradientmail.adapters import TorchAdapter
     from gradientmail.events import Event, RoundRecorded, log_events
-    from gradientmail.learner import Learner
+    from gradientmail.learner.runtime import Learner
     from gradientmail.mailbox.wrappers import CountingMailbox
 
     closers: dict[int, str] = {}
@@ -349,7 +349,7 @@ def _torchft_worker(job: Job, model: Any, opt: Any, batches: Iterator[Any]) -> N
 
 
 #: Imported once by the fork server, so that a worker starts in a fraction of a second.
-PRELOAD = ["torch", "transformers.models.gpt2.modeling_gpt2", "gradientmail.learner",
+PRELOAD = ["torch", "transformers.models.gpt2.modeling_gpt2", "gradientmail.learner.runtime",
            "gradientmail.adapters.torch"]
 
 

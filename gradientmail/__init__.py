@@ -7,11 +7,11 @@ coordination.
 """
 
 from gradientmail.algorithms.diloco import ByBytes, DiLoCo, Rda, Strided, WeightedMean
-from gradientmail.committed import load_committed
 from gradientmail.errors import GradientmailError
-from gradientmail.learner import Learner
+from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import open_mailbox
-from gradientmail.syncer import Syncer
+from gradientmail.run.committed import load_committed
+from gradientmail.syncer.runtime import Syncer
 
 __version__ = "0.1.0"
 

@@ -40,9 +40,9 @@ from typing import Any
 from gradientmail.algorithms.diloco import ByBytes, DiLoCo, Rda, Strided, WeightedMean
 from gradientmail.algorithms.merge import Merge
 from gradientmail.algorithms.partition import Partition
-from gradientmail.auth import RUN_KEY_VARIABLE, env_run_key
 from gradientmail.errors import ConfigError, MissingExtra
 from gradientmail.mailbox.base import Mailbox
+from gradientmail.wire.auth import RUN_KEY_VARIABLE, env_run_key
 
 __all__ = [
     "DEFAULT_ALGORITHM",

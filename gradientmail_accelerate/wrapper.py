@@ -46,7 +46,7 @@ from gradientmail.integration import (
     TorchRanks,
     count_tokens,
 )
-from gradientmail.learner import Learner
+from gradientmail.learner.runtime import Learner
 from gradientmail_accelerate.plugin import DiLoCoPlugin
 
 __all__ = ["STATE_VERSION", "DiLoCo", "count_tokens"]

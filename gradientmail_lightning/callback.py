@@ -50,7 +50,7 @@ from gradientmail.integration import (
     count_tokens,
     output_loss,
 )
-from gradientmail.learner import Learner
+from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox.base import Mailbox
 
 __all__ = [

@@ -23,9 +23,9 @@ from safetensors.numpy import load_file
 from gradientmail.algorithms.diloco import DiLoCo as Config
 from gradientmail.algorithms.diloco import WeightedMean
 from gradientmail.mailbox import LocalMailbox
-from gradientmail.protocol import Exchange
-from gradientmail.records import RoundRecord
-from gradientmail.replica import state_at
+from gradientmail.run.protocol import Exchange
+from gradientmail.run.replica import state_at
+from gradientmail.wire.records import RoundRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "accelerate_worker.py"

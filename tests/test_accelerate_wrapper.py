@@ -18,8 +18,8 @@ from gradientmail.algorithms.diloco import DiLoCo as Config
 from gradientmail.errors import AuthenticationError, ConfigError, SchemaMismatch
 from gradientmail.events import Event, LeaseReleased
 from gradientmail.mailbox import LocalMailbox
-from gradientmail.protocol import Exchange
-from gradientmail.records import RoundRecord
+from gradientmail.run.protocol import Exchange
+from gradientmail.wire.records import RoundRecord
 from gradientmail_accelerate import DiLoCo, DiLoCoPlugin
 
 STANDARD = Config.standard(sync_every=4, learners=1)

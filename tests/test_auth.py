@@ -22,7 +22,13 @@ from gradientmail import events as ev
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
 from gradientmail.algorithms.schedule import Estimates
-from gradientmail.auth import (
+from gradientmail.app.cli import main
+from gradientmail.errors import AuthenticationError, ConfigError
+from gradientmail.learner.runtime import Learner
+from gradientmail.mailbox import LocalMailbox, Mailbox, MemoryMailbox
+from gradientmail.run.protocol import MANIFEST_KEY, Exchange, PlainSeal, round_key
+from gradientmail.syncer.runtime import Syncer
+from gradientmail.wire.auth import (
     MAX_SEALED_BYTES,
     HmacSeal,
     check_run_key,
@@ -30,14 +36,8 @@ from gradientmail.auth import (
     key_fingerprint,
     short_fingerprint,
 )
-from gradientmail.cli import main
-from gradientmail.errors import AuthenticationError, ConfigError
-from gradientmail.learner import Learner
-from gradientmail.mailbox import LocalMailbox, Mailbox, MemoryMailbox
-from gradientmail.protocol import MANIFEST_KEY, Exchange, PlainSeal, round_key
-from gradientmail.records import CreationClaim, Manifest, RoundRecord
-from gradientmail.serialization import TensorBytes
-from gradientmail.syncer import Syncer
+from gradientmail.wire.records import CreationClaim, Manifest, RoundRecord
+from gradientmail.wire.serialization import TensorBytes
 
 KEY = b"0123456789abcdef0123456789abcdef"
 OTHER = b"fedcba9876543210fedcba9876543210"

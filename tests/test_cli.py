@@ -27,12 +27,12 @@ from test_syncer import Run, algorithm
 
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
-from gradientmail.cli import main
-from gradientmail.learner import Learner
+from gradientmail.app.cli import main
+from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import LocalMailbox
-from gradientmail.protocol import Exchange, round_key
-from gradientmail.replica import state_at
-from gradientmail.serialization import unpack
+from gradientmail.run.protocol import Exchange, round_key
+from gradientmail.run.replica import state_at
+from gradientmail.wire.serialization import unpack
 
 H, FRAGMENTS, STEPS, LEARNERS = 4, 2, 12, 2
 REPO = Path(__file__).resolve().parent.parent
@@ -209,7 +209,7 @@ def test_export_loads_into_the_model_and_equals_the_learners(
 
 
 def unpack_meta(path: Path) -> tuple[Any, dict[str, str]]:
-    from gradientmail.serialization import unpack_with_metadata
+    from gradientmail.wire.serialization import unpack_with_metadata
 
     return unpack_with_metadata(path.read_bytes())
 
@@ -321,7 +321,7 @@ def test_sync_closes_a_published_round_and_stops_cleanly(
     directory = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gradientmail.cli", "sync", str(directory),
+        [sys.executable, "-m", "gradientmail.app.cli", "sync", str(directory),
          "--poll-interval", "0.05", "--closer-id", "cli-sync"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -390,8 +390,8 @@ def test_status_and_export_on_s3_with_an_endpoint_option_or_the_environment(
 
 
 def test_demo_takes_the_outlier_factor(capsys: pytest.CaptureFixture[str]) -> None:
-    from gradientmail.cli import build_parser, demo_config
-    from gradientmail.demo import _algorithm
+    from gradientmail.app.cli import build_parser, demo_config
+    from gradientmail.app.demo import _algorithm
 
     args = build_parser().parse_args(["demo", "--learners", "2", "--outlier-factor", "3.5"])
     assert _algorithm(demo_config(args)).outlier_factor == 3.5

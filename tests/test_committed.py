@@ -11,10 +11,10 @@ import gradientmail
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
 from gradientmail.errors import AuthenticationError, ConfigError, SchemaMismatch
-from gradientmail.learner import Learner
+from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import LocalMailbox
-from gradientmail.protocol import Exchange
-from gradientmail.replica import newest_model
+from gradientmail.run.protocol import Exchange
+from gradientmail.run.replica import newest_model
 
 KEY = "a run key of sixteen bytes or more"
 

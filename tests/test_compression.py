@@ -13,7 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from gradientmail.compression import (
+from gradientmail.errors import (
+    ConfigError,
+    CorruptPayload,
+    MissingExtra,
+    RemoteProtocolError,
+)
+from gradientmail.wire.compression import (
     COMPRESSIONS,
     DEFAULT_MAX_BYTES,
     SHUFFLE_KEY,
@@ -26,14 +32,8 @@ from gradientmail.compression import (
     size_bound,
     unshuffle,
 )
-from gradientmail.errors import (
-    ConfigError,
-    CorruptPayload,
-    MissingExtra,
-    RemoteProtocolError,
-)
-from gradientmail.quantization import FORMATS, dequantize, quantize, roundtrip
-from gradientmail.serialization import ParameterSpec, Schema, TensorBytes, pack
+from gradientmail.wire.quantization import FORMATS, dequantize, quantize, roundtrip
+from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes, pack
 
 
 def golden_tensors() -> dict[str, TensorBytes]:

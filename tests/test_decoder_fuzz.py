@@ -21,10 +21,10 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradientmail.compression import COMPRESSIONS, SHUFFLE_KEY, decode, encode
 from gradientmail.errors import CorruptPayload, GradientmailError
-from gradientmail.quantization import FORMATS, dequantize, quantize
-from gradientmail.serialization import TensorBytes, unpack
+from gradientmail.wire.compression import COMPRESSIONS, SHUFFLE_KEY, decode, encode
+from gradientmail.wire.quantization import FORMATS, dequantize, quantize
+from gradientmail.wire.serialization import TensorBytes, unpack
 
 KEY = "payloads/00000042/learner-7.safetensors"
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gradientmail.cli import main
-from gradientmail.demo import DemoConfig, run_demo
+from gradientmail.app.cli import main
+from gradientmail.app.demo import DemoConfig, run_demo
 from gradientmail.errors import ConfigError
 
 

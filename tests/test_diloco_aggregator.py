@@ -36,8 +36,8 @@ from gradientmail.errors import (
     RemoteProtocolError,
     SchemaMismatch,
 )
-from gradientmail.quantization import dequantize
-from gradientmail.serialization import ParameterSpec, Schema, TensorBytes
+from gradientmail.wire.quantization import dequantize
+from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
 
 NP, TORCH = NumpyBackend(), TorchBackend()
 SHAPES = {"wte.embed": (40, 16), "h.0.attn": (16, 48), "h.0.bias": (48,), "ln.w": (16,)}

@@ -20,7 +20,7 @@ from gradientmail.algorithms.diloco import (
     plan,
 )
 from gradientmail.errors import ConfigError, RemoteProtocolError
-from gradientmail.serialization import ParameterSpec, Schema
+from gradientmail.wire.serialization import ParameterSpec, Schema
 
 # -- validation ------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from gradientmail.algorithms.merge import (
 from gradientmail.backends import NumpyBackend, TorchBackend
 from gradientmail.backends.base import Backend, Value
 from gradientmail.errors import ConfigError
-from gradientmail.serialization import TensorBytes
+from gradientmail.wire.serialization import TensorBytes
 
 NP = NumpyBackend()
 

@@ -19,25 +19,25 @@ import pytest
 import torch
 from test_syncer import SCHEMA, Run, algorithm, delta
 
-from gradientmail import learner_state as ls
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.algorithms.schedule import Estimates, RoundSchedule
-from gradientmail.cli import main
-from gradientmail.demo import DemoConfig, run_demo
-from gradientmail.errors import MissingExtra
-from gradientmail.history import (
+from gradientmail.app.cli import main
+from gradientmail.app.demo import DemoConfig, run_demo
+from gradientmail.app.history import (
     COLUMNS,
     history_rows,
     plot_history,
     plot_series,
     read_history,
 )
+from gradientmail.errors import MissingExtra
 from gradientmail.integration import LossMean, output_loss
-from gradientmail.learner import Learner
+from gradientmail.learner import state as ls
+from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import LocalMailbox, MemoryMailbox
-from gradientmail.protocol import Exchange
-from gradientmail.records import (
+from gradientmail.run.protocol import Exchange
+from gradientmail.wire.records import (
     Arrival,
     Dropped,
     Participant,

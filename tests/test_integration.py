@@ -26,9 +26,9 @@ from gradientmail.integration import (
     count_tokens,
     per_process_batch,
 )
-from gradientmail.learner import Learner
+from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import MemoryMailbox
-from gradientmail.protocol import Exchange
+from gradientmail.run.protocol import Exchange
 
 FAST: dict[str, Any] = {"poll_interval": 0.01, "lease_every": 2.0, "lease_timeout": 6.0}
 

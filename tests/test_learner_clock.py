@@ -15,7 +15,7 @@ from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
 from gradientmail.clock import FakeClock
 from gradientmail.errors import GradientmailError
-from gradientmail.learner import Learner
+from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import FaultPlan, FaultyMailbox, Mailbox, MemoryMailbox
 
 

@@ -18,7 +18,7 @@ from workers.toy import inner_step, make_model
 
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
-from gradientmail.learner import Learner
+from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import Mailbox, S3Mailbox
 
 H, ROUNDS, LEARNERS, INNER_LR = 3, 4, 2, 0.05

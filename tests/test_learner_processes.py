@@ -17,7 +17,7 @@ import torch
 from test_learner_oracle import ROUNDS, H, oracle
 
 from gradientmail.mailbox import LocalMailbox
-from gradientmail.protocol import Exchange
+from gradientmail.run.protocol import Exchange
 
 WORKER = Path(__file__).resolve().parent / "workers" / "learner_proc.py"
 

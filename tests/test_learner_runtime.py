@@ -16,12 +16,12 @@ from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
 from gradientmail.clock import FakeClock
 from gradientmail.errors import GradientmailError, RunConfigMismatch, SchemaMismatch
-from gradientmail.learner import Learner
+from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import FaultPlan, FaultyMailbox, Mailbox, MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox
-from gradientmail.protocol import Exchange
-from gradientmail.records import RoundRecord
-from gradientmail.replica import state_at
+from gradientmail.run.protocol import Exchange
+from gradientmail.run.replica import state_at
+from gradientmail.wire.records import RoundRecord
 
 FAST = {"poll_interval": 0.005, "lease_every": 5.0, "lease_timeout": 30.0}
 
@@ -702,7 +702,7 @@ def test_a_learner_whose_run_vanished_stops_with_an_error_naming_it(tmp_path: An
 
 
 def test_a_blocked_learner_looks_for_its_commit_sooner_backing_off() -> None:
-    from gradientmail.mailman import poll_delay
+    from gradientmail.learner.mailman import poll_delay
 
     assert poll_delay(1.0, 0) == 1.0  # training: the poll interval
     # Doubling up to 0.05 s: a barrier's learner sees its commit within 0.05 s.
@@ -814,7 +814,7 @@ def test_a_run_of_a_model_with_embeddings_names_them_in_its_merge() -> None:
     """The creator's adapter names GPT-2's `wte` and `wpe` (embedding modules): the run's
     algorithm carries them, so every closer averages them by weight; a learner of the same
     model joins (its configuration resolves alike)."""
-    from gradientmail.textdata import tiny_gpt2
+    from gradientmail.app.textdata import tiny_gpt2
 
     mailbox = MemoryMailbox()
     learners = []

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from gradientmail.algorithms.schedule import RoundSchedule
-from gradientmail.learner_state import (
+from gradientmail.learner.state import (
     FragmentCounters,
     LearnerState,
     Publish,

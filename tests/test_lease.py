@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradientmail.errors import ConfigError, LocalProtocolError
-from gradientmail.lease import LeaseTracker, lease_counters, lease_key
+from gradientmail.run.lease import LeaseTracker, lease_counters, lease_key
 
 
 def test_first_seen_is_live_until_timeout() -> None:

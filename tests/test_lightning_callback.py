@@ -26,9 +26,9 @@ from gradientmail import events as ev
 from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
 from gradientmail.errors import AuthenticationError, ConfigError, RunConfigMismatch
 from gradientmail.mailbox import LocalMailbox
-from gradientmail.protocol import Exchange
-from gradientmail.records import RoundRecord
-from gradientmail.replica import state_at
+from gradientmail.run.protocol import Exchange
+from gradientmail.run.replica import state_at
+from gradientmail.wire.records import RoundRecord
 from gradientmail_lightning import DiLoCoCallback
 from gradientmail_lightning.callback import (
     PROGRESS_BAR,

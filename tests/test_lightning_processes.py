@@ -26,10 +26,10 @@ from safetensors.torch import load_file
 
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo
-from gradientmail.learner import Learner
+from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import LocalMailbox, Mailbox, S3Mailbox
-from gradientmail.protocol import Exchange
-from gradientmail.replica import state_at
+from gradientmail.run.protocol import Exchange
+from gradientmail.run.replica import state_at
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = ROOT / "tests" / "workers"

@@ -20,24 +20,25 @@ import torch
 from test_learner_runtime import Recorder, wait_for
 from test_syncer import SCHEMA, Run, algorithm
 
-from gradientmail import compression as codec
 from gradientmail import events as ev
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
 from gradientmail.algorithms.schedule import Estimates
-from gradientmail.auth import MAX_SEALED_BYTES, HmacSeal
 from gradientmail.errors import (
     AuthenticationError,
     CorruptPayload,
     LocalProtocolError,
     RemoteProtocolError,
 )
-from gradientmail.learner import Learner
-from gradientmail.lease import lease_counters
+from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import MemoryMailbox
-from gradientmail.protocol import Exchange, delta_bound, payload_bound, round_key
-from gradientmail.quantization import quantize
-from gradientmail.records import (
+from gradientmail.run.lease import lease_counters
+from gradientmail.run.protocol import Exchange, delta_bound, payload_bound, round_key
+from gradientmail.syncer.runtime import Syncer
+from gradientmail.wire import compression as codec
+from gradientmail.wire.auth import MAX_SEALED_BYTES, HmacSeal
+from gradientmail.wire.quantization import quantize
+from gradientmail.wire.records import (
     MAX_MANIFEST_BYTES,
     MAX_RECORD_BYTES,
     Manifest,
@@ -47,8 +48,7 @@ from gradientmail.records import (
     SnapshotRecord,
     check_learner_id,
 )
-from gradientmail.serialization import ParameterSpec, Schema, TensorBytes
-from gradientmail.syncer import Syncer
+from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
 
 FAST: dict[str, Any] = {"poll_interval": 0.005, "lease_every": 5.0, "lease_timeout": 30.0}
 NAMES = ("w", "b")

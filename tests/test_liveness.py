@@ -22,11 +22,11 @@ from gradientmail import events as ev
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.clock import FakeClock
-from gradientmail.learner import Learner
-from gradientmail.lease import LeaseTracker
+from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import Mailbox, MemoryMailbox
-from gradientmail.protocol import Exchange
-from gradientmail.rollcall import Call, reply
+from gradientmail.run.lease import LeaseTracker
+from gradientmail.run.protocol import Exchange
+from gradientmail.run.rollcall import Call, reply
 
 # -- a syncer, learners simulated by hand ----------------------------------------------
 

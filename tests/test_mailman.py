@@ -17,12 +17,12 @@ from gradientmail import events as ev
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
 from gradientmail.clock import FakeClock
-from gradientmail.join import JoinResult
+from gradientmail.learner.mailman import Mailman
+from gradientmail.learner.messages import Observed, Outgoing
 from gradientmail.mailbox import Mailbox, MemoryMailbox
-from gradientmail.mailman import Mailman
-from gradientmail.messages import Observed, Outgoing
-from gradientmail.protocol import Exchange
-from gradientmail.records import PayloadRef, SnapshotRecord
+from gradientmail.run.join import JoinResult
+from gradientmail.run.protocol import Exchange
+from gradientmail.wire.records import PayloadRef, SnapshotRecord
 
 ALG = DiLoCo(sync_every=4, fragments=1, in_flight=1, overlap_steps=None, merge=WeightedMean())
 

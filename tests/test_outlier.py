@@ -16,8 +16,8 @@ from test_syncer import Run, algorithm, delta
 from gradientmail.algorithms.diloco import outliers
 from gradientmail.events import ContributionDropped
 from gradientmail.mailbox import MemoryMailbox
-from gradientmail.records import RoundRecord
-from gradientmail.serialization import TensorBytes
+from gradientmail.wire.records import RoundRecord
+from gradientmail.wire.serialization import TensorBytes
 
 
 def run(coro: Any) -> Any:

@@ -44,7 +44,7 @@ def test_core_imports_without_frameworks() -> None:
         "import gradientmail, gradientmail.errors, gradientmail.clock, gradientmail.events\n"
         "import gradientmail.mailbox, gradientmail.algorithms.schedule\n"
         "import gradientmail.learner, gradientmail.syncer, gradientmail.protocol\n"
-        "import gradientmail.adapters, gradientmail.backends, gradientmail.compression\n"
+        "import gradientmail.adapters, gradientmail.backends, gradientmail.wire.compression\n"
         "heavy = sorted(m for m in ('torch', 'boto3', 'zstandard', 'lightning', 'accelerate')"
         " if m in sys.modules)\n"
         "print(','.join(heavy))\n"
@@ -99,10 +99,10 @@ def test_missing_extra_names_the_install_line() -> None:
 PUBLIC = {
     "gradientmail.errors": ["GradientmailError", "ProtocolError", "SchemaMismatch",
                             "RunConfigMismatch", "MissingExtra"],
-    "gradientmail.serialization": ["Schema", "ParameterSpec", "TensorBytes", "pack", "unpack",
+    "gradientmail.wire.serialization": ["Schema", "ParameterSpec", "TensorBytes", "pack", "unpack",
                                    "validate"],
-    "gradientmail.quantization": ["quantize", "dequantize"],
-    "gradientmail.compression": ["encode", "decode"],
+    "gradientmail.wire.quantization": ["quantize", "dequantize"],
+    "gradientmail.wire.compression": ["encode", "decode"],
     "gradientmail.backends": ["NumpyBackend", "TorchBackend"],
     "gradientmail.algorithms.diloco": ["plan", "weight", "weighted_mean", "rda", "nesterov",
                                        "mean_cosine", "grace_window", "DiLoCoAggregator",
@@ -110,8 +110,8 @@ PUBLIC = {
     "gradientmail.adapters": ["TorchAdapter"],
     "gradientmail.mailbox": ["Mailbox", "LocalMailbox", "S3Mailbox", "MemoryMailbox",
                              "open_mailbox"],
-    "gradientmail.learner": ["Learner"],
-    "gradientmail.syncer": ["Syncer"],
+    "gradientmail.learner.runtime": ["Learner"],
+    "gradientmail.syncer.runtime": ["Syncer"],
     "gradientmail_lightning": ["DiLoCoCallback"],
     "gradientmail_accelerate": ["DiLoCoPlugin", "DiLoCo"],
 }

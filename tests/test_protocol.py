@@ -20,10 +20,10 @@ from gradientmail.errors import (
     RemoteProtocolError,
     SchemaMismatch,
 )
-from gradientmail.lease import LeaseTracker
 from gradientmail.mailbox import Mailbox, MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox
-from gradientmail.protocol import (
+from gradientmail.run.lease import LeaseTracker
+from gradientmail.run.protocol import (
     Exchange,
     artifact_key,
     current_attempt,
@@ -32,7 +32,7 @@ from gradientmail.protocol import (
     screen_snapshot,
     screen_snapshots,
 )
-from gradientmail.records import (
+from gradientmail.wire.records import (
     Dropped,
     Manifest,
     Participant,
@@ -40,7 +40,7 @@ from gradientmail.records import (
     RoundRecord,
     SnapshotRecord,
 )
-from gradientmail.serialization import ParameterSpec, Schema, TensorBytes
+from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
 
 T = TypeVar("T")
 SCHEMA = Schema((ParameterSpec("w", "F32", (2, 3)), ParameterSpec("b", "F32", (3,))))

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from gradientmail.errors import ConfigError, CorruptPayload, NonFiniteError
-from gradientmail.quantization import (
+from gradientmail.wire.quantization import (
     BLOCK,
     FORMATS,
     bytes_per_element,
@@ -25,7 +25,7 @@ from gradientmail.quantization import (
     roundtrip,
     scale_name,
 )
-from gradientmail.serialization import TensorBytes
+from gradientmail.wire.serialization import TensorBytes
 
 BACKENDS = ("numpy", "torch")
 

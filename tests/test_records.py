@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from gradientmail.algorithms.schedule import Estimates
 from gradientmail.errors import LocalProtocolError, RemoteProtocolError
-from gradientmail.records import (
+from gradientmail.wire.records import (
     MAX_RECORD_BYTES,
     Arrival,
     CreationClaim,
@@ -28,7 +28,7 @@ from gradientmail.records import (
     check_learner_id,
     parse_json,
 )
-from gradientmail.serialization import ParameterSpec, Schema
+from gradientmail.wire.serialization import ParameterSpec, Schema
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
 KEY = "rounds/0000000007.json"

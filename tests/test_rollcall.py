@@ -8,10 +8,10 @@ import math
 import pytest
 
 from gradientmail.errors import AuthenticationError, LocalProtocolError, RemoteProtocolError
-from gradientmail.lease import LeaseTracker
 from gradientmail.mailbox import MemoryMailbox
-from gradientmail.protocol import Exchange
-from gradientmail.rollcall import (
+from gradientmail.run.lease import LeaseTracker
+from gradientmail.run.protocol import Exchange
+from gradientmail.run.rollcall import (
     CALL_KEY,
     Call,
     Judging,

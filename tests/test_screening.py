@@ -7,9 +7,9 @@ import math
 import numpy as np
 
 from gradientmail.algorithms.base import Contribution
-from gradientmail.quantization import quantize
-from gradientmail.screening import delta_norms, screen_delta
-from gradientmail.serialization import TensorBytes
+from gradientmail.syncer.screening import delta_norms, screen_delta
+from gradientmail.wire.quantization import quantize
+from gradientmail.wire.serialization import TensorBytes
 
 
 def f32(*values: float) -> TensorBytes:

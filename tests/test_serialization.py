@@ -20,7 +20,7 @@ from gradientmail.errors import (
     RemoteProtocolError,
     SchemaMismatch,
 )
-from gradientmail.serialization import (
+from gradientmail.wire.serialization import (
     DTYPES,
     STORAGE_DTYPES,
     ParameterSpec,

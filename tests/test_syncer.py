@@ -34,12 +34,12 @@ from gradientmail.events import (
 )
 from gradientmail.mailbox import Mailbox, MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox, FaultPlan, FaultyMailbox
-from gradientmail.protocol import Exchange, round_key
-from gradientmail.records import Arrival, Manifest, RoundRecord, SnapshotRecord
-from gradientmail.replica import state_at
-from gradientmail.serialization import ParameterSpec, Schema, TensorBytes
-from gradientmail.syncer import Syncer
-from gradientmail.syncer_state import ESTIMATE_DECAY, head_start
+from gradientmail.run.protocol import Exchange, round_key
+from gradientmail.run.replica import state_at
+from gradientmail.syncer.runtime import Syncer
+from gradientmail.syncer.state import ESTIMATE_DECAY, head_start
+from gradientmail.wire.records import Arrival, Manifest, RoundRecord, SnapshotRecord
+from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
 
 T = TypeVar("T")
 SCHEMA = Schema((ParameterSpec("w", "F32", (2, 3)), ParameterSpec("b", "F32", (3,))))

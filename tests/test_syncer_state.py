@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from gradientmail.algorithms.schedule import Estimates
-from gradientmail.syncer_state import (
+from gradientmail.syncer.state import (
     PollDecision,
     PollView,
     RoundWatch,

@@ -1,4 +1,4 @@
-"""gradientmail.textdata: the stdlib corpus, reading files, the cached BPE tokenizer,
+"""gradientmail.app.textdata: the stdlib corpus, reading files, the cached BPE tokenizer,
 token blocks and the tiny GPT-2 — all offline."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 # Before any Hugging Face import: they read it once. Tests never download.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from gradientmail import textdata as td
+from gradientmail.app import textdata as td
 from gradientmail.errors import ConfigError
 
 DOCS = [
@@ -27,7 +27,7 @@ DOCS = [
 
 def test_import_needs_no_framework() -> None:
     code = (
-        "import sys, gradientmail.textdata\n"
+        "import sys, gradientmail.app.textdata\n"
         "print(sorted(m for m in ('torch', 'transformers', 'tokenizers', 'datasets')"
         " if m in sys.modules))"
     )

@@ -24,20 +24,20 @@ from test_learner_runtime import in_threads
 from test_syncer import SCHEMA, GateClock, Run, delta, fake, init_tensors
 from workers.toy import inner_step, make_model
 
-import gradientmail.syncer as syncer_module
+import gradientmail.syncer.runtime as syncer_module
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo, Rda, WeightedMean
-from gradientmail.auth import HmacSeal, key_fingerprint
-from gradientmail.cli import main
+from gradientmail.app.cli import main
+from gradientmail.app.verify import Report, first_difference, format_report, verify_run
 from gradientmail.errors import RemoteProtocolError
-from gradientmail.keyspace import audit_floor, plan_sweep
-from gradientmail.learner import Learner
+from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import LocalMailbox, Mailbox, MemoryMailbox
 from gradientmail.mailbox.wrappers import FaultPlan, FaultyMailbox
-from gradientmail.protocol import Exchange, round_key
-from gradientmail.quantization import quantize
-from gradientmail.records import Estimates, Manifest, RoundRecord
-from gradientmail.verify import Report, first_difference, format_report, verify_run
+from gradientmail.run.keyspace import audit_floor, plan_sweep
+from gradientmail.run.protocol import Exchange, round_key
+from gradientmail.wire.auth import HmacSeal, key_fingerprint
+from gradientmail.wire.quantization import quantize
+from gradientmail.wire.records import Estimates, Manifest, RoundRecord
 
 KEY = "a-run-key-for-the-tests-0123456789"
 OTHER_KEY = "another-key-nobody-should-use-9876543210"
@@ -406,7 +406,7 @@ def test_a_closer_that_drops_a_contribution_as_stale_is_caught(
 
 
 def test_first_difference_names_the_entry_and_the_element() -> None:
-    from gradientmail.serialization import TensorBytes
+    from gradientmail.wire.serialization import TensorBytes
 
     a = TensorBytes.from_numpy(torch.arange(6, dtype=torch.float32).reshape(2, 3).numpy())
     b = TensorBytes.from_numpy((torch.arange(6, dtype=torch.float32)
@@ -468,7 +468,7 @@ def test_keep_rounds_is_written_only_when_set() -> None:
 
 
 def _record(round_: int, fragment: int, version: int) -> RoundRecord:
-    from gradientmail.records import PayloadRef, StepRef
+    from gradientmail.wire.records import PayloadRef, StepRef
 
     ref = PayloadRef(f"steps/{fragment}/{version:010d}-000000.safetensors", 1, "0" * 64)
     return RoundRecord(round_, fragment, version, None, None, None, (), Estimates(), None, (),

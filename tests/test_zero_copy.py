@@ -16,9 +16,9 @@ from gradientmail.algorithms import Contribution
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.backends import NumpyBackend, TorchBackend
 from gradientmail.backends.pool import MIN_POOLED_BYTES, BufferPool
-from gradientmail.compression import decode, encode
 from gradientmail.errors import ConfigError
-from gradientmail.serialization import ParameterSpec, Schema, TensorBytes, pack, unpack
+from gradientmail.wire.compression import decode, encode
+from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes, pack, unpack
 
 # Large enough that the backends take their outputs from the pool.
 BIG = (512, 1024)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from gradientmail.serialization import Schema, TensorBytes
+from gradientmail.wire.serialization import Schema, TensorBytes
 
 __all__ = ["Adapter"]
 

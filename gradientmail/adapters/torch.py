@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from gradientmail.errors import ConfigError, SchemaMismatch
-from gradientmail.serialization import ParameterSpec, Schema, TensorBytes
+from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
 
 __all__ = ["TorchAdapter", "from_torch", "to_torch"]
 

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from gradientmail.algorithms.schedule import Estimates, RoundSchedule
 from gradientmail.backends.base import Backend
 from gradientmail.errors import ConfigError, RemoteProtocolError
-from gradientmail.serialization import STORAGE_DTYPES, Schema, TensorBytes
+from gradientmail.wire.serialization import STORAGE_DTYPES, Schema, TensorBytes
 
 if TYPE_CHECKING:
-    from gradientmail.records import Participant
+    from gradientmail.wire.records import Participant
 
 __all__ = [
     "MASTER_PREFIX",

@@ -55,8 +55,8 @@ from gradientmail.errors import (
     RemoteProtocolError,
     SchemaMismatch,
 )
-from gradientmail.records import Participant
-from gradientmail.serialization import Schema, TensorBytes, validate
+from gradientmail.wire.records import Participant
+from gradientmail.wire.serialization import Schema, TensorBytes, validate
 
 __all__ = [
     "FORMAT_VERSION",
@@ -624,7 +624,7 @@ class DiLoCoAggregator:
         fmt = self.config.commit_dtype
         if fmt is None:
             return new_master.to_bytes(old.dtype)
-        from gradientmail.quantization import dequantize, quantize
+        from gradientmail.wire.quantization import dequantize, quantize
 
         be = self.backend
         theta_old = be.load(old)

@@ -14,7 +14,7 @@ from gradientmail.algorithms.base import FragmentState
 from gradientmail.backends.base import Backend, Value
 from gradientmail.backends.numpy_backend import NumpyBackend
 from gradientmail.errors import ConfigError, NonFiniteError, RemoteProtocolError
-from gradientmail.serialization import TensorBytes
+from gradientmail.wire.serialization import TensorBytes
 
 __all__ = [
     "STEP_RULES",
@@ -34,7 +34,7 @@ def rebuild_theta(
 ) -> dict[str, TensorBytes]:
     """Θ_new from Θ_old and a commit's quantized update: to_dtype(Θ_old + dequantize(u)),
     in float32, each tensor back in Θ_old's dtype. The closer publishes exactly this."""
-    from gradientmail.quantization import dequantize
+    from gradientmail.wire.quantization import dequantize
 
     be = NumpyBackend() if backend is None else backend
     return {
@@ -60,7 +60,7 @@ def merged_step(name: str, merged: TensorBytes, fmt: str) -> dict[str, TensorByt
     """The entries that carry tensor `name` of a merged Δ (F32) in format `fmt`."""
     if fmt == "F32":
         return {name: merged}
-    from gradientmail.quantization import quantize
+    from gradientmail.wire.quantization import quantize
 
     return quantize(name, merged, fmt, backend="numpy")
 
@@ -82,7 +82,7 @@ def apply_step(
     Raises `ConfigError` (an unknown rule), `RemoteProtocolError` (entries missing or
     mis-shaped) and `NonFiniteError` (an outer step that overflows float32).
     """
-    from gradientmail.quantization import dequantize
+    from gradientmail.wire.quantization import dequantize
 
     if rule not in STEP_RULES:
         raise ConfigError(f"rule={rule!r} must be one of {STEP_RULES}")

@@ -16,7 +16,7 @@ import re
 from typing import Any
 
 from gradientmail.errors import ConfigError, RemoteProtocolError
-from gradientmail.serialization import Schema
+from gradientmail.wire.serialization import Schema
 
 __all__ = ["ByBytes", "Partition", "Strided", "partition_from_json", "plan"]
 

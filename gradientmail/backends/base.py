@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from gradientmail.serialization import TensorBytes
+from gradientmail.wire.serialization import TensorBytes
 
 __all__ = ["Backend", "Value"]
 

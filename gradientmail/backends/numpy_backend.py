@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from gradientmail.backends.pool import DEFAULT_POOL_BYTES, BufferPool
 from gradientmail.errors import ConfigError
-from gradientmail.serialization import STORAGE_DTYPES, TensorBytes
+from gradientmail.wire.serialization import STORAGE_DTYPES, TensorBytes
 
 __all__ = ["NumpyBackend", "NumpyValue", "f32", "f32_to_bf16_bits"]
 

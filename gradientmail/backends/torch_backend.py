@@ -21,7 +21,7 @@ import torch
 from gradientmail.backends.numpy_backend import f32
 from gradientmail.backends.pool import DEFAULT_POOL_BYTES, BufferPool
 from gradientmail.errors import ConfigError
-from gradientmail.serialization import STORAGE_DTYPES, TensorBytes
+from gradientmail.wire.serialization import STORAGE_DTYPES, TensorBytes
 
 __all__ = ["TorchBackend", "TorchValue"]
 

@@ -26,7 +26,7 @@ from gradientmail.errors import GradientmailError
 from gradientmail.integration.batches import BatchSizeHook
 from gradientmail.integration.metrics import PREFIX, RunMetrics
 from gradientmail.integration.ranks import Ranks
-from gradientmail.learner import Learner
+from gradientmail.learner.runtime import Learner
 
 __all__ = ["RankSync"]
 

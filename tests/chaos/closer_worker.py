@@ -24,8 +24,8 @@ from chaos.harness import KillSwitch, event_dict
 from gradientmail.errors import GradientmailError
 from gradientmail.events import Event, PollFailed
 from gradientmail.mailbox import LocalMailbox, Mailbox
-from gradientmail.protocol import Exchange
-from gradientmail.syncer import Syncer
+from gradientmail.run.protocol import Exchange
+from gradientmail.syncer.runtime import Syncer
 
 
 async def close_rounds(args: argparse.Namespace, events: list[dict[str, object]]) -> int:

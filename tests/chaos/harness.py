@@ -42,10 +42,10 @@ from gradientmail.events import Event
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.local import TEMP_PREFIX
 from gradientmail.mailbox.wrappers import FaultPlan
-from gradientmail.protocol import Exchange, round_key
-from gradientmail.records import RoundRecord
-from gradientmail.replica import Replica, state_at
-from gradientmail.serialization import ParameterSpec, Schema, TensorBytes
+from gradientmail.run.protocol import Exchange, round_key
+from gradientmail.run.replica import Replica, state_at
+from gradientmail.wire.records import RoundRecord
+from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
 
 __all__ = [
     "CHAOS_DIR",

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from chaos.harness import KillSwitch, ToyAdapter, event_dict, train_step
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.events import Event
-from gradientmail.learner import Learner
+from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import LocalMailbox, Mailbox
 
 STALL = 0.05  # step() calls longer than this are listed in the result

@@ -40,12 +40,12 @@ from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.algorithms.registry import algorithm_from_json
 from gradientmail.errors import CorruptPayload
 from gradientmail.events import ContributionDropped, Event, FragmentAligned, PollFailed
-from gradientmail.learner import Learner
+from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import FaultPlan, FaultyMailbox, LocalMailbox, Mailbox, MemoryMailbox
-from gradientmail.protocol import Exchange
-from gradientmail.records import PayloadRef
-from gradientmail.replica import Replica
-from gradientmail.serialization import TensorBytes
+from gradientmail.run.protocol import Exchange
+from gradientmail.run.replica import Replica
+from gradientmail.wire.records import PayloadRef
+from gradientmail.wire.serialization import TensorBytes
 
 SNAP = "snapshots/0000000000/{}.json"
 PAYLOAD = "payloads/0000000000/{}.safetensors"

@@ -17,7 +17,7 @@ from test_syncer_race import publish_all, reference
 
 from chaos.harness import conclude, spawn_closer, verify_run, wait_until
 from gradientmail.mailbox import LocalMailbox
-from gradientmail.protocol import Exchange
+from gradientmail.run.protocol import Exchange
 
 TAKEOVER_ROUNDS = 6
 RACE_ROUNDS = 100

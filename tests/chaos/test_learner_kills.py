@@ -23,7 +23,7 @@ from chaos.harness import (
     verify_run,
 )
 from gradientmail.mailbox import LocalMailbox
-from gradientmail.protocol import Exchange
+from gradientmail.run.protocol import Exchange
 
 LEASE_EVERY, LEASE_TIMEOUT = 0.5, 1.5
 RUN = ["--sync-every", "8", "--fragments", "2", "--quorum", "2", "--overlap", "8",

@@ -21,7 +21,7 @@ from chaos.harness import (
     wait_until,
 )
 from gradientmail.mailbox import LocalMailbox
-from gradientmail.protocol import Exchange
+from gradientmail.run.protocol import Exchange
 
 LEASE_EVERY, LEASE_TIMEOUT = 0.3, 1.0
 FROZEN = 3.0  # seconds: three lease timeouts

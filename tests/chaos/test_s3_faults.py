@@ -32,7 +32,7 @@ from chaos.harness import (
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.errors import ConditionalWriteUnsupported
 from gradientmail.events import Event, PollFailed, PublishFailed, SnapshotPublished
-from gradientmail.learner import Learner
+from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import S3Mailbox
 
 # Every n-th request of a kind meets the next of its faults, in turn. "create" is a

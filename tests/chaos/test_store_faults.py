@@ -36,9 +36,9 @@ from chaos.harness import (
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.errors import ConditionalWriteUnsupported
 from gradientmail.events import Event
-from gradientmail.learner import Learner
+from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import FaultPlan, FaultyMailbox, LocalMailbox
-from gradientmail.protocol import Exchange
+from gradientmail.run.protocol import Exchange
 
 RUN = ["--sync-every", "4", "--fragments", "2", "--sleep", "0.02", "--poll", "0.01"]
 EFBIG_TEXT = ("File too large (errno 27); the file exceeds the size limit of this process "

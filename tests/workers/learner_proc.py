@@ -26,7 +26,7 @@ from toy import inner_step, make_model
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
 from gradientmail.events import Event, RoundRecorded
-from gradientmail.learner import Learner
+from gradientmail.learner.runtime import Learner
 
 
 def main() -> None:

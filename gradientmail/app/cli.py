@@ -13,7 +13,7 @@
 URL is a mailbox URL (`s3://bucket/prefix`, `file:///dir`, or a plain path). For S3,
 `--endpoint-url` names a MinIO/R2/moto endpoint; without it boto3 reads `AWS_ENDPOINT_URL`
 and the rest of the usual AWS environment itself. `GRADIENTMAIL_RUN_KEY` holds the key of
-an authenticated run (read by `gradientmail.auth.env_run_key`, as everywhere).
+an authenticated run (read by `gradientmail.wire.auth.env_run_key`, as everywhere).
 
 Each subcommand is a function `cmd_<name>(args) -> int` registered in `build_parser`;
 `main(argv)` parses, runs it, and turns a `GradientmailError` into one line on stderr,
@@ -36,14 +36,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from gradientmail import __version__
-from gradientmail.auth import env_run_key
 from gradientmail.errors import ConfigError, GradientmailError
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
-from gradientmail.protocol import Exchange
-from gradientmail.records import check_learner_id
-from gradientmail.replica import newest_model, require_manifest
-from gradientmail.serialization import TensorBytes, pack
+from gradientmail.run.protocol import Exchange
+from gradientmail.run.replica import newest_model, require_manifest
+from gradientmail.wire.auth import env_run_key
+from gradientmail.wire.records import check_learner_id
+from gradientmail.wire.serialization import TensorBytes, pack
 
 __all__ = [
     "build_parser",
@@ -236,7 +236,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _history(args: argparse.Namespace) -> list[Any]:
-    from gradientmail.history import read_history
+    from gradientmail.app.history import read_history
 
     async def work(ex: Exchange) -> list[Any]:
         await require_manifest(ex, args.url)
@@ -246,7 +246,7 @@ def _history(args: argparse.Namespace) -> list[Any]:
 
 
 def cmd_log(args: argparse.Namespace) -> int:
-    from gradientmail.history import format_csv, format_json, format_table, history_rows
+    from gradientmail.app.history import format_csv, format_json, format_table, history_rows
 
     rows = history_rows(_history(args))
     if args.json:
@@ -261,7 +261,7 @@ def cmd_log(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from gradientmail.history import plot_history
+    from gradientmail.app.history import plot_history
 
     records = _history(args)
     try:
@@ -324,7 +324,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     """Exit status 0 when every round verified held (swept and held rounds are no
     failures), 1 when one did not (or the run cannot be read)."""
-    from gradientmail.verify import format_report, verify_run
+    from gradientmail.app.verify import format_report, verify_run
 
     report = _with_mailbox(args, lambda ex: verify_run(ex, args.url, start=args.from_round))
     if args.json:
@@ -338,13 +338,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _default_closer_id() -> str:
-    from gradientmail.learner import default_learner_id
+    from gradientmail.learner.runtime import default_learner_id
 
     return ("sync-" + default_learner_id())[:64]
 
 
 async def _sync(args: argparse.Namespace, closer: str) -> tuple[int, str]:
-    from gradientmail.syncer import Syncer
+    from gradientmail.syncer.runtime import Syncer
 
     mailbox = _open(args)
     syncer = Syncer(mailbox, closer_id=closer, poll_interval=args.poll_interval,
@@ -393,7 +393,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 def demo_config(args: argparse.Namespace) -> Any:
     """The `DemoConfig` that `gradientmail demo ARGS` runs."""
-    from gradientmail.demo import DemoConfig
+    from gradientmail.app.demo import DemoConfig
 
     options: dict[str, Any] = {
         k: v for k, v in (("learners", args.learners), ("steps", args.steps)) if v is not None
@@ -404,7 +404,7 @@ def demo_config(args: argparse.Namespace) -> Any:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from gradientmail.demo import run_demo
+    from gradientmail.app.demo import run_demo
 
     run_demo(demo_config(args), as_json=args.json)
     return 0

@@ -49,9 +49,9 @@ from collections.abc import Collection, Mapping
 from typing import Any, Self
 
 from gradientmail.errors import LocalProtocolError
-from gradientmail.keyspace import CALL_KEY
-from gradientmail.record_json import FORMAT_VERSION, Fields, build_record, check_count, is_int
-from gradientmail.records import Record, check_learner_id
+from gradientmail.run.keyspace import CALL_KEY
+from gradientmail.wire.record_json import FORMAT_VERSION, Fields, build_record, check_count, is_int
+from gradientmail.wire.records import Record, check_learner_id
 
 __all__ = [
     "ANSWER_WITHIN",

@@ -13,12 +13,12 @@ import asyncio
 from gradientmail.adapters.base import Adapter
 from gradientmail.algorithms.diloco import rebuild_theta
 from gradientmail.errors import RemoteProtocolError
-from gradientmail.join import JoinResult
-from gradientmail.messages import Commit
-from gradientmail.protocol import Exchange, payload_bound
-from gradientmail.records import RoundRecord
-from gradientmail.replica import theta_digest
-from gradientmail.serialization import TensorBytes
+from gradientmail.learner.messages import Commit
+from gradientmail.run.join import JoinResult
+from gradientmail.run.protocol import Exchange, payload_bound
+from gradientmail.run.replica import theta_digest
+from gradientmail.wire.records import RoundRecord
+from gradientmail.wire.serialization import TensorBytes
 
 __all__ = ["CommitFetcher"]
 

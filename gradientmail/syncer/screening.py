@@ -16,8 +16,8 @@ from gradientmail.algorithms.base import Contribution
 from gradientmail.backends.base import Backend
 from gradientmail.backends.numpy_backend import NumpyBackend
 from gradientmail.errors import GradientmailError
-from gradientmail.quantization import dequantize
-from gradientmail.serialization import TensorBytes
+from gradientmail.wire.quantization import dequantize
+from gradientmail.wire.serialization import TensorBytes
 
 __all__ = ["delta_norms", "screen_delta"]
 

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from gradientmail.errors import MissingExtra
-from gradientmail.protocol import Exchange
-from gradientmail.records import Dropped, RoundRecord
+from gradientmail.run.protocol import Exchange
+from gradientmail.wire.records import Dropped, RoundRecord
 
 __all__ = [
     "COLUMNS",

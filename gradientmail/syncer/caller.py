@@ -1,6 +1,6 @@
 """A closer's side of the roll call: post a call for a round short of its quorum, judge it.
 
-The decisions are the pure functions of `gradientmail.rollcall`; this module does the
+The decisions are the pure functions of `gradientmail.run.rollcall`; this module does the
 I/O for a `Syncer` (embedded in a learner, or standalone): one LIST of the round's
 contributions and one GET of the call before a call, a lease listing and a PUT to post
 it, a lease listing every poll while it is open, and a PUT of the verdict plus a free
@@ -13,10 +13,10 @@ from collections.abc import Awaitable, Callable
 
 from gradientmail.errors import RemoteProtocolError
 from gradientmail.events import EventSink, LearnersGone, RollCalled
-from gradientmail.lease import LeaseTracker
-from gradientmail.protocol import Exchange
-from gradientmail.rollcall import Call, Judging, next_call, should_post, verdict
-from gradientmail.syncer_state import effective_quorum
+from gradientmail.run.lease import LeaseTracker
+from gradientmail.run.protocol import Exchange
+from gradientmail.run.rollcall import Call, Judging, next_call, should_post, verdict
+from gradientmail.syncer.state import effective_quorum
 
 __all__ = ["RollCaller"]
 

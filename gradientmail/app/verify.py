@@ -4,7 +4,7 @@ For each round r from `start` on, the verifier reads the commit record (checking
 when the run is authenticated), takes the fragment's state before r (its own result for
 the previous round of the fragment, or the run's newest checkpoint before it and the
 steps since, as any reader does), and runs the closer's own code path
-(`gradientmail.merging`) on the round's recorded contributions: the participants and the
+(`gradientmail.syncer.merging`) on the round's recorded contributions: the participants and the
 dropped learners, read from the store with their records' seals and their payloads'
 digests checked. What it derives is compared with what was committed: the participants
 and their weights, the drops and their reasons, the mean cosine, `all_final`, the merged
@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 
-from gradientmail import compression as codec
 from gradientmail.algorithms.base import Algorithm, FragmentState, RoundResult
 from gradientmail.algorithms.registry import algorithm_from_json
 from gradientmail.backends.base import Backend
@@ -42,11 +41,12 @@ from gradientmail.errors import (
     LocalProtocolError,
     ProtocolError,
 )
-from gradientmail.merging import merge_round, screen_round
-from gradientmail.protocol import Exchange, check_delta, delta_bound, payload_bound
-from gradientmail.records import Dropped, Manifest, PayloadRef, RoundRecord, SnapshotRecord
-from gradientmail.replica import Replica, require_manifest, theta_digest
-from gradientmail.serialization import TensorBytes
+from gradientmail.run.protocol import Exchange, check_delta, delta_bound, payload_bound
+from gradientmail.run.replica import Replica, require_manifest, theta_digest
+from gradientmail.syncer.merging import merge_round, screen_round
+from gradientmail.wire import compression as codec
+from gradientmail.wire.records import Dropped, Manifest, PayloadRef, RoundRecord, SnapshotRecord
+from gradientmail.wire.serialization import TensorBytes
 
 __all__ = [
     "TRUSTED_DROPS",

@@ -26,10 +26,10 @@ from gradientmail.events import (
     TookOverCreation,
 )
 from gradientmail.mailbox.selftest import verify_conditional_writes
-from gradientmail.protocol import Exchange, current_attempt
-from gradientmail.records import Manifest
-from gradientmail.replica import Replica
-from gradientmail.serialization import Schema, TensorBytes
+from gradientmail.run.protocol import Exchange, current_attempt
+from gradientmail.run.replica import Replica
+from gradientmail.wire.records import Manifest
+from gradientmail.wire.serialization import Schema, TensorBytes
 
 __all__ = [
     "JoinResult",

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from gradientmail.algorithms.schedule import RoundSchedule
-from gradientmail.syncer_state import much_slower
+from gradientmail.syncer.state import much_slower
 
 __all__ = [
     "FragmentCounters",

@@ -6,7 +6,7 @@ now and then and notes, on *its own* clock, when each counter last changed. A le
 live while its counter changed less than `timeout` seconds ago (or it was first seen less
 than `timeout` ago: a new observer cannot tell a fresh lease from a stale one and gives it
 the benefit of the doubt). A released lease (absent from the listing) is not live, and
-neither is a learner a roll call judged gone (`drop`, see `gradientmail.rollcall`) until a
+neither is a learner a roll call judged gone (`drop`, see `gradientmail.run.rollcall`) until a
 listing shows its counter moved.
 
 Keys: `leases/<learner>/<counter>` (12 digits). A beat creates the next key and then
@@ -22,7 +22,7 @@ import re
 from collections.abc import Iterable, Mapping
 
 from gradientmail.errors import ConfigError, LocalProtocolError
-from gradientmail.records import check_learner_id
+from gradientmail.wire.records import check_learner_id
 
 __all__ = ["LeaseTracker", "lease_counters", "lease_key"]
 

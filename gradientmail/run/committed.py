@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 from gradientmail.errors import SchemaMismatch
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
-from gradientmail.protocol import Exchange
-from gradientmail.replica import newest_model
+from gradientmail.run.protocol import Exchange
+from gradientmail.run.replica import newest_model
 
 if TYPE_CHECKING:
     import torch

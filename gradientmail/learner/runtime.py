@@ -3,8 +3,8 @@
 The training thread calls `step()` after every optimizer step. It owns the model and
 every counter (a frozen `LearnerState`); it applies commits the mailman queued, snapshots
 a fragment when a round is due and hands it over, and waits only where `overlap_steps`
-says it must. The `Mailman` (`gradientmail.mailman`) runs the communication thread. They
-meet only through messages (`gradientmail.messages`): `Outgoing` contributions and a few
+says it must. The `Mailman` (`gradientmail.learner.mailman`) runs the communication thread. They
+meet only through messages (`gradientmail.learner.messages`): `Outgoing` contributions and a few
 orders in, `Commit`s, failed rounds and one frozen `Observed` view out.
 """
 
@@ -18,11 +18,9 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from gradientmail import learner_state as ls
 from gradientmail.adapters.base import Adapter
 from gradientmail.algorithms.base import Algorithm
 from gradientmail.algorithms.schedule import Estimates, RoundSchedule
-from gradientmail.auth import HmacSeal, resolve_run_key
 from gradientmail.clock import Clock, MonotonicClock
 from gradientmail.errors import ConfigError, GradientmailError
 from gradientmail.events import (
@@ -34,11 +32,13 @@ from gradientmail.events import (
     PollFailed,
     log_events,
 )
+from gradientmail.learner import state as ls
+from gradientmail.learner.mailman import BACKUP_EVERY, Mailman
+from gradientmail.learner.messages import Commit, Outgoing
 from gradientmail.mailbox.base import Mailbox
-from gradientmail.mailman import BACKUP_EVERY, Mailman
-from gradientmail.messages import Commit, Outgoing
-from gradientmail.records import RoundRecord, check_learner_id
-from gradientmail.syncer_state import effective_quorum, much_slower
+from gradientmail.syncer.state import effective_quorum, much_slower
+from gradientmail.wire.auth import HmacSeal, resolve_run_key
+from gradientmail.wire.records import RoundRecord, check_learner_id
 
 __all__ = ["BACKUP_EVERY", "Learner", "default_learner_id"]
 
@@ -85,7 +85,7 @@ class Learner:
     (`hold_own=False`, or a run whose algorithm sets `keep_rounds`, uploads every
     contribution, so that every merge can be recomputed from the store). `run_key` (str
     or bytes; None: the `GRADIENTMAIL_RUN_KEY` variable, when set) makes the run
-    authenticated: every record is sealed and checked (see `gradientmail.auth`).
+    authenticated: every record is sealed and checked (see `gradientmail.wire.auth`).
     """
 
     def __init__(

@@ -13,8 +13,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from gradientmail.protocol import Exchange
-from gradientmail.records import RoundRecord, SnapshotRecord
+from gradientmail.run.protocol import Exchange
+from gradientmail.wire.records import RoundRecord, SnapshotRecord
 
 __all__ = ["Commit", "Observed", "Outgoing", "delta_format"]
 

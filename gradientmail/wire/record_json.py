@@ -1,4 +1,4 @@
-"""Canonical JSON and the strict field reader behind `gradientmail.records`.
+"""Canonical JSON and the strict field reader behind `gradientmail.wire.records`.
 
 Writing is canonical (sorted keys, compact separators, UTF-8, no NaN); reading checks the
 exact field set, exact JSON types and finite numbers of every object, naming the record's
@@ -42,7 +42,7 @@ FORMAT_VERSION = 1
 #: Bound on a record's bytes; a manifest (which holds the schema) may be larger.
 MAX_RECORD_BYTES = 1 << 20
 MAX_MANIFEST_BYTES = 16 << 20
-#: Payload codecs a manifest may name (see gradientmail.compression).
+#: Payload codecs a manifest may name (see gradientmail.wire.compression).
 CODECS = ("off", "zstd")
 
 _LEARNER_RULE = "[A-Za-z0-9][A-Za-z0-9._-]{0,63}"

@@ -2,16 +2,16 @@
 
 A `Learner` owns one `Mailman`, which runs the communication thread: the receive loop
 (lease listings, new commits, who published the watched round, the embedded syncer), the
-lease loop (beats, roll calls: `gradientmail.rollcall`) and the publish loop (anchor − θ,
+lease loop (beats, roll calls: `gradientmail.run.rollcall`) and the publish loop (anchor − θ,
 quantize, encode, upload). The two threads meet only through the messages of
-`gradientmail.messages`: contributions in, commits, failed rounds and one frozen view of
+`gradientmail.learner.messages`: contributions in, commits, failed rounds and one frozen view of
 what the mailman observed out.
 
 Copies of a fragment's bytes on the way out (F32, codec off; "+1 GPU" where a device adds
 one): the snapshot clone (training thread), anchor − θ (a new tensor), its device-to-host
 copy (GPU only; `from_torch` then holds that host memory as is), quantize (only with a
 delta_dtype: the codes), `pack` (header and tensors joined into one blob), upload. On the
-way in: `gradientmail.fetcher`.
+way in: `gradientmail.learner.fetcher`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from typing import Any
 
 from gradientmail.adapters.base import Adapter
 from gradientmail.algorithms.base import Algorithm
-from gradientmail.auth import HmacSeal
 from gradientmail.clock import Clock, sleep_unless
 from gradientmail.errors import LocalProtocolError, RemoteProtocolError, RunVanished
 from gradientmail.events import (
@@ -41,19 +40,20 @@ from gradientmail.events import (
     RoundRecorded,
     SnapshotPublished,
 )
-from gradientmail.fetcher import CommitFetcher
-from gradientmail.join import JoinResult, join_run
-from gradientmail.lease import LeaseTracker
+from gradientmail.learner.fetcher import CommitFetcher
+from gradientmail.learner.messages import Commit, Observed, Outgoing, delta_format
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
-from gradientmail.messages import Commit, Observed, Outgoing, delta_format
-from gradientmail.protocol import MANIFEST_KEY, Exchange
-from gradientmail.quantization import quantize
-from gradientmail.records import RoundRecord, SnapshotRecord
-from gradientmail.replica import Replica
-from gradientmail.rollcall import READ_EVERY, Call, reply
-from gradientmail.serialization import TensorBytes
-from gradientmail.syncer import Syncer
+from gradientmail.run.join import JoinResult, join_run
+from gradientmail.run.lease import LeaseTracker
+from gradientmail.run.protocol import MANIFEST_KEY, Exchange
+from gradientmail.run.replica import Replica
+from gradientmail.run.rollcall import READ_EVERY, Call, reply
+from gradientmail.syncer.runtime import Syncer
+from gradientmail.wire.auth import HmacSeal
+from gradientmail.wire.quantization import quantize
+from gradientmail.wire.records import RoundRecord, SnapshotRecord
+from gradientmail.wire.serialization import TensorBytes
 
 __all__ = ["BACKUP_EVERY", "MANIFEST_EVERY", "WAITING_POLL", "Mailman", "delta_format",
            "poll_delay"]

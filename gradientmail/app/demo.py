@@ -5,7 +5,7 @@ the baseline) train a tiny GPT-2 on the standard library's Python files (every m
 has them) or on `--data`; the learners share nothing but a directory. At the end the
 committed model and the baseline are evaluated on held-out files.
 
-torch and transformers are imported inside the functions: `import gradientmail.demo` is
+torch and transformers are imported inside the functions: `import gradientmail.app.demo` is
 free, and the worker processes import what they need.
 """
 
@@ -90,7 +90,7 @@ def _algorithm(cfg: DemoConfig) -> Any:
 
 
 def _model(vocab: int, block: int) -> Any:
-    from gradientmail.textdata import tiny_gpt2
+    from gradientmail.app.textdata import tiny_gpt2
 
     return tiny_gpt2(vocab, n_layer=2, n_embd=128, n_head=4, n_positions=block, seed=0)
 
@@ -110,7 +110,7 @@ def _worker(job: _Job, progress: Any) -> None:
     if job.mailbox is not None:
         from gradientmail.adapters import TorchAdapter
         from gradientmail.events import Event, SnapshotPublished
-        from gradientmail.learner import Learner
+        from gradientmail.learner.runtime import Learner
 
         def on_event(e: Event) -> None:
             if isinstance(e, SnapshotPublished):
@@ -148,7 +148,7 @@ def _prepare(cfg: DemoConfig, workdir: Path, out: TextIO) -> tuple[int, int, int
     """Tokenizer and token blocks for training and evaluation, saved for the workers."""
     import torch
 
-    from gradientmail.textdata import (
+    from gradientmail.app.textdata import (
         read_budget,
         read_texts,
         stdlib_corpus,
@@ -157,7 +157,7 @@ def _prepare(cfg: DemoConfig, workdir: Path, out: TextIO) -> tuple[int, int, int
     )
 
     if cfg.data:
-        from gradientmail.textdata import held_out
+        from gradientmail.app.textdata import held_out
 
         docs = read_texts([cfg.data])
         train = [d for i, d in enumerate(docs) if not held_out(f"doc-{i}", 0.05)]
@@ -205,8 +205,8 @@ def _committed_model(mailbox: str, vocab: int, block: int) -> tuple[Any, int]:
 
     from gradientmail.adapters.torch import to_torch
     from gradientmail.mailbox import open_mailbox
-    from gradientmail.protocol import Exchange
-    from gradientmail.replica import newest_model
+    from gradientmail.run.protocol import Exchange
+    from gradientmail.run.replica import newest_model
 
     async def newest() -> tuple[dict[str, Any], int]:
         ex = Exchange(open_mailbox(mailbox))

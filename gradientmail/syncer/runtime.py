@@ -8,7 +8,7 @@ window, head starts, takeover: `syncer_state.decide_poll` and its building block
 the screening of contributions (`keyspace.screen_snapshot`, `screening.screen_delta`)
 are pure functions; this module carries them out. A syncer that
 lists the leases also calls the roll when its open round waits short of its quorum, and
-judges who answered (the decisions in `gradientmail.rollcall`).
+judges who answered (the decisions in `gradientmail.run.rollcall`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from gradientmail.algorithms.base import (
 from gradientmail.algorithms.registry import algorithm_from_json
 from gradientmail.algorithms.schedule import Estimates, RoundSchedule
 from gradientmail.backends.base import Backend
-from gradientmail.caller import RollCaller
 from gradientmail.clock import Clock, MonotonicClock, sleep_unless, wall_time
 from gradientmail.errors import ConfigError, GradientmailError
 from gradientmail.events import (
@@ -38,24 +37,14 @@ from gradientmail.events import (
     Swept,
     log_events,
 )
-from gradientmail.lease import LeaseTracker
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
-from gradientmail.merging import merge_round, screen_round
-from gradientmail.protocol import Exchange, check_delta
-from gradientmail.records import (
-    Arrival,
-    Dropped,
-    Manifest,
-    PayloadRef,
-    RoundRecord,
-    SnapshotRecord,
-    StepRef,
-    UpdateRef,
-)
-from gradientmail.replica import Replica, theta_digest
-from gradientmail.serialization import Schema, TensorBytes
-from gradientmail.syncer_state import (
+from gradientmail.run.lease import LeaseTracker
+from gradientmail.run.protocol import Exchange, check_delta
+from gradientmail.run.replica import Replica, theta_digest
+from gradientmail.syncer.caller import RollCaller
+from gradientmail.syncer.merging import merge_round, screen_round
+from gradientmail.syncer.state import (
     PollDecision,
     PollView,
     RoundWatch,
@@ -67,6 +56,17 @@ from gradientmail.syncer_state import (
     preferred_closer,
     updated_estimates,
 )
+from gradientmail.wire.records import (
+    Arrival,
+    Dropped,
+    Manifest,
+    PayloadRef,
+    RoundRecord,
+    SnapshotRecord,
+    StepRef,
+    UpdateRef,
+)
+from gradientmail.wire.serialization import Schema, TensorBytes
 
 __all__ = ["Syncer", "theta_digest"]
 
@@ -100,7 +100,7 @@ class Syncer:
     """Closes the rounds of the run in `mailbox`. `poll()` does one pass; `run()` loops.
 
     Construction does no I/O; the manifest is read on the first poll. `run_key` makes
-    it read and write the sealed records of an authenticated run (see `gradientmail.auth`).
+    it read and write the sealed records of an authenticated run (see `gradientmail.wire.auth`).
     `leases` is the lease tracker the caller's `refresh_live` feeds (an embedded syncer
     shares its learner's); a standalone syncer keeps its own. `wall_clock` stamps each
     commit's `committed_at` (Unix seconds), read by people only.
@@ -128,7 +128,7 @@ class Syncer:
         replica: Replica | None = None,
         wall_clock: Callable[[], float] = wall_time,
     ) -> None:
-        from gradientmail.records import check_learner_id
+        from gradientmail.wire.records import check_learner_id
 
         self.closer_id = check_learner_id(closer_id)
         self.clock: Clock = clock if clock is not None else MonotonicClock()

@@ -2,7 +2,7 @@
 what the aggregator makes of the rest.
 
 One code path for the two parties that need it: the `Syncer`, which closes rounds, and
-`gradientmail.verify`, which re-derives closed rounds from the store and compares bytes.
+`gradientmail.app.verify`, which re-derives closed rounds from the store and compares bytes.
 Everything here is pure but `screen_round`, which gets each delta through the caller's
 `fetch` (the closer reads its own from memory; a verifier reads the stored payload).
 """
@@ -16,10 +16,10 @@ from gradientmail.algorithms.base import Algorithm, Contribution, FragmentState,
 from gradientmail.algorithms.diloco import merged_step, outliers, step_format
 from gradientmail.backends.base import Backend
 from gradientmail.errors import GradientmailError, NonFiniteError, SchemaMismatch
-from gradientmail.keyspace import screen_snapshot
-from gradientmail.records import SnapshotRecord
-from gradientmail.screening import delta_norms, screen_delta
-from gradientmail.serialization import Schema, TensorBytes
+from gradientmail.run.keyspace import screen_snapshot
+from gradientmail.syncer.screening import delta_norms, screen_delta
+from gradientmail.wire.records import SnapshotRecord
+from gradientmail.wire.serialization import Schema, TensorBytes
 
 __all__ = [
     "Merged",

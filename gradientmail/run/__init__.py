@@ -1,0 +1,7 @@
+"""The run protocol on a mailbox: where things live and how parties agree through it.
+
+The key layout and the pure decisions over keys (`keyspace`), liveness (`lease`, and the
+roll call `rollcall`), the `Exchange` that reads and writes records and payloads
+(`protocol`), joining a run (`join`), following a fragment commit by commit (`replica`) and
+reading the newest committed model (`committed`). Learners and syncers are built on it.
+"""

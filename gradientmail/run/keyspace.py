@@ -1,0 +1,220 @@
+"""The run's key layout and the pure decisions over keys and records: which claim counts,
+which contributions a round may use, what a sweep deletes.
+
+Kept apart from `gradientmail.run.protocol`, whose `Exchange` carries these out on a mailbox
+(and re-exports every public name here), so they are read and tested without any I/O.
+The whole layout is in `gradientmail.run.protocol`'s docstring. Two keys are fixed: the
+manifest, and `rollcall.json`, the roll call (`gradientmail.run.rollcall`): one object for the
+run, overwritten by each call and its verdict, read by every learner every few polls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Mapping
+
+from gradientmail.errors import ConfigError, LocalProtocolError
+from gradientmail.wire.records import Dropped, RoundRecord, SnapshotRecord
+
+__all__ = [
+    "CALL_KEY",
+    "MANIFEST_KEY",
+    "Contributions",
+    "Rejected",
+    "artifact_key",
+    "audit_floor",
+    "current_attempt",
+    "plan_sweep",
+    "round_key",
+    "screen_snapshot",
+    "screen_snapshots",
+]
+
+MANIFEST_KEY = "manifest.json"
+CALL_KEY = "rollcall.json"
+_ROUND_LIMIT = 10**10
+_ARTIFACT_KINDS = ("theta", "outer", "updates", "steps")
+_ROUND_AREAS = ("payloads/", "snapshots/", "claims/round/")
+_NUMBERED = re.compile(r"(\d{10})")
+_ATTEMPT = re.compile(r"\d{6}")
+_ARTIFACT = re.compile(r"(theta|outer|updates|steps)/(\d+)/(\d{10})-(\d{6})(\..+)")
+
+
+def _check_number(what: str, value: int, limit: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
+        raise LocalProtocolError(f"{what}={value!r} must be an integer in [0, {limit})")
+    return value
+
+
+def round_key(round_: int) -> str:
+    """`rounds/<round>.json`, the commit record of `round_`."""
+    return f"rounds/{_check_number('round', round_, _ROUND_LIMIT):010d}.json"
+
+
+def _round_dir(area: str, round_: int) -> str:
+    return f"{area}{_check_number('round', round_, _ROUND_LIMIT):010d}/"
+
+
+def artifact_key(kind: str, fragment: int, version: int, attempt: int, ext: str) -> str:
+    """`<kind>/<fragment>/<version>-<attempt><ext>` for kind theta, outer, updates or
+    steps."""
+    if kind not in _ARTIFACT_KINDS:
+        raise LocalProtocolError(f"artifact kind {kind!r} must be one of {_ARTIFACT_KINDS}")
+    _check_number("fragment", fragment, 10**6)
+    return (f"{kind}/{fragment}/{_check_number('version', version, _ROUND_LIMIT):010d}"
+            f"-{_check_number('attempt', attempt, 10**6):06d}{ext}")
+
+
+def current_attempt(attempts: Iterable[int]) -> int | None:
+    """The claim that counts: the highest attempt (a takeover claims attempt + 1)."""
+    return max(attempts, default=None)
+
+
+def _attempts(keys: Iterable[str], prefix: str) -> list[int]:
+    out = []
+    for key in keys:
+        rest = key[len(prefix):]
+        if key.startswith(prefix) and _ATTEMPT.fullmatch(rest):
+            out.append(int(rest))
+    return sorted(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejected:
+    """A contribution record that could not be used: its key, its learner (when the key
+    names a valid one) and why."""
+
+    key: str
+    learner: str | None
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Contributions:
+    """A round's contributions: the well-formed records (by learner id) and the rejected."""
+
+    records: tuple[SnapshotRecord, ...]
+    rejected: tuple[Rejected, ...]
+
+
+def screen_snapshot(
+    snapshot: SnapshotRecord, *, fragment: int, version: int, schema_digest: str
+) -> str | None:
+    """Why a round that trains `fragment` at `version`, for the schema of `schema_digest`,
+    cannot use `snapshot`, or None when it can (its payload is still to be checked).
+
+    The one screening rule, in the order the reasons are reported: another fragment,
+    another schema digest, a stale base version, no steps trained. The reasons go into
+    records' `dropped` entries as written here.
+    """
+    if snapshot.fragment != fragment:
+        return f"fragment {snapshot.fragment}, the round trains fragment {fragment}"
+    if snapshot.schema_digest != schema_digest:
+        return (f"another schema digest {snapshot.schema_digest[:12]}, the run's is "
+                f"{schema_digest[:12]}")
+    if snapshot.base_version != version:
+        return (f"stale: base version {snapshot.base_version}, the fragment is at version "
+                f"{version}")
+    if snapshot.steps < 1:
+        return "no steps trained"
+    return None
+
+
+def screen_snapshots(
+    snapshots: Iterable[SnapshotRecord],
+    *,
+    fragment: int,
+    version: int,
+    schema_digest: str,
+) -> tuple[list[SnapshotRecord], list[Dropped]]:
+    """Split a round's contributions into usable ones and dropped ones (with the reason
+    `screen_snapshot` gives)."""
+    usable: list[SnapshotRecord] = []
+    dropped: list[Dropped] = []
+    for s in snapshots:
+        reason = screen_snapshot(s, fragment=fragment, version=version,
+                                 schema_digest=schema_digest)
+        if reason is None:
+            usable.append(s)
+        else:
+            dropped.append(Dropped(s.learner, reason))
+    return usable, dropped
+
+
+def plan_sweep(
+    keys: Iterable[str], latest: Mapping[int, RoundRecord], keep_versions: int = 2,
+    checkpoint_every: int = 1, keep_rounds: int | None = None, fragments: int | None = None,
+) -> list[str]:
+    """The keys to delete once `latest` (each fragment's newest record) is committed.
+
+    Deleted: payloads, snapshots and closer claims of closed rounds (round <= the newest
+    committed round), and the theta/outer/update/step payloads of each fragment older than
+    what it keeps, or of its newest version but not referenced by its record (a superseded
+    closer's upload). A fragment keeps its newest `keep_versions` versions, and with a
+    replicated outer step (`checkpoint_every` K > 1) everything from its newest checkpoint
+    on (the newest version that is a multiple of K): a reader replays the steps after it.
+    With `keep_rounds` R (a run kept auditable; `fragments` is its plan's P, round r
+    training fragment r mod P), the contributions of the newest R rounds stay, and so does
+    each fragment's state before the oldest of them (`audit_floor`). Never deleted:
+    anything the newest records reference, versions not yet committed (a closer may be
+    uploading them), fragments with no record in `latest`, and keys of any
+    shape this function does not know.
+    """
+    if isinstance(keep_versions, bool) or not isinstance(keep_versions, int) \
+            or keep_versions < 1:
+        raise ConfigError(f"keep_versions={keep_versions!r} must be an integer >= 1")
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) \
+            or checkpoint_every < 1:
+        raise ConfigError(f"checkpoint_every={checkpoint_every!r} must be an integer >= 1")
+    if keep_rounds is not None and (isinstance(fragments, bool) or not isinstance(fragments, int)
+                                    or fragments < 1):
+        raise ConfigError(f"keep_rounds={keep_rounds!r} needs the plan's fragments (an "
+                          f"integer >= 1), got fragments={fragments!r}")
+    if not latest:
+        return []
+    closed = max(r.round for r in latest.values())
+    kept_from = closed + 1
+    if keep_rounds is not None:
+        if isinstance(keep_rounds, bool) or not isinstance(keep_rounds, int) or keep_rounds < 1:
+            raise ConfigError(f"keep_rounds={keep_rounds!r} must be None or an integer >= 1")
+        kept_from = closed - keep_rounds + 1
+        assert fragments is not None
+    referenced = {ref.key for r in latest.values() for ref in r.payload_refs()}
+    doomed = []
+    for key in keys:
+        area = next((a for a in _ROUND_AREAS if key.startswith(a)), None)
+        if area is not None:
+            m = _NUMBERED.match(key[len(area):])
+            if m is not None and key[len(area) + 10:].startswith("/") \
+                    and (int(m.group(1)) < kept_from
+                         or (area == "claims/round/" and int(m.group(1)) <= closed)):
+                doomed.append(key)
+            continue
+        art = _ARTIFACT.fullmatch(key)
+        if art is None or key in referenced or int(art.group(2)) not in latest:
+            continue
+        newest = latest[int(art.group(2))].version
+        version = int(art.group(3))
+        floor = newest - keep_versions
+        if checkpoint_every > 1:
+            floor = min(floor, newest - newest % checkpoint_every - 1)
+        if keep_rounds is not None:
+            assert fragments is not None
+            floor = min(floor, audit_floor(latest[int(art.group(2))], kept_from, fragments,
+                                           checkpoint_every))
+        if version <= floor or version == newest:
+            doomed.append(key)
+    return doomed
+
+
+def audit_floor(newest: RoundRecord, kept_from: int, fragments: int,
+                checkpoint_every: int) -> int:
+    """The newest version of `newest.fragment` a sweep may delete when the rounds from
+    `kept_from` on must stay verifiable: below the state before the fragment's oldest
+    round in that range — its newest checkpoint at or before that version, the steps
+    after it replayed (with K = `checkpoint_every` = 1, that version itself)."""
+    r = newest.round
+    kept = 0 if r < kept_from else (r - kept_from) // fragments + 1
+    before = max(newest.version - kept, 0)
+    return before - before % checkpoint_every - 1

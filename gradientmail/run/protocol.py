@@ -1,0 +1,634 @@
+"""The Exchange: the run's records and payloads on a Mailbox.
+
+Key layout under the run's prefix (numbers zero-padded so that lexical order is numeric
+order)::
+
+    manifest.json                              the run (create-if-absent, written once)
+    claims/create/<attempt>                    creation election
+    init/<attempt>/<fragment><ext>             Θ⁰ of each fragment, by creation attempt
+    leases/<learner>/<counter>                 liveness: one key per learner, bumped
+    rollcall.json                              the roll call: the open call, or its verdict
+                                               (overwritten by each; see gradientmail.run.rollcall)
+    snapshots/<round>/<learner>.json           a contribution record
+    payloads/<round>/<learner><ext>            its delta
+    claims/round/<round>/<attempt>             closer election
+    rounds/<round>.json                        the commit record: the single source of truth
+    theta|outer|updates/<fragment>/<version>-<attempt><ext>   a commit's payloads
+
+Written payloads carry the claim attempt that wrote them, so a superseded creator or
+closer that wakes up late can never overwrite what the winner's record references.
+
+Decisions (which keys to sweep, which contributions a round may use, which claim is
+current) are pure functions in `gradientmail.run.keyspace`, re-exported here; `Exchange` only
+does I/O.
+Every record passes through a `Seal`: `PlainSeal` stores canonical JSON as is; with a run
+key, `gradientmail.wire.auth.HmacSeal` seals and checks every record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeVar
+
+from gradientmail.clock import Clock, MonotonicClock
+from gradientmail.errors import (
+    AlreadyContributed,
+    ConfigError,
+    CorruptPayload,
+    LocalProtocolError,
+    ProtocolError,
+    RemoteProtocolError,
+)
+from gradientmail.mailbox.base import Mailbox
+from gradientmail.run.keyspace import (
+    _ARTIFACT_KINDS,
+    _ROUND_AREAS,
+    _ROUND_LIMIT,
+    CALL_KEY,
+    MANIFEST_KEY,
+    Contributions,
+    Rejected,
+    _attempts,
+    _check_number,
+    _round_dir,
+    artifact_key,
+    current_attempt,
+    plan_sweep,
+    round_key,
+    screen_snapshot,
+    screen_snapshots,
+)
+from gradientmail.run.lease import LeaseTracker, lease_counters, lease_key
+from gradientmail.run.rollcall import Call
+from gradientmail.wire import compression as codec
+from gradientmail.wire.auth import HmacSeal, Seal, open_manifest, refuse_sealed
+from gradientmail.wire.records import (
+    CODECS,
+    CreationClaim,
+    Manifest,
+    PayloadRef,
+    Record,
+    RoundClaim,
+    RoundRecord,
+    SnapshotRecord,
+    check_learner_id,
+)
+from gradientmail.wire.serialization import Schema, TensorBytes, validate
+
+__all__ = [
+    "CALL_KEY",
+    "MANIFEST_KEY",
+    "Contributions",
+    "Exchange",
+    "PlainSeal",
+    "Rejected",
+    "Seal",
+    "artifact_key",
+    "current_attempt",
+    "delta_bound",
+    "payload_bound",
+    "plan_sweep",
+    "round_key",
+    "screen_snapshot",
+    "screen_snapshots",
+]
+
+_R = TypeVar("_R", bound=Record)
+
+
+class PlainSeal:
+    """No authentication: records are stored as their canonical JSON bytes."""
+
+    fingerprint: str | None = None
+
+    def seal(self, key: str, data: bytes) -> bytes:
+        return data
+
+    def open(self, key: str, data: bytes) -> bytes:
+        return refuse_sealed(key, data)
+
+
+def check_delta(tensors: dict[str, TensorBytes], snapshot: SnapshotRecord, schema: Schema,
+                names: Iterable[str]) -> dict[str, TensorBytes]:
+    """`tensors`, checked to hold exactly `names` in the record's `delta_format` (plus
+    `<name>.scale` entries of quantized formats); `SchemaMismatch` naming every missing,
+    extra or mis-shaped tensor."""
+    names = list(names)
+    wanted = set(names)
+    scales = {f"{n}.scale" for n in names}
+    main = {n: t for n, t in tensors.items() if n in wanted or n not in scales}
+    validate(schema, main, names, dtype=snapshot.delta_format)
+    return tensors
+
+
+def delta_bound(schema: Schema, names: Iterable[str]) -> int:
+    """A generous bound on a delta payload's bytes: F32 for every element, plus scales and
+    safetensors headers. A payload over it is hostile, refused before it is read."""
+    return sum(8 * schema[n].numel + 256 for n in names) + (1 << 20)
+
+
+def payload_bound(schema: Schema, names: Iterable[str], kind: str) -> int:
+    """A bound on the bytes of a commit's payload of `names`, refused above it: "theta"
+    (Θ⁰ too) in the schema dtypes; "outer" (fp32 momentum and master) and "updates" as
+    two F32 entries per tensor; headers with escaped names and zstd's worst case on
+    incompressible data included."""
+    names = list(names)
+    if kind == "theta":
+        raw = codec.size_bound(schema, names)
+    elif kind in ("outer", "updates", "steps"):
+        raw = sum(8 * schema[n].numel + 2 * (6 * len(n.encode()) + 120 + 24 * len(schema[n].shape))
+                  for n in names) + 4096
+    else:
+        raise LocalProtocolError(
+            f"payload kind {kind!r} must be 'theta', 'outer', 'updates' or 'steps'")
+    return raw + raw // 128 + 1024
+
+
+class Exchange:
+    """The run's records and payloads on `mailbox`, under `prefix`.
+
+    `compression` is the codec of the payloads this process writes ("off" or "zstd");
+    readers take the codec from each key's extension. `clock` timestamps lease listings.
+    No I/O happens in the constructor.
+    """
+
+    def __init__(
+        self,
+        mailbox: Mailbox,
+        *,
+        clock: Clock | None = None,
+        compression: str = "off",
+        prefix: str = "",
+        seal: Seal | None = None,
+        run_key: str | bytes | None = None,
+    ) -> None:
+        if seal is not None and run_key is not None:
+            raise ConfigError("give an Exchange a seal or a run_key, not both")
+        if compression not in CODECS:
+            raise ConfigError(f"compression={compression!r} must be one of {CODECS}")
+        if prefix and (prefix.startswith("/") or not prefix.endswith("/")):
+            raise ConfigError(f"prefix={prefix!r} must be empty or end with '/', no leading '/'")
+        self.mailbox = mailbox
+        self.clock: Clock = clock if clock is not None else MonotonicClock()
+        self.compression = compression
+        self.prefix = prefix
+        self.seal: Seal = seal if seal is not None else (
+            PlainSeal() if run_key is None else HmacSeal(run_key))
+        self._lease_counter: dict[str, int] = {}
+
+    def __repr__(self) -> str:
+        return f"Exchange({self.mailbox!r}, prefix={self.prefix!r})"
+
+    # -- plumbing --------------------------------------------------------------------
+
+    async def _list(self, prefix: str) -> list[str]:
+        return [k[len(self.prefix):] for k in await self.mailbox.list(self.prefix + prefix)]
+
+    async def _write_record(self, key: str, record: Record) -> bool:
+        """Every record is created once (create-if-absent): records never change."""
+        return await self.mailbox.create(self.prefix + key, self.seal.seal(key, record.encode()))
+
+    async def _read_record(self, key: str, cls: type[_R]) -> _R | None:
+        data = await self.mailbox.get(self.prefix + key)
+        return None if data is None else cls.decode(self.seal.open(key, data), key)
+
+    async def put_payload(self, key: str, tensors: Mapping[str, TensorBytes],
+                          *, create: bool = False) -> PayloadRef | None:
+        """Encode `tensors` with this Exchange's codec and store them at `key` + extension.
+
+        With `create`, store only if absent and return None when the key exists.
+        """
+        key += codec.extension(self.compression)
+        blob = codec.encode(tensors, self.compression)
+        if create:
+            if not await self.mailbox.create(self.prefix + key, blob):
+                return None
+        else:
+            await self.mailbox.put(self.prefix + key, blob)
+        return PayloadRef.of(key, blob)
+
+    async def fetch_payload(self, ref: PayloadRef, max_bytes: int | None = None) -> bytes | None:
+        """The payload's bytes, checked against the ref's size and SHA-256; None if swept.
+
+        Raises `CorruptPayload` naming the key when the size exceeds `max_bytes` or when
+        the stored bytes differ from the ref.
+        """
+        if max_bytes is not None and ref.size > max_bytes:
+            raise CorruptPayload(
+                f"payload {ref.key!r} is declared {ref.size} bytes, over the bound of "
+                f"{max_bytes} bytes for what it should hold; refusing to download it"
+            )
+        blob = await self.mailbox.get(self.prefix + ref.key)
+        if blob is None:
+            return None
+        if len(blob) != ref.size:
+            raise CorruptPayload(
+                f"payload {ref.key!r} is {len(blob)} bytes but its record says {ref.size}; "
+                "it was truncated or replaced after the record was written"
+            )
+        digest = hashlib.sha256(blob).hexdigest()
+        if digest != ref.sha256:
+            raise CorruptPayload(
+                f"payload {ref.key!r} has SHA-256 {digest[:16]}..., its record says "
+                f"{ref.sha256[:16]}...; it was corrupted or replaced after the record was written"
+            )
+        return blob
+
+    async def fetch_tensors(
+        self, ref: PayloadRef, max_bytes: int | None = None
+    ) -> dict[str, TensorBytes] | None:
+        """Fetch, verify and decode a payload (codec from the key's extension); None if swept."""
+        blob = await self.fetch_payload(ref, max_bytes)
+        if blob is None:
+            return None
+        return codec.decode(blob, codec.compression_of(ref.key), key=ref.key,
+                            max_bytes=max_bytes)
+
+    # -- creation --------------------------------------------------------------------
+
+    async def claim_creation(self, learner: str, attempt: int) -> bool:
+        """Bid to create the run with `attempt`; True if this call holds that attempt."""
+        claim = CreationClaim(_check_number("attempt", attempt, 10**6), check_learner_id(learner))
+        return await self._write_record(f"claims/create/{attempt:06d}", claim)
+
+    async def creation_claims(self) -> list[int]:
+        """The creation attempts claimed so far, ascending (one LIST)."""
+        return _attempts(await self._list("claims/create/"), "claims/create/")
+
+    async def read_creation_claim(self, attempt: int) -> CreationClaim | None:
+        return await self._read_record(f"claims/create/{attempt:06d}", CreationClaim)
+
+    async def put_init(self, fragment: int, tensors: Mapping[str, TensorBytes],
+                       *, attempt: int) -> PayloadRef:
+        """Upload Θ⁰ of `fragment` for creation `attempt`; its ref goes into the manifest."""
+        key = f"init/{_check_number('attempt', attempt, 10**6):06d}/" \
+              f"{_check_number('fragment', fragment, 10**6)}"
+        ref = await self.put_payload(key, tensors)
+        assert ref is not None
+        return ref
+
+    async def create_manifest(self, manifest: Manifest) -> bool:
+        """Write the manifest if there is none; False when another creator won."""
+        return await self._write_record(MANIFEST_KEY, manifest)
+
+    async def read_manifest(self) -> Manifest | None:
+        """The manifest, checked to name this Exchange's run key (`AuthenticationError`
+        naming both fingerprints otherwise); None while the run does not exist."""
+        data = await self.mailbox.get(self.prefix + MANIFEST_KEY)
+        return None if data is None else open_manifest(self.seal, data, MANIFEST_KEY,
+                                                       self.where)
+
+    @property
+    def where(self) -> str:
+        """The run's place, for messages: the mailbox URL and the prefix, if any."""
+        return self.mailbox.url + (f" (prefix {self.prefix!r})" if self.prefix else "")
+
+    # -- leases ----------------------------------------------------------------------
+
+    async def beat(self, learner: str) -> int:
+        """Bump `learner`'s lease counter: create the next key, then delete the previous,
+        so a listing never misses a live learner. Returns the new counter."""
+        check_learner_id(learner)
+        counter = self._lease_counter.get(learner)
+        if counter is None:
+            # A restarted learner continues after its old counter (still listed until
+            # deleted): counting from 0 again would look like no change to observers.
+            stale = await self._list(f"leases/{learner}/")
+            counter = lease_counters(stale).get(learner, -1)
+        else:
+            stale = [lease_key(learner, counter)]
+        await self.mailbox.put(self.prefix + lease_key(learner, counter + 1), b"")
+        # Counted before the deletes: a beat cancelled between them (a learner closing)
+        # leaves `release` both keys to delete, never the new one behind.
+        self._lease_counter[learner] = counter + 1
+        for key in stale:
+            await self.mailbox.delete(self.prefix + key)
+        return counter + 1
+
+    async def leases(self) -> dict[str, int]:
+        """Every learner's lease counter (one LIST per 1,000 learners)."""
+        return lease_counters(await self._list("leases/"))
+
+    async def observe_leases(self, tracker: LeaseTracker) -> frozenset[str]:
+        """List the leases, feed `tracker` at this Exchange's clock time; the live learners."""
+        counters = await self.leases()
+        now = self.clock.now()
+        tracker.observe(counters, now)
+        return tracker.live(now)
+
+    def lease_counter(self, learner: str) -> int | None:
+        """`learner`'s lease counter as this Exchange last beat it (None: never)."""
+        return self._lease_counter.get(learner)
+
+    async def drop_lease(self, learner: str, counter: int) -> None:
+        """Delete the lease key of `learner` at `counter`, judged gone by a roll call:
+        exactly that key, so a beat that landed since (counter + 1) stays."""
+        await self.mailbox.delete(self.prefix + lease_key(learner, counter))
+
+    async def read_call(self) -> Call | None:
+        """The roll call in `rollcall.json` (open, or closed with its verdict); None when
+        no call was ever made (one GET)."""
+        data = await self.mailbox.get(self.prefix + CALL_KEY)
+        return None if data is None else Call.decode(self.seal.open(CALL_KEY, data), CALL_KEY)
+
+    async def post_call(self, call: Call) -> None:
+        """Write `call` (a new call, or the verdict of one) over `rollcall.json`."""
+        await self.mailbox.put(self.prefix + CALL_KEY, self.seal.seal(CALL_KEY, call.encode()))
+
+    async def release(self, learner: str) -> None:
+        """Delete `learner`'s lease: observers stop counting it at their next listing."""
+        check_learner_id(learner)
+        counter = self._lease_counter.pop(learner, None)
+        if counter is not None:
+            # Its predecessor too, in case a beat was cancelled before deleting it.
+            keys = [lease_key(learner, c) for c in (counter, counter - 1) if c >= 0]
+        else:
+            keys = await self._list(f"leases/{learner}/")
+        for key in keys:
+            await self.mailbox.delete(self.prefix + key)
+
+    # -- contributions ---------------------------------------------------------------
+
+    async def publish(
+        self, round_: int, learner: str, tensors: Mapping[str, TensorBytes], **fields: Any
+    ) -> SnapshotRecord:
+        """Upload a delta, then the record that references it (both create-if-absent):
+        `publish_draft` of `draft(round_, learner, **fields)`.
+
+        Raises `AlreadyContributed` if `learner` has contributed to `round_` already (one
+        contribution per learner and round; its steps can go out with a later round).
+        """
+        return await self.publish_draft(self.draft(round_, learner, **fields), tensors)
+
+    @staticmethod
+    def draft(
+        round_: int,
+        learner: str,
+        *,
+        fragment: int,
+        base_version: int,
+        local_step: int,
+        steps: int,
+        tokens: int,
+        final: bool,
+        schema_digest: str,
+        delta_format: str,
+        step_seconds: float | None = None,
+        loss: float | None = None,
+    ) -> SnapshotRecord:
+        """The record of a contribution before its upload: its payload ref names the key
+        stem, with size 0 and a zero digest (bad fields fail here, before any upload). An
+        embedded closer merges a held contribution from this draft and its tensors."""
+        check_learner_id(learner)
+        return SnapshotRecord(
+            learner=learner, round=round_, fragment=fragment, base_version=base_version,
+            local_step=local_step, steps=steps, tokens=tokens, final=final,
+            schema_digest=schema_digest, delta_format=delta_format,
+            payload=PayloadRef(f"{_round_dir('payloads/', round_)}{learner}", 0, "0" * 64),
+            step_seconds=step_seconds, loss=loss,
+        )
+
+    async def publish_draft(
+        self, draft: SnapshotRecord, tensors: Mapping[str, TensorBytes]
+    ) -> SnapshotRecord:
+        """`publish` of a `draft`: the payload, then the record with the payload's ref."""
+        round_, learner, stem = draft.round, draft.learner, draft.payload.key
+        ref = await self.put_payload(stem, tensors, create=True)
+        key = f"{_round_dir('snapshots/', round_)}{learner}.json"
+        if ref is None and await self.mailbox.get(self.prefix + key) is None:
+            # Our own payload without its record: an earlier publish of this round failed
+            # between the two writes. No record references those bytes, so replace them.
+            ref = await self.put_payload(stem, tensors)
+        if ref is not None:
+            record = dataclasses.replace(draft, payload=ref)
+            if await self._write_record(key, record):
+                return record
+        raise AlreadyContributed(
+            f"learner {learner!r} has already contributed to round {round_} ({key!r} or its "
+            "payload exists); a learner contributes once per round: publish the steps with "
+            "a later round"
+        )
+
+    async def contribution(self, round_: int, learner: str) -> SnapshotRecord | None:
+        """`learner`'s record for `round_`, or None when it has not contributed (one GET)."""
+        check_learner_id(learner)
+        return await self._read_record(
+            f"{_round_dir('snapshots/', round_)}{learner}.json", SnapshotRecord
+        )
+
+    async def publishers(self, round_: int) -> frozenset[str]:
+        """Learners whose record for `round_` exists (one LIST, no GET)."""
+        prefix = _round_dir("snapshots/", round_)
+        out = set()
+        for key in await self._list(prefix):
+            name = key[len(prefix):]
+            if name.endswith(".json"):
+                try:
+                    out.add(check_learner_id(name[:-5]))
+                except LocalProtocolError:
+                    continue
+        return frozenset(out)
+
+    async def contributions(self, round_: int) -> Contributions:
+        """Every contribution record of `round_` (one LIST, one GET each).
+
+        A record that fails to parse, or whose learner, round or payload key disagree with
+        its own key, is returned in `rejected` with the reason, never raised: one bad peer
+        must not stop a round from closing. Records deleted meanwhile are skipped.
+        """
+        prefix = _round_dir("snapshots/", round_)
+        records: list[SnapshotRecord] = []
+        rejected: list[Rejected] = []
+        for key in await self._list(prefix):
+            name = key[len(prefix):]
+            learner = name[:-5] if name.endswith(".json") else None
+            try:
+                learner = check_learner_id(learner)
+            except LocalProtocolError:
+                rejected.append(Rejected(key, None, f"{key!r} does not name a learner"))
+                continue
+            try:
+                record = await self._read_record(key, SnapshotRecord)
+            except ProtocolError as exc:
+                rejected.append(Rejected(key, learner, str(exc)))
+                continue
+            if record is None:
+                continue
+            stem = f"{_round_dir('payloads/', round_)}{learner}"
+            payloads = {stem + codec.extension(c) for c in CODECS}
+            if record.learner != learner or record.round != round_ \
+                    or record.payload.key not in payloads:
+                rejected.append(Rejected(
+                    key, learner,
+                    f"record {key!r} says learner {record.learner!r}, round {record.round}, "
+                    f"payload {record.payload.key!r}; its key says learner {learner!r}, "
+                    f"round {round_}, payload one of {sorted(payloads)}",
+                ))
+                continue
+            records.append(record)
+        return Contributions(tuple(records), tuple(rejected))
+
+    async def fetch_delta(
+        self, snapshot: SnapshotRecord, schema: Schema, names: Iterable[str]
+    ) -> dict[str, TensorBytes] | None:
+        """A contribution's delta: verified, decoded, and checked to hold exactly `names` in
+        the record's `delta_format` (plus `<name>.scale` entries of quantized formats).
+
+        None if the payload was swept. `CorruptPayload` for bad bytes; `SchemaMismatch`
+        naming every missing, extra or mis-shaped tensor.
+        """
+        names = list(names)
+        tensors = await self.fetch_tensors(snapshot.payload, delta_bound(schema, names))
+        if tensors is None:
+            return None
+        return check_delta(tensors, snapshot, schema, names)
+
+    # -- closing rounds --------------------------------------------------------------
+
+    async def claim_round(self, round_: int, attempt: int, closer: str) -> bool:
+        """Bid to close `round_` with `attempt`; True if this call holds that attempt."""
+        claim = RoundClaim(round_, _check_number("attempt", attempt, 10**6),
+                           check_learner_id(closer))
+        return await self._write_record(f"{_round_dir('claims/round/', round_)}{attempt:06d}",
+                                        claim)
+
+    async def round_claims(self, round_: int) -> list[int]:
+        """The closer attempts claimed for `round_`, ascending (one LIST)."""
+        prefix = _round_dir("claims/round/", round_)
+        return _attempts(await self._list(prefix), prefix)
+
+    async def read_round_claim(self, round_: int, attempt: int) -> RoundClaim | None:
+        return await self._read_record(
+            f"{_round_dir('claims/round/', round_)}{attempt:06d}", RoundClaim)
+
+    async def _put_artifact(self, kind: str, fragment: int, version: int, attempt: int,
+                            tensors: Mapping[str, TensorBytes]) -> PayloadRef:
+        ref = await self.put_payload(artifact_key(kind, fragment, version, attempt, ""), tensors)
+        assert ref is not None
+        return ref
+
+    async def put_theta(self, fragment: int, version: int, tensors: Mapping[str, TensorBytes],
+                        *, attempt: int) -> PayloadRef:
+        """Upload a commit's parameters (before the record that references them)."""
+        return await self._put_artifact("theta", fragment, version, attempt, tensors)
+
+    async def put_outer(self, fragment: int, version: int, tensors: Mapping[str, TensorBytes],
+                        *, attempt: int) -> PayloadRef:
+        """Upload a commit's outer state (momentum, fp32 master)."""
+        return await self._put_artifact("outer", fragment, version, attempt, tensors)
+
+    async def put_update(self, fragment: int, version: int,
+                         tensors: Mapping[str, TensorBytes], *, attempt: int) -> PayloadRef:
+        """Upload a commit's quantized Θ_new − Θ_old."""
+        return await self._put_artifact("updates", fragment, version, attempt, tensors)
+
+    async def put_step(self, fragment: int, version: int,
+                       tensors: Mapping[str, TensorBytes], *, attempt: int) -> PayloadRef:
+        """Upload a replicated commit's merged Δ."""
+        return await self._put_artifact("steps", fragment, version, attempt, tensors)
+
+    async def commit(self, record: RoundRecord) -> bool:
+        """Create `rounds/<round>.json`; False if another closer committed the round first.
+
+        Rounds are gap-free: committing round r needs round r−1's record
+        (`LocalProtocolError` otherwise), which is what lets readers poll by GET.
+        """
+        if record.round > 0 and await self.mailbox.get(
+                self.prefix + round_key(record.round - 1)) is None:
+            raise LocalProtocolError(
+                f"cannot commit round {record.round}: round {record.round - 1} has no record; "
+                "rounds are committed strictly in order"
+            )
+        return await self._write_record(round_key(record.round), record)
+
+    async def read_round(self, round_: int) -> RoundRecord | None:
+        """Round `round_`'s record, or None while it is not committed."""
+        key = round_key(round_)
+        record = await self._read_record(key, RoundRecord)
+        if record is not None and record.round != round_:
+            raise RemoteProtocolError(f"record {key!r} says round {record.round}; its key says "
+                                      f"round {round_}")
+        return record
+
+    async def rounds_after(self, cursor: int, limit: int | None = None) -> list[RoundRecord]:
+        """The records of rounds cursor+1, cursor+2, ... in order, up to the first missing.
+
+        Rounds are gap-free, so this GETs known keys and never LISTs: a poll that finds
+        nothing new costs one GET. `cursor` = −1 starts from round 0.
+        """
+        out: list[RoundRecord] = []
+        r = cursor + 1
+        while limit is None or len(out) < limit:
+            record = await self.read_round(r)
+            if record is None:
+                break
+            out.append(record)
+            r += 1
+        return out
+
+    async def _exists(self, round_: int) -> bool:
+        return await self.mailbox.get(self.prefix + round_key(round_)) is not None
+
+    async def newest_round(self, hint: int = -1) -> int:
+        """The newest committed round (−1 if none), found with O(log n) GETs by galloping
+        forward from `hint` (a round known to be committed) and bisecting."""
+        lo, step = max(hint, -1), 1
+        while lo + step < _ROUND_LIMIT and await self._exists(lo + step):
+            lo, step = lo + step, step * 2
+        hi = min(lo + step, _ROUND_LIMIT)  # not committed (or past the last round number)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if await self._exists(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    async def latest_commit_per_fragment(
+        self, fragments: int, newest: int | None = None
+    ) -> dict[int, RoundRecord]:
+        """Each fragment's newest record (fragments never committed are absent), reading
+        back from the newest round until every fragment is found (P GETs when round r
+        trains fragment r mod P)."""
+        if newest is None:
+            newest = await self.newest_round()
+        out: dict[int, RoundRecord] = {}
+        r = newest
+        while r >= 0 and len(out) < fragments:
+            record = await self.read_round(r)
+            if record is not None and record.fragment not in out:
+                out[record.fragment] = record
+            r -= 1
+        return out
+
+    async def sweep(
+        self, keep_versions: int = 2, *, latest: Mapping[int, RoundRecord] | None = None,
+        checkpoint_every: int | None = None, keep_rounds: int | None = None,
+        fragments: int | None = None,
+    ) -> list[str]:
+        """Delete what `plan_sweep` says is no longer needed; returns the deleted keys.
+
+        `latest` (each fragment's newest record), and the run's `checkpoint_every`,
+        `keep_rounds` and number of `fragments`, are looked up when `latest` or
+        `checkpoint_every` is not given.
+        """
+        if latest is None or checkpoint_every is None:
+            manifest = await self.read_manifest()
+            if manifest is None:
+                return []
+            fragments = len(manifest.plan)
+            if latest is None:
+                latest = await self.latest_commit_per_fragment(fragments)
+            checkpoint_every = int(manifest.algorithm.get("checkpoint_every", 1))
+            kept = manifest.algorithm.get("keep_rounds")
+            keep_rounds = kept if isinstance(kept, int) else None
+        keys: list[str] = []
+        for area in (*_ROUND_AREAS, *(f"{k}/" for k in _ARTIFACT_KINDS)):
+            keys.extend(await self._list(area))
+        doomed = plan_sweep(keys, latest, keep_versions, checkpoint_every, keep_rounds,
+                            fragments)
+        for key in doomed:
+            await self.mailbox.delete(self.prefix + key)
+        return doomed
