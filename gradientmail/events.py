@@ -17,6 +17,7 @@ __all__ = [
     "Closed",
     "Closing",
     "CommitLost",
+    "CommitRejected",
     "ContributionDropped",
     "CreatingRun",
     "Event",
@@ -178,6 +179,18 @@ class FragmentAligned(Event):
     version: int
     staleness: int
     bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitRejected(WarningEvent):
+    """A learner read a commit whose parameters do not fit its model (`reason` names the
+    tensors): it keeps the fragment as it was and goes on training; the fragment's next
+    good commit brings it back in line."""
+
+    learner: str
+    round: int
+    fragment: int
+    reason: str
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,13 +12,13 @@ import asyncio
 
 from gradientmail.adapters.base import Adapter
 from gradientmail.algorithms.diloco import rebuild_theta
-from gradientmail.errors import RemoteProtocolError
+from gradientmail.errors import GradientmailError, RemoteProtocolError, SchemaMismatch
 from gradientmail.learner.messages import Commit
 from gradientmail.run.join import JoinResult
 from gradientmail.run.protocol import Exchange, payload_bound
 from gradientmail.run.replica import theta_digest
 from gradientmail.wire.records import RoundRecord
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.serialization import TensorBytes, validate
 
 __all__ = ["CommitFetcher"]
 
@@ -44,7 +44,9 @@ class CommitFetcher:
         outer step, the replica's state at its version (its step applied to the state
         held); otherwise rebuilt from its quantized update when this learner holds the
         previous version (checked against the record's digest), else downloaded. None
-        when the payloads were swept."""
+        when the payloads were swept; a `Commit` with `rejected` set when the parameters
+        do not fit the model (a tensor missing, or of another shape or dtype), so that a
+        bad commit is reported and passed over instead of raising on the training thread."""
         ex = self._exchange
         names = self._plan[rec.fragment]
         schema = self._adapter.schema
@@ -53,7 +55,13 @@ class CommitFetcher:
         replica = self._replica
         if replica.algorithm.replicated:
             before = replica.bytes_down
-            state = await replica.at(rec.fragment, rec)
+            try:
+                state = await replica.at(rec.fragment, rec)
+            except (RemoteProtocolError, SchemaMismatch) as exc:
+                # A step that does not fit or does not give its theta: the chain cannot
+                # go past it, so each later step of this fragment is passed over too
+                # until a checkpoint restarts the chain.
+                return Commit(rec, None, 0, rejected=str(exc))
             if state is None:
                 return None
             theta, nbytes = dict(state.theta), replica.bytes_down - before
@@ -63,8 +71,13 @@ class CommitFetcher:
             update = await ex.fetch_tensors(rec.update.payload,
                                             payload_bound(schema, names, "updates"))
             if update is not None:
-                rebuilt = await asyncio.to_thread(rebuild_theta, held[1], update, rec.update.format)
-                if theta_digest(rebuilt, names) == rec.update.theta_sha256:
+                try:
+                    rebuilt = await asyncio.to_thread(
+                        rebuild_theta, held[1], update, rec.update.format)
+                except (GradientmailError, ValueError):
+                    rebuilt = None  # an update that does not fit: the full theta decides
+                if rebuilt is not None and \
+                        theta_digest(rebuilt, names) == rec.update.theta_sha256:
                     theta, nbytes = rebuilt, rec.update.payload.size
         if theta is None:
             if rec.theta is None:
@@ -75,7 +88,11 @@ class CommitFetcher:
             fetched = await ex.fetch_tensors(rec.theta, payload_bound(schema, names, "theta"))
             if fetched is None:
                 return None
-            theta, nbytes = {n: fetched[n] for n in names}, rec.theta.size
+            theta, nbytes = fetched, rec.theta.size
+        try:
+            validate(schema, theta, names)
+        except SchemaMismatch as exc:
+            return Commit(rec, None, nbytes, rejected=str(exc))
         self._host[rec.fragment] = (rec.version, theta)
         loaded = await asyncio.to_thread(self._adapter.load, theta)
         return Commit(rec, loaded, nbytes)

@@ -31,6 +31,7 @@ from gradientmail.algorithms.base import Algorithm
 from gradientmail.clock import Clock, sleep_unless
 from gradientmail.errors import LocalProtocolError, RemoteProtocolError, RunVanished
 from gradientmail.events import (
+    CommitRejected,
     EventSink,
     LeaseReleased,
     PollFailed,
@@ -503,7 +504,7 @@ class Mailman:
                     rec.closer,
                 )
             )
-            commit = await self._fetcher.fetch(rec)
+            commit = await self._fetch(rec)
             if commit is None:
                 # Swept under us: a newer commit of this fragment exists; start over from
                 # the newest record.
@@ -523,11 +524,20 @@ class Mailman:
         for rec in sorted(latest.values(), key=lambda r: r.round):
             if rec.round <= cursor:
                 continue
-            commit = await self._fetcher.fetch(rec)
+            commit = await self._fetch(rec)
             if commit is None:
                 return
             batch.append(commit)
         self._queue(batch, newest)
+
+    async def _fetch(self, rec: RoundRecord) -> Commit | None:
+        """`CommitFetcher.fetch`, reporting a commit that does not fit the model."""
+        assert self._fetcher is not None
+        commit = await self._fetcher.fetch(rec)
+        if commit is not None and commit.rejected is not None:
+            self.on_event(CommitRejected(self.learner_id, rec.round, rec.fragment,
+                                         commit.rejected))
+        return commit
 
     def _queue(self, batch: list[Commit], newest: int) -> None:
         """Hand a batch of commits to the training thread, and move the cursor to

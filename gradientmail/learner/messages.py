@@ -78,11 +78,14 @@ def delta_format(configured: str | None, dtypes: Sequence[str]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Commit:
-    """A commit ready to apply: its record and its parameters on the model's device."""
+    """A commit ready to apply: its record and its parameters on the model's device; or,
+    with `rejected` (why), one whose parameters do not fit the model, which the training
+    thread passes over (`loaded` is None then)."""
 
     record: RoundRecord
     loaded: Any
     nbytes: int
+    rejected: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -334,6 +334,13 @@ class Learner:
         rec = commit.record
         if rec.round <= state.rounds_seen:
             return
+        if commit.rejected is not None:
+            # It does not fit the model (CommitRejected was reported): the fragment stays
+            # as it was, and the round no longer holds training back.
+            self._set_state(ls.passed_over(state, rec.round))
+            for r in [r for r in self._kept if r <= rec.round]:
+                del self._kept[r]
+            return
         took_part = any(p.learner == self.learner_id for p in rec.participants)
         own = next((p for p in state.publishes if p.round == rec.round), None)
         snapshot = None

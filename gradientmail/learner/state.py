@@ -267,6 +267,18 @@ def retracted(state: LearnerState, round_: int) -> LearnerState:
     return dataclasses.replace(state, publishes=remaining, last_published=last)
 
 
+def passed_over(state: LearnerState, round_: int) -> LearnerState:
+    """Go past the commit of `round_` without taking it (it did not fit the model): the
+    round counts as seen, so nothing waits on it, and an own publish of it or before is
+    done with; the fragment keeps its version and counters, whose steps and tokens go
+    out with its next publish."""
+    return dataclasses.replace(
+        state,
+        rounds_seen=max(state.rounds_seen, round_),
+        publishes=tuple(p for p in state.publishes if p.round > round_),
+    )
+
+
 def overdue(state: LearnerState, overlap_steps: int | None) -> bool:
     """True when training must wait: an own publish still uncommitted was taken at least
     `overlap_steps` steps ago. None never waits; 0 is standard DiLoCo's barrier."""
