@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from test_learner_runtime import FAST, Recorder, make_model
 
 from gradientmail import events as ev
 from gradientmail.adapters import TorchAdapter
@@ -20,7 +21,6 @@ from gradientmail.run.protocol import Exchange
 from gradientmail.wire.estimates import Estimates
 from gradientmail.wire.records import Participant, RoundRecord
 from gradientmail.wire.serialization import TensorBytes
-from tests.test_learner_runtime import FAST, Recorder, make_model
 
 
 def _commit(mailbox: MemoryMailbox, round_: int, version: int,

@@ -8,6 +8,7 @@ copied for each test; `status`, `export` and `sweep` run in-process through `mai
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_learner_runtime import in_threads
 from test_syncer import Run, algorithm
 
 from gradientmail.adapters import TorchAdapter
@@ -51,37 +53,27 @@ def train(url: str) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
                  checkpoint_every=2)
     finals: list[dict[str, torch.Tensor]] = [{} for _ in range(LEARNERS)]
     seen = [-1] * LEARNERS
-    errors: list[BaseException] = []
     ready = threading.Barrier(LEARNERS)
 
     def work(w: int) -> None:
-        try:
-            model = make_model()
-            learner = Learner(TorchAdapter(model), alg, url, f"learner-{w}",
-                              poll_interval=0.01, lease_every=5.0, lease_timeout=30.0)
-            learner.start()
-            ready.wait(timeout=60)
-            opt = torch.optim.SGD(model.parameters(), lr=0.05)
-            for step in range(STEPS):
-                g = torch.Generator().manual_seed(1000 * w + step)
-                x, y = torch.randn(5, 6, generator=g), torch.randn(5, 2, generator=g)
-                opt.zero_grad()
-                torch.nn.functional.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]
-                opt.step()
-                learner.step(5)
-            learner.close()
-            seen[w] = learner.rounds_seen
-            finals[w] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        except BaseException as exc:  # re-raised in the test thread
-            errors.append(exc)
+        model = make_model()
+        learner = Learner(TorchAdapter(model), alg, url, f"learner-{w}",
+                          poll_interval=0.01, lease_every=5.0, lease_timeout=30.0)
+        learner.start()
+        ready.wait(timeout=60)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(1000 * w + step)
+            x, y = torch.randn(5, 6, generator=g), torch.randn(5, 2, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]
+            opt.step()
+            learner.step(5)
+        learner.close()
+        seen[w] = learner.rounds_seen
+        finals[w] = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
-    threads = [threading.Thread(target=work, args=(w,)) for w in range(LEARNERS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    if errors:
-        raise errors[0]
+    in_threads(*(functools.partial(work, w) for w in range(LEARNERS)))
     return finals, seen
 
 

@@ -7,6 +7,7 @@ arithmetic written as a synchronous loop must give the same parameters within 1e
 
 from __future__ import annotations
 
+import functools
 import secrets
 import threading
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_learner_runtime import in_threads
 from workers.toy import inner_step, make_model
 
 from gradientmail.adapters import TorchAdapter
@@ -55,7 +57,6 @@ def run_learners(mailbox_for: Callable[[], Mailbox | str]) -> list[list[torch.Te
         quorum_size=LEARNERS,
     )
     results: list[list[torch.Tensor]] = [[] for _ in range(LEARNERS)]
-    errors: list[BaseException] = []
     ready = threading.Barrier(LEARNERS)
 
     # Built here, one after the other: make_model seeds torch's global generator, which
@@ -63,37 +64,28 @@ def run_learners(mailbox_for: Callable[[], Mailbox | str]) -> list[list[torch.Te
     models = [make_model() for _ in range(LEARNERS)]
 
     def work(w: int) -> None:
-        try:
-            model = models[w]
-            learner = Learner(
-                TorchAdapter(model),
-                algorithm,
-                mailbox_for(),
-                f"learner-{w}",
-                poll_interval=0.01,
-                lease_every=5.0,
-                lease_timeout=30.0,
-            )
-            learner.start()
-            ready.wait(timeout=60)
-            assert learner.wait_for_learners(LEARNERS, timeout=60) >= {"learner-0", "learner-1"}
-            opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
-            for step in range(ROUNDS * H):
-                inner_step(model, opt, w, step)
-                learner.step(5)
-            learner.close()
-            assert learner.rounds_seen == ROUNDS - 1
-            results[w] = [p.detach().clone() for p in model.parameters()]
-        except BaseException as exc:  # re-raised in the test thread
-            errors.append(exc)
+        model = models[w]
+        learner = Learner(
+            TorchAdapter(model),
+            algorithm,
+            mailbox_for(),
+            f"learner-{w}",
+            poll_interval=0.01,
+            lease_every=5.0,
+            lease_timeout=30.0,
+        )
+        learner.start()
+        ready.wait(timeout=60)
+        assert learner.wait_for_learners(LEARNERS, timeout=60) >= {"learner-0", "learner-1"}
+        opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+        for step in range(ROUNDS * H):
+            inner_step(model, opt, w, step)
+            learner.step(5)
+        learner.close()
+        assert learner.rounds_seen == ROUNDS - 1
+        results[w] = [p.detach().clone() for p in model.parameters()]
 
-    threads = [threading.Thread(target=work, args=(w,)) for w in range(LEARNERS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    if errors:
-        raise errors[0]
+    in_threads(*(functools.partial(work, w) for w in range(LEARNERS)))
     return results
 
 
