@@ -473,10 +473,13 @@ class Syncer:
         participants, cosine, all_final = (
             result.participants, result.mean_cosine, result.all_final)
         theta_ref = outer_ref = update_ref = step_ref = None
+        fmt = alg.commit_dtype
+        # The new theta's digest, which a step and an update carry: hashed once, off the loop.
+        digest = "" if result.step is None and (result.update is None or fmt is None) else \
+            await asyncio.to_thread(theta_digest, new_state.theta, names)
         if result.step is not None and result.step_format is not None:
             ref = await ex.put_step(fragment, new_state.version, result.step, attempt=attempt)
-            step_ref = StepRef(ref, result.step_format, result.rule,
-                               await asyncio.to_thread(theta_digest, new_state.theta, names))
+            step_ref = StepRef(ref, result.step_format, result.rule, digest)
         if step_ref is None or alg.checkpoint_at(new_state.version):
             theta_ref = await ex.put_theta(
                 fragment, new_state.version, new_state.theta, attempt=attempt
@@ -484,11 +487,10 @@ class Syncer:
             outer_ref = await ex.put_outer(
                 fragment, new_state.version, new_state.outer(), attempt=attempt
             )
-        fmt = alg.commit_dtype
         if result.update is not None and fmt is not None:
             ref = await ex.put_update(fragment, new_state.version, result.update,
                                       attempt=attempt)
-            update_ref = UpdateRef(ref, fmt, theta_digest(new_state.theta, names))
+            update_ref = UpdateRef(ref, fmt, digest)
         now = self.clock.now()
         estimates = updated_estimates(
             self._estimates(),
