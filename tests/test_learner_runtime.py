@@ -709,6 +709,18 @@ def test_a_blocked_learner_looks_for_its_commit_sooner_backing_off() -> None:
     assert [poll_delay(1.0, k) for k in range(1, 8)] == [0.02, 0.04, 0.05, 0.05, 0.05, 0.05,
                                                          0.05]
     assert poll_delay(0.005, 3) == 0.005  # never slower than the poll interval
+    # On a store whose requests cost nothing (a local directory), within milliseconds.
+    assert [poll_delay(1.0, k, metered=False) for k in range(1, 6)] == [0.002, 0.004, 0.008,
+                                                                        0.01, 0.01]
+
+
+def test_mailboxes_say_whether_their_requests_are_billed(tmp_path: Any) -> None:
+    from gradientmail.mailbox import LocalMailbox, S3Mailbox
+
+    assert not LocalMailbox(tmp_path).metered and not MemoryMailbox().metered
+    assert S3Mailbox.metered
+    assert not CountingMailbox(FaultyMailbox(MemoryMailbox(), FaultPlan())).metered
+    assert CountingMailbox(S3Mailbox.__new__(S3Mailbox)).metered
 
 
 class KeyLog(CountingMailbox):

@@ -63,6 +63,10 @@ class Mailbox(abc.ABC):
 
     #: A human-readable location (URL) used in error messages.
     url: str = "mailbox"
+    #: Whether requests are billed, as a cloud store's are. A learner blocked on a commit
+    #: looks for it every few milliseconds on an unmetered mailbox (a local directory,
+    #: memory), every few tens of milliseconds on a metered one. Wrappers pass it on.
+    metered: bool = True
 
     @abc.abstractmethod
     async def get(self, key: str) -> bytes | None:

@@ -82,6 +82,8 @@ class LocalMailbox(Mailbox):
     lose recent writes): for throwaway runs only. Blocking file I/O runs in worker threads.
     """
 
+    metered = False  # requests are system calls
+
     def __init__(
         self, root: str | os.PathLike[str], *, fsync: bool = True, temp_max_age: float = 3600.0
     ) -> None:

@@ -27,6 +27,8 @@ class _Store:
 class MemoryMailbox(Mailbox):
     """A process-local mailbox. `MemoryMailbox()` is private; `MemoryMailbox("x")` is shared."""
 
+    metered = False  # requests are dict lookups
+
     def __init__(self, name: str | None = None) -> None:
         if name is None:
             self._store = _Store()

@@ -66,6 +66,7 @@ class CountingMailbox(Mailbox):
     def __init__(self, inner: Mailbox) -> None:
         self.inner = inner
         self.url = inner.url
+        self.metered = inner.metered
         self._lock = threading.Lock()
         self._counts = RequestCounts()
 
@@ -234,6 +235,7 @@ class FaultyMailbox(Mailbox):
         self.inner = inner
         self.plan = plan
         self.url = inner.url
+        self.metered = inner.metered
 
     async def _before(self, op: str, key: str) -> list[FaultRule]:
         rules = self.plan.firing(op, key)
