@@ -5,3 +5,5 @@ roll call `rollcall`), the `Exchange` that reads and writes records and payloads
 (`protocol`), joining a run (`join`), following a fragment commit by commit (`replica`) and
 reading the newest committed model (`committed`). Learners and syncers are built on it.
 """
+
+__all__: list[str] = []

@@ -5,3 +5,5 @@ formats (`quantization`) and codecs (`compression`), the run's records in strict
 JSON (`records`, `record_json`), and their seals (`auth`). Nothing here does I/O or knows
 about rounds: it is the vocabulary every other layer speaks.
 """
+
+__all__: list[str] = []
