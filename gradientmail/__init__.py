@@ -7,7 +7,7 @@ coordination.
 """
 
 from gradientmail.algorithms.diloco import ByBytes, DiLoCo, Rda, Strided, WeightedMean
-from gradientmail.committed import load_committed
+from gradientmail.committed import CommittedModel, load_committed, read_committed
 from gradientmail.errors import GradientmailError
 from gradientmail.learner import Learner
 from gradientmail.mailbox import open_mailbox
@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ByBytes",
+    "CommittedModel",
     "DiLoCo",
     "GradientmailError",
     "Learner",
@@ -27,4 +28,5 @@ __all__ = [
     "__version__",
     "load_committed",
     "open_mailbox",
+    "read_committed",
 ]
