@@ -31,7 +31,8 @@ contributor), so a round closes once everyone is in and there are P/H rounds per
 The other N−1 learners write their leases and contributions through an uncounted view of
 the same store, answer roll calls, and a closer of theirs closes the rounds the observed
 learner does not.
-S3 Standard prices: PUT/LIST $5 per million, GET $0.40 per million, DELETE free.
+S3 Standard prices (`gradientmail.traffic.S3_STANDARD`, the learners' own: `Learner.traffic`):
+PUT/LIST $5 per million, GET $0.40 per million, DELETE free; egress is not counted here.
 """
 
 from __future__ import annotations

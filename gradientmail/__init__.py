@@ -10,13 +10,14 @@ from gradientmail.algorithms.diloco import ByBytes, DiLoCo, Rda, Strided, Weight
 from gradientmail.errors import GradientmailError
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import open_mailbox
-from gradientmail.run.committed import load_committed
+from gradientmail.run.committed import CommittedModel, load_committed, read_committed
 from gradientmail.syncer.runtime import Syncer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ByBytes",
+    "CommittedModel",
     "DiLoCo",
     "GradientmailError",
     "Learner",
@@ -27,4 +28,5 @@ __all__ = [
     "__version__",
     "load_committed",
     "open_mailbox",
+    "read_committed",
 ]

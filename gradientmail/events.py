@@ -11,6 +11,8 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
+from gradientmail.traffic import Traffic
+
 __all__ = [
     "AwaitingCreator",
     "ClaimSuperseded",
@@ -38,6 +40,7 @@ __all__ = [
     "SnapshotPublished",
     "Swept",
     "TookOverCreation",
+    "TrafficMeasured",
     "WarningEvent",
     "log_events",
 ]
@@ -194,6 +197,21 @@ class CommitRejected(WarningEvent):
 
 
 @dataclasses.dataclass(frozen=True)
+class TrafficMeasured(Event):
+    """What this learner's mailbox traffic came to since `start()`: every request of its
+    threads and its embedded closer, counted by its meter (`Learner.traffic`). Reported
+    once per commit it applies (`round`) and once more on close, so a sink that prices
+    runs needs no timer of its own; the counts are cumulative."""
+
+    learner: str
+    round: int
+    traffic: Traffic
+
+    def describe(self) -> str:
+        return f"TrafficMeasured(learner={self.learner!r}, round={self.round}, {self.traffic})"
+
+
+@dataclasses.dataclass(frozen=True)
 class Closing(Event):
     learner: str
     in_flight: tuple[int, ...]
@@ -262,7 +280,9 @@ class ContributionDropped(WarningEvent):
 
 @dataclasses.dataclass(frozen=True)
 class RoundClosed(Event):
-    """This closer wrote the commit record of `round`."""
+    """This closer wrote the commit record of `round`; `bytes` sums every payload it
+    wrote for it (theta, outer state, update, step: each ref of the record), records and
+    claims not included."""
 
     closer: str
     round: int

@@ -98,6 +98,19 @@ def test_gradient_accumulation_counts_real_steps_and_tokens(tmp_path: Path) -> N
     assert diloco.metrics()["diloco/published"] == 2.0
     # alone, each contribution completed its round: its own closer merged it from memory
     assert diloco.metrics()["diloco/bytes_sent"] == 0.0
+    # ... yet its mailbox saw requests and bytes both ways (the lease, Θ⁰, its commits),
+    # metered and priced as the learner's own `traffic` says.
+    from gradientmail.integration.metrics import TRAFFIC_METRICS
+
+    metrics = diloco.metrics()
+    assert set(TRAFFIC_METRICS) <= set(metrics)
+    traffic = learner.traffic
+    assert metrics["diloco/requests_create"] == traffic.counts.create > 0
+    assert metrics["diloco/requests_list"] == traffic.counts.list > 0
+    assert metrics["diloco/mailbox_bytes_up"] == traffic.bytes_up > 0
+    assert metrics["diloco/cost_usd"] == pytest.approx(traffic.usd) and traffic.usd > 0
+    assert metrics["diloco/cost_usd_per_hour"] == pytest.approx(
+        traffic.usd * 3600 / traffic.seconds)
 
 
 @pytest.mark.parametrize("per_step", [7, "callable"])

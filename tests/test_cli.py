@@ -11,6 +11,7 @@ import asyncio
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -128,6 +129,33 @@ def test_status_json_describes_the_finished_run(
                                     "contributions": [], "claims": []}
     assert status["tensors"] == 4 and status["parameters"] == 6 * 8 + 8 + 8 * 2 + 2
     assert status["algorithm"]["quorum_size"] == LEARNERS
+    # Traffic, from the round records alone: each payload's size as the records name it.
+    records = asyncio.run(Exchange(LocalMailbox(str(finished))).rounds_after(-1))
+    traffic = status["traffic"]
+    assert (traffic["rounds"], traffic["first_round"], traffic["last_round"]) == (
+        rounds, 0, rounds - 1)
+    assert traffic["learners"] == 1  # one lease: the watcher's
+    per = traffic["per_round"]
+    uploaded = [p for rec in records for p in rec.participants if not p.held]
+    assert per["uploads"] == len(uploaded) / rounds > 0
+    assert per["contribution_bytes"] == sum(p.payload_size or 0 for p in uploaded) / rounds
+    assert per["commit_bytes"] == sum(ref.size for rec in records
+                                      for ref in rec.payload_refs()) / rounds
+    # every commit carries its replicated step: what a following learner downloads
+    assert per["follow_bytes"] == sum(rec.step.payload.size for rec in records
+                                      if rec.step is not None) / rounds > 0
+    assert per["puts"] == pytest.approx(sum(2 * sum(not p.held for p in rec.participants) + 2
+                                            + len(rec.payload_refs()) for rec in records)
+                                        / rounds)
+    stamps = [rec.committed_at for rec in records]
+    assert None not in stamps
+    if stamps[-1] > stamps[0]:  # stamped in milliseconds: a fast run may share one
+        assert traffic["rounds_per_hour"] == pytest.approx(
+            (rounds - 1) * 3600 / (stamps[-1] - stamps[0]))
+        assert set(traffic["per_learner_hour"]) == {"bytes_up", "bytes_down", "puts", "gets",
+                                                    "usd"}
+    assert traffic["prices"] == {"put_per_1000": 0.005, "get_per_1000": 0.0004,
+                                 "egress_per_gb": 0.09}
 
 
 def test_status_prints_a_readable_table(
@@ -140,6 +168,12 @@ def test_status_prints_a_readable_table(
     assert lines[0] == f"run         {finished} (created by {json_creator(finished)})"
     assert f"rounds      {rounds} committed" in lines
     assert "learners    0 holding a lease" in lines
+    # Of 2 contributions a round, the one that completes the set may be merged from its
+    # closer's memory (held), never uploaded.
+    [traffic] = [line for line in lines if line.startswith("traffic")]
+    assert re.match(rf"traffic     rounds 0-{rounds - 1}, per round: [12]\.\d contributions "
+                    r"up \(\d+ B\), commit \d+ B up, \d+ B down per learner, \d+\.\d PUTs$",
+                    traffic), traffic
     assert lines[-3].split() == ["fragment", "version", "round", "tensors", "theta", "outer",
                                  "update", "step"]
     plan = json.loads((finished / "manifest.json").read_bytes())["plan"]
@@ -164,6 +198,7 @@ def test_status_of_a_run_with_no_round_yet(tmp_path: Path,
             for f in status["fragments"]] == [(p, 0, None, ref.size)
                                               for p, ref in enumerate(manifest.init)]
     assert status["estimates"] == {"step": None, "quorum": None, "sync": None}
+    assert status["traffic"] is None  # no record to read it from
     assert status["open_round"] == {"round": 0, "fragment": 0, "contributions": ["a"],
                                     "claims": []}
     rc, out, _ = cli(capsys, "status", str(directory))

@@ -84,3 +84,40 @@ def test_a_model_of_another_shape_a_wrong_key_and_no_run_are_named(tmp_path: Pat
         gradientmail.load_committed(str(box), run_key="another key of sixteen bytes")
     with pytest.raises(ConfigError, match="no run found in"):
         gradientmail.load_committed(str(tmp_path / "empty"))
+
+
+def test_read_committed_says_which_round_and_versions(tmp_path: Path) -> None:
+    box = tmp_path / "run"
+    trained = train(box)
+    committed = gradientmail.read_committed(str(box))
+    assert isinstance(committed, gradientmail.CommittedModel)
+    # 5 rounds of one fragment: round 4 is the newest, the fragment at version 5.
+    assert (committed.round, committed.rounds_committed, committed.versions) == (4, 5, (5,))
+    assert committed.url == f"file://{box}"
+    assert committed.metadata == {"format": "pt", "gradientmail.url": f"file://{box}",
+                                  "gradientmail.round": "4", "gradientmail.versions": "[5]"}
+    assert list(committed.tensors) == [n for n, _ in trained.named_parameters()]
+    state = committed.state_dict()
+    assert all(state[n].numpy().tobytes() == committed.tensors[n].data for n in state)
+    fresh = make_model()
+    assert committed.load_into(fresh).keys() == state.keys()
+    for name, p in fresh.named_parameters():
+        assert torch.equal(p.detach(), dict(trained.named_parameters())[name].detach())
+    # A mailbox object is left open for its owner, and named by its own URL.
+    mailbox = LocalMailbox(box)
+    again = gradientmail.read_committed(mailbox)
+    assert (again.round, again.versions, again.url) == (4, (5,), f"file://{box}")
+    assert gradientmail.load_committed(mailbox).keys() == state.keys()
+
+
+def test_read_committed_before_any_round_is_init(tmp_path: Path) -> None:
+    box = tmp_path / "run"
+    model = make_model()
+    learner = Learner(TorchAdapter(model), DiLoCo(2, 1, in_flight=1), str(box), "solo",
+                      poll_interval=0.01, on_event=lambda e: None)
+    learner.start()
+    learner.close()
+    committed = gradientmail.read_committed(str(box))
+    assert (committed.round, committed.rounds_committed, committed.versions) == (-1, 0, (0,))
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), committed.state_dict()[name])

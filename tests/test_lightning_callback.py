@@ -134,6 +134,24 @@ def test_metrics_reach_the_progress_bar_and_the_loggers(tmp_path: Path) -> None:
     assert [float(r["diloco/published"]) for r in rows][-1] == 3.0
     assert float(rows[-1]["diloco/staleness"]) == 0.0  # the barrier: applied at once
     assert float(rows[-1]["diloco/live_learners"]) == 1.0
+    # The learner's meter: every request of its own and of its closer, and their price.
+    from gradientmail.integration.metrics import TRAFFIC_METRICS
+
+    last = {k: float(v) for k, v in rows[-1].items() if k in TRAFFIC_METRICS}
+    assert set(last) == set(TRAFFIC_METRICS)
+    assert min(last[f"diloco/requests_{kind}"]
+               for kind in ("get", "put", "create", "list", "delete")) > 0
+    assert last["diloco/requests"] == sum(
+        last[f"diloco/requests_{kind}"] for kind in ("get", "put", "list", "delete"))
+    # the creator: Θ⁰, the manifest, each commit's payloads and records went up
+    assert last["diloco/mailbox_bytes_up"] > 0 < last["diloco/mailbox_bytes_down"]
+    assert last["diloco/cost_usd"] == pytest.approx(
+        ((last["diloco/requests_put"] + last["diloco/requests_list"]) * 0.005
+         + last["diloco/requests_get"] * 0.0004) / 1000
+        + last["diloco/mailbox_bytes_down"] * 0.09 / 2**30, rel=1e-6)
+    assert last["diloco/cost_usd_per_hour"] > last["diloco/cost_usd"]  # ran under an hour
+    counted = [float(r["diloco/requests"]) for r in rows]
+    assert counted == sorted(counted)
 
 
 def test_log_every_n_steps_spaces_the_metrics(tmp_path: Path) -> None:

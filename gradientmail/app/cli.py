@@ -19,7 +19,8 @@ Each subcommand is a function `cmd_<name>(args) -> int` registered in `build_par
 `main(argv)` parses, runs it, and turns a `GradientmailError` into one line on stderr,
 `gradientmail: error: <message>`, with exit status 1 (usage errors exit 2, as argparse
 does). The work itself is in small async functions (`read_status`, `newest_model`) that
-tests and other tools can call on an `Exchange`.
+tests and other tools can call on an `Exchange`; `export` reads the model as every user
+does, with `gradientmail.read_committed`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from gradientmail import __version__
+from gradientmail.app.record_traffic import record_traffic
 from gradientmail.errors import ConfigError, GradientmailError
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
@@ -46,6 +48,7 @@ from gradientmail.wire.records import check_learner_id
 from gradientmail.wire.serialization import TensorBytes, pack
 
 __all__ = [
+    "TRAFFIC_ROUNDS",
     "build_parser",
     "demo_config",
     "format_status",
@@ -57,17 +60,21 @@ __all__ = [
 ]
 
 _PROG = "gradientmail"
+#: The newest round records `status` reads for its traffic figures (GETs in flight at once).
+TRAFFIC_ROUNDS = 32
 T = TypeVar("T")
 
 
 # -- shared ------------------------------------------------------------------------------
 
 
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """The mailbox options of the command line."""
+    return {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
+
+
 def _open(args: argparse.Namespace) -> Mailbox:
-    options: dict[str, Any] = {}
-    if args.endpoint_url:
-        options["endpoint_url"] = args.endpoint_url
-    return open_mailbox(args.url, **options)
+    return open_mailbox(args.url, **_options(args))
 
 
 def _with_mailbox(args: argparse.Namespace, work: Callable[[Exchange], Awaitable[T]]) -> T:
@@ -106,10 +113,13 @@ def _seconds(s: float | None) -> str:
 async def read_status(ex: Exchange, url: str) -> dict[str, Any]:
     """What `gradientmail status --json` prints: a JSON-ready summary of the run.
 
-    Reads the manifest, each fragment's newest record, the leases and the open round's
-    contributions and claims; downloads no payload. `live_learners` are the learners
-    holding a lease: one look cannot tell a lease left by a crashed learner from a live
-    one (learners release theirs on close; the syncer judges them over time).
+    Reads the manifest, the newest `TRAFFIC_ROUNDS` round records (and each fragment's
+    newest), the leases and the open round's contributions and claims; downloads no
+    payload. `live_learners` are the learners holding a lease: one look cannot tell a
+    lease left by a crashed learner from a live one (learners release theirs on close;
+    the syncer judges them over time). `traffic` is what those records tell of the bytes
+    and writes per round and per learner-hour (`gradientmail.app.record_traffic`), or None
+    before the first commit.
     """
     manifest = await require_manifest(ex, url)
     plan = manifest.plan
@@ -118,6 +128,9 @@ async def read_status(ex: Exchange, url: str) -> dict[str, Any]:
     last = max(latest.values(), key=lambda rec: rec.round, default=None)
     leases = await ex.leases()
     open_round = newest + 1
+    window = await asyncio.gather(*(ex.read_round(r) for r in
+                                    range(max(newest - TRAFFIC_ROUNDS + 1, 0), newest + 1)))
+    traffic = record_traffic([rec for rec in window if rec is not None], len(leases))
     fragments = []
     for p, names in enumerate(plan):
         rec = latest.get(p)
@@ -167,6 +180,7 @@ async def read_status(ex: Exchange, url: str) -> dict[str, Any]:
             "dropped": [{"learner": d.learner, "reason": d.reason} for d in last.dropped],
             "mean_cosine": last.mean_cosine,
         },
+        "traffic": None if traffic is None else traffic.to_json(),
         "open_round": {
             "round": open_round,
             "fragment": open_fragment,
@@ -209,6 +223,7 @@ def format_status(status: dict[str, Any]) -> str:
                  + (f": {', '.join(learners)}" if learners else ""))
     lines.append(f"estimates   step {_seconds(est['step'])}, quorum {_seconds(est['quorum'])},"
                  f" sync {_seconds(est['sync'])}")
+    lines.extend(_traffic_lines(status["traffic"]))
     lines.append("")
     rows = [("fragment", "version", "round", "tensors", "theta", "outer", "update", "step")]
     for f in status["fragments"]:
@@ -221,6 +236,28 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
                      .rstrip())
     return "\n".join(lines)
+
+
+def _traffic_lines(traffic: dict[str, Any] | None) -> list[str]:
+    if traffic is None:
+        return []
+    per, hourly = traffic["per_round"], traffic["per_learner_hour"]
+    contributions = per["contribution_bytes"]
+    lines = [
+        f"traffic     rounds {traffic['first_round']}-{traffic['last_round']}, per round: "
+        f"{per['uploads']:.1f} contributions up ("
+        f"{'-' if contributions is None else _size(round(contributions))}), commit "
+        f"{_size(round(per['commit_bytes']))} up, {_size(round(per['follow_bytes']))} down "
+        f"per learner, {per['puts']:.1f} PUTs"
+    ]
+    if hourly is not None:
+        lines.append(
+            f"            per learner-hour ({traffic['learners']} learners, "
+            f"{traffic['rounds_per_hour']:.1f} rounds/h): {_size(round(hourly['bytes_up']))} "
+            f"up, {_size(round(hourly['bytes_down']))} down, at least "
+            f"${hourly['usd']:.5f} (writes, record GETs and egress; polls not seen here)"
+        )
+    return lines
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -293,14 +330,15 @@ def write_safetensors(path: str, tensors: dict[str, TensorBytes],
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    tensors, metadata = _with_mailbox(args, lambda ex: newest_model(ex, args.url))
+    from gradientmail.run.committed import read_committed
+
+    committed = read_committed(args.url, run_key=env_run_key(), **_options(args))
     try:
-        size = write_safetensors(args.out, tensors, metadata)
+        size = write_safetensors(args.out, dict(committed.tensors), committed.metadata)
     except OSError as exc:
         raise ConfigError(f"cannot write {args.out!r}: {exc.strerror or exc}") from exc
-    print(f"wrote {args.out}: {len(tensors)} tensors, {_size(size)}, round "
-          f"{metadata['gradientmail.round']} (fragment versions "
-          f"{metadata['gradientmail.versions']})")
+    print(f"wrote {args.out}: {len(committed.tensors)} tensors, {_size(size)}, round "
+          f"{committed.round} (fragment versions {list(committed.versions)})")
     return 0
 
 

@@ -199,26 +199,12 @@ def _evaluate(model: Any, val: Any) -> float:
 def _committed_model(mailbox: str, vocab: int, block: int) -> tuple[Any, int]:
     """The run's newest committed model (what `gradientmail export` writes), and how many
     rounds were committed."""
-    import asyncio
+    from gradientmail.run.committed import read_committed
 
-    import torch
-
-    from gradientmail.adapters.torch import to_torch
-    from gradientmail.mailbox import open_mailbox
-    from gradientmail.run.protocol import Exchange
-    from gradientmail.run.replica import newest_model
-
-    async def newest() -> tuple[dict[str, Any], int]:
-        ex = Exchange(open_mailbox(mailbox))
-        tensors, metadata = await newest_model(ex, mailbox)
-        return tensors, int(metadata["gradientmail.round"]) + 1
-
-    tensors, rounds = asyncio.run(newest())
+    committed = read_committed(mailbox)
     model = _model(vocab, block)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(to_torch(tensors[name]))
-    return model, rounds
+    committed.load_into(model)
+    return model, committed.rounds_committed
 
 
 def run_demo(

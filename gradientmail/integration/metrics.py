@@ -13,8 +13,9 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 from gradientmail import events as ev
+from gradientmail.traffic import Traffic
 
-__all__ = ["METRICS", "PREFIX", "RunMetrics"]
+__all__ = ["METRICS", "PREFIX", "TRAFFIC_METRICS", "RunMetrics", "traffic_values"]
 
 #: Every metric name starts with it.
 PREFIX = "diloco/"
@@ -37,7 +38,46 @@ METRICS: Mapping[str, str] = MappingProxyType({
     PREFIX + "optimizer_steps": "real optimizer steps taken (accumulation counts once)",
     PREFIX + "tokens": "tokens counted over all processes of this learner",
     PREFIX + "batch_size": "this learner's share of global_batch_size (only with one)",
+    # The learner's meter (`Learner.traffic`): every request of its mailbox since it
+    # started, its embedded closer's included, priced at the learner's `prices`.
+    PREFIX + "requests": "requests this learner made of the mailbox (S3 billing units)",
+    PREFIX + "requests_get": "GET requests (each poll of the next record is one)",
+    PREFIX + "requests_put": "PUT requests, conditional creates included",
+    PREFIX + "requests_create": "conditional creates (create-if-absent), of requests_put",
+    PREFIX + "requests_list": "LIST requests (one per page of 1,000 keys)",
+    PREFIX + "requests_delete": "DELETE requests (free on S3)",
+    PREFIX + "mailbox_bytes_up": "every byte this learner wrote to the mailbox: payloads, "
+                                 "records, leases, its closer's commits",
+    PREFIX + "mailbox_bytes_down": "every byte this learner read from the mailbox",
+    PREFIX + "cost_usd": "estimated dollars of its requests and egress so far",
+    PREFIX + "cost_usd_per_hour": "cost_usd per hour since the learner started "
+                                  "(dollars per learner-hour)",
 })
+
+#: The `METRICS` that `traffic_values` reads from a `Traffic`.
+TRAFFIC_METRICS = tuple(name for name in METRICS
+                        if name.startswith((PREFIX + "requests", PREFIX + "mailbox_bytes",
+                                            PREFIX + "cost_usd")))
+
+
+def traffic_values(traffic: Traffic) -> dict[str, float]:
+    """The traffic metrics of `METRICS` from a learner's `Traffic` (`cost_usd_per_hour`
+    absent before any time has passed)."""
+    c = traffic.counts
+    out = {
+        PREFIX + "requests": float(c.requests),
+        PREFIX + "requests_get": float(c.get),
+        PREFIX + "requests_put": float(c.put),
+        PREFIX + "requests_create": float(c.create),
+        PREFIX + "requests_list": float(c.list),
+        PREFIX + "requests_delete": float(c.delete),
+        PREFIX + "mailbox_bytes_up": float(c.bytes_up),
+        PREFIX + "mailbox_bytes_down": float(c.bytes_down),
+        PREFIX + "cost_usd": traffic.usd,
+    }
+    if traffic.usd_per_hour is not None:
+        out[PREFIX + "cost_usd_per_hour"] = traffic.usd_per_hour
+    return out
 
 
 class RunMetrics:

@@ -24,7 +24,7 @@ import torch
 
 from gradientmail.errors import GradientmailError
 from gradientmail.integration.batches import BatchSizeHook
-from gradientmail.integration.metrics import PREFIX, RunMetrics
+from gradientmail.integration.metrics import PREFIX, RunMetrics, traffic_values
 from gradientmail.integration.ranks import Ranks
 from gradientmail.learner.runtime import Learner
 
@@ -187,7 +187,8 @@ class RankSync:
 
     def metrics(self) -> dict[str, float]:
         """The metrics of `gradientmail.integration.METRICS` known on this rank: the
-        event-based ones are rank 0's; `live_learners` is known on rank 0 only."""
+        event-based ones are rank 0's; `live_learners` and the traffic (requests, bytes,
+        cost: rank 0 alone talks to the mailbox) are known on rank 0 only."""
         out = self.run_metrics.values()
         out[PREFIX + "rounds_seen"] = float(self.rounds_seen)
         out[PREFIX + "rounds_committed"] = max(
@@ -199,6 +200,7 @@ class RankSync:
             out[PREFIX + "batch_size"] = float(self.batch_size)
         if self.learner is not None:
             out[PREFIX + "live_learners"] = float(len(self.learner.live_learners))
+            out.update(traffic_values(self.learner.traffic))
         return out
 
     # -- internals --------------------------------------------------------------------------

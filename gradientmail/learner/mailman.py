@@ -45,6 +45,7 @@ from gradientmail.learner.fetcher import CommitFetcher
 from gradientmail.learner.messages import Commit, Observed, Outgoing, delta_format
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
+from gradientmail.mailbox.wrappers import CountingMailbox
 from gradientmail.run.join import JoinResult, join_run
 from gradientmail.run.lease import LeaseTracker
 from gradientmail.run.protocol import MANIFEST_KEY, Exchange
@@ -156,6 +157,7 @@ class Mailman:
         self._want_live = 0
         # Set by start() and on the communication thread:
         self._exchange: Exchange | None = None
+        self.meter: CountingMailbox | None = None  # every request of this learner's, by start()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._jobs: asyncio.Queue[Outgoing | None] | None = None
@@ -182,8 +184,9 @@ class Mailman:
     def start(self) -> concurrent.futures.Future[JoinResult]:
         """Open the mailbox and start the thread, which joins the run and then runs its
         loops; the future resolves with the join's result (or its error)."""
+        self.meter = CountingMailbox(open_mailbox(self._mailbox_arg))
         self._exchange = Exchange(
-            open_mailbox(self._mailbox_arg), clock=self.clock, compression=self.compression,
+            self.meter, clock=self.clock, compression=self.compression,
             prefix=self.prefix, seal=self._seal,
         )
         joined: concurrent.futures.Future[JoinResult] = concurrent.futures.Future()

@@ -30,6 +30,7 @@ from gradientmail.events import (
     FragmentAligned,
     GaveUp,
     PollFailed,
+    TrafficMeasured,
     log_events,
 )
 from gradientmail.learner import state as ls
@@ -37,6 +38,7 @@ from gradientmail.learner.mailman import BACKUP_EVERY, Mailman
 from gradientmail.learner.messages import Commit, Outgoing
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.syncer.state import effective_quorum, much_slower
+from gradientmail.traffic import S3_STANDARD, Prices, RequestCounts, Traffic, measure
 from gradientmail.wire.auth import HmacSeal, resolve_run_key
 from gradientmail.wire.records import RoundRecord, check_learner_id
 
@@ -86,6 +88,7 @@ class Learner:
     contribution, so that every merge can be recomputed from the store). `run_key` (str
     or bytes; None: the `GRADIENTMAIL_RUN_KEY` variable, when set) makes the run
     authenticated: every record is sealed and checked (see `gradientmail.wire.auth`).
+    `prices` price its traffic (`traffic`; default: S3 Standard, us-east-1, `Prices`).
     """
 
     def __init__(
@@ -107,6 +110,7 @@ class Learner:
         prefix: str = "",
         keep_versions: int = 2,
         run_key: str | bytes | None = None,
+        prices: Prices = S3_STANDARD,
     ) -> None:
         for name, value in (
             ("poll_interval", poll_interval),
@@ -128,6 +132,9 @@ class Learner:
         self.poll_interval = float(poll_interval)
         self.lease_timeout = float(lease_timeout)
         self.on_event = on_event
+        if not isinstance(prices, Prices):
+            raise ConfigError(f"prices={prices!r} must be a gradientmail.traffic.Prices")
+        self.prices = prices
         run_key = resolve_run_key(run_key)  # None: GRADIENTMAIL_RUN_KEY, when set
         seal = None if run_key is None else HmacSeal(run_key)  # validates the key now
         self._mailman = Mailman(
@@ -153,6 +160,9 @@ class Learner:
         self._estimates = Estimates()
         # Contributions handed to the mailman (its view counts those finished).
         self._handed = 0
+        # The span `traffic` is priced over, on the learner's clock: start() to close().
+        self._started_at: float | None = None
+        self._stopped_at: float | None = None
 
     # -- public surface -----------------------------------------------------------------
 
@@ -181,6 +191,19 @@ class Learner:
     @property
     def plan(self) -> tuple[tuple[str, ...], ...]:
         return self._plan
+
+    @property
+    def traffic(self) -> Traffic:
+        """Every request this learner made of its mailbox since `start()` (its embedded
+        closer's included: the closer's work is part of what a learner costs), the bytes
+        up and down, and their price at `prices` over the time from `start()` to now (or
+        to `close()`) on its clock. Readable from any thread; zeros before `start()`."""
+        meter = self._mailman.meter
+        counts = meter.snapshot() if meter is not None else RequestCounts()
+        if self._started_at is None:
+            return measure(counts, 0.0, self.prices)
+        end = self._stopped_at if self._stopped_at is not None else self.clock.now()
+        return measure(counts, end - self._started_at, self.prices)
 
     def wait_for_learners(self, n: int, timeout: float = 600.0) -> frozenset[str]:
         """Block until at least `n` learners hold a lease (this one included), listing
@@ -214,6 +237,7 @@ class Learner:
         """
         if self._mailman.started:
             raise ConfigError(f"learner {self.learner_id!r} was started already")
+        self._started_at = self.clock.now()
         result = self.clock.result(self._mailman.start(), None)
         self._plan = result.plan
         self._schedule = self.algorithm.schedule_for(len(result.plan))
@@ -289,6 +313,8 @@ class Learner:
                 self.adapter.apply(anchor)
         self._kept.clear()
         self._mailman.stop(self.lease_timeout)
+        self._stopped_at = self.clock.now()
+        self.on_event(TrafficMeasured(self.learner_id, self.rounds_seen, self.traffic))
         self.on_event(Closed(self.learner_id, self.rounds_seen, self.local_step))
 
     def _require_started(self) -> ls.LearnerState:
@@ -376,6 +402,7 @@ class Learner:
                 self.learner_id, rec.round, rec.fragment, rec.version, staleness, commit.nbytes
             )
         )
+        self.on_event(TrafficMeasured(self.learner_id, rec.round, self.traffic))
 
     def _rebase_base(
         self,

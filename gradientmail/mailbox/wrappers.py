@@ -1,8 +1,9 @@
-"""Mailbox wrappers for tests and benchmarks: `CountingMailbox` and `FaultyMailbox`.
+"""Mailbox wrappers: `CountingMailbox`, the library's meter, and `FaultyMailbox`.
 
 `CountingMailbox` counts requests the way S3 bills them (a `list` costs one LIST per page
-of 1,000 keys) and the bytes that travel. `FaultyMailbox` injects the faults a real store
-produces, from a small plan:
+of 1,000 keys) and the bytes that travel; every `Learner` wraps its mailbox in one
+(`Learner.traffic`), and tests and benchmarks use it as they like. `FaultyMailbox` injects
+the faults a real store produces, from a small plan:
 
     plan = (FaultPlan()
             .fail("put", "payloads/*", nth=2)            # the 2nd matching put fails
@@ -24,43 +25,23 @@ import threading
 from gradientmail.clock import Clock, MonotonicClock
 from gradientmail.errors import ConfigError, MailboxError
 from gradientmail.mailbox.base import Mailbox
+from gradientmail.traffic import RequestCounts
 
 __all__ = ["OPS", "CountingMailbox", "FaultPlan", "FaultRule", "FaultyMailbox", "RequestCounts"]
 
 #: The operations a rule may name ("*" names all of them).
 OPS = ("get", "put", "create", "list", "delete")
 _LIST_PAGE = 1000
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestCounts:
-    """Requests by kind as S3 bills them, and payload bytes up and down."""
-
-    list: int = 0
-    get: int = 0
-    put: int = 0  # put and create
-    delete: int = 0
-    bytes_up: int = 0
-    bytes_down: int = 0
-
-    @property
-    def requests(self) -> int:
-        return self.list + self.get + self.put + self.delete
-
-    def cost_usd(self, per_million_put_list: float = 5.0, per_million_get: float = 0.4) -> float:
-        """Request cost at S3 Standard prices (DELETE is free)."""
-        return ((self.put + self.list) * per_million_put_list + self.get * per_million_get) / 1e6
-
-    def __sub__(self, other: RequestCounts) -> RequestCounts:
-        return RequestCounts(
-            *(getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self))
-        )
+_FIELDS = tuple(f.name for f in dataclasses.fields(RequestCounts))
 
 
 class CountingMailbox(Mailbox):
     """Passes every call to `inner` and counts it; `snapshot()` reads, `reset()` zeroes.
 
-    Requests are counted whether they succeed or fail, as a store would bill them.
+    Requests are counted whether they succeed or fail, as a store would bill them; bytes
+    up when sent, bytes down when received. Safe from any thread: a learner's training
+    thread reads it while the communication thread counts. A count is a few integer
+    additions under a lock, nothing next to the request it counts.
     """
 
     def __init__(self, inner: Mailbox) -> None:
@@ -68,24 +49,24 @@ class CountingMailbox(Mailbox):
         self.url = inner.url
         self.metered = inner.metered
         self._lock = threading.Lock()
-        self._counts = RequestCounts()
+        self._counts = dict.fromkeys(_FIELDS, 0)
 
     def snapshot(self) -> RequestCounts:
         with self._lock:
-            return self._counts
+            return RequestCounts(**self._counts)
 
     def reset(self) -> RequestCounts:
         """Zero the counts; return what they were."""
         with self._lock:
-            counts, self._counts = self._counts, RequestCounts()
+            counts = RequestCounts(**self._counts)
+            self._counts = dict.fromkeys(_FIELDS, 0)
             return counts
 
     def _add(self, **deltas: int) -> None:
         with self._lock:
-            c = self._counts
-            self._counts = dataclasses.replace(
-                c, **{name: getattr(c, name) + n for name, n in deltas.items()}
-            )
+            counts = self._counts
+            for name, n in deltas.items():
+                counts[name] += n
 
     async def get(self, key: str) -> bytes | None:
         self._add(get=1)
@@ -99,7 +80,7 @@ class CountingMailbox(Mailbox):
         await self.inner.put(key, data)
 
     async def create(self, key: str, data: bytes) -> bool:
-        self._add(put=1, bytes_up=len(data))
+        self._add(put=1, create=1, bytes_up=len(data))
         return await self.inner.create(key, data)
 
     async def list(self, prefix: str = "", start_after: str | None = None) -> list[str]:
