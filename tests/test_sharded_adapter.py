@@ -309,3 +309,25 @@ def test_no_host_copies_outside_torch() -> None:
             tracemalloc.stop()
         del result
         assert peak < 64 * 1024, (what, peak)
+
+
+class WithScalar(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = torch.nn.Parameter(torch.tensor(0.5))
+        self.proj = torch.nn.Linear(2, 3)
+
+
+def test_a_scalar_parameter_is_mailed_by_its_one_owner() -> None:
+    model = WithScalar()
+    owner, other = (ShardedAdapter(model, group_size=2, group_rank=r) for r in range(2))
+    assert (owner.owned_rows("temperature"), other.owned_rows("temperature")) == ((0, 1), (1, 1))
+    assert owner.read()["temperature"] == Rows(0, 1, TensorBytes("F32", (), b"\x00\x00\x00?"))
+    assert "temperature" not in other.read()
+    names = list(owner.schema.names)
+    anchor = values(owner.schema, 2)
+    assert set(owner.delta(owner.load(anchor), owner.snapshot(names))) == set(names)
+    assert set(other.delta(other.load(anchor), other.snapshot(names))) == {"proj.weight",
+                                                                          "proj.bias"}
+    other.apply({"temperature": anchor["temperature"]})
+    assert torch.equal(model.temperature.detach(), to_torch(anchor["temperature"]))

@@ -272,11 +272,14 @@ class ShardedAdapter:
         return {n: self.local(n).clone() for n in names}
 
     def read(self, names: Sequence[str] | None = None) -> dict[str, Rows]:
-        """This rank's owned rows of `names` (all by default), in their storage dtypes."""
+        """This rank's owned rows of `names` (all by default), in their storage dtypes. A
+        0-d parameter comes from its one owner only."""
         out = {}
         for name in self.schema.names if names is None else names:
             h0 = self.local_rows(name)[0]
             o0, o1 = self.owned_rows(name)
+            if o0 == o1 and not self.schema[name].shape:
+                continue  # a 0-d tensor has no empty slice: its one owner sends it
             rows = _narrow(self.local(name), o0 - h0, o1 - h0).clone()
             out[name] = Rows(o0, o1, _host_bytes(rows, self.schema[name].dtype))
         return out
@@ -299,11 +302,14 @@ class ShardedAdapter:
         self, anchor: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor]
     ) -> dict[str, Rows]:
         """anchor − snapshot over this rank's owned rows, in float32 on the device, as
-        host bytes. `anchor` and `snapshot` hold held rows (`load`, `snapshot`)."""
+        host bytes. `anchor` and `snapshot` hold held rows (`load`, `snapshot`); a 0-d
+        parameter comes from its one owner only."""
         out = {}
         for name in snapshot:
             h0 = self.local_rows(name)[0]
             o0, o1 = self.owned_rows(name)
+            if o0 == o1 and not self.schema[name].shape:
+                continue  # as in `read`
             diff = _narrow(anchor[name], o0 - h0, o1 - h0).to(torch.float32, copy=True)
             diff.sub_(_narrow(snapshot[name], o0 - h0, o1 - h0))
             out[name] = Rows(o0, o1, _host_bytes(diff, "F32"))
