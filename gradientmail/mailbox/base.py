@@ -2,7 +2,9 @@
 
 Five operations are the whole coordination layer: `get`, `put` (overwrite), `create`
 (atomic create-if-absent, the only coordination primitive), `list` (sorted keys under a
-prefix, optionally after a cursor so polling costs O(new keys)) and `delete`.
+prefix, optionally after a cursor so polling costs O(new keys)) and `delete`. A sixth,
+`get_range`, reads part of an object (a rank of a sharded learner fetches only its rows of
+a commit); its default falls back to a full `get`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from types import TracebackType
 
 from gradientmail.errors import LocalProtocolError
 
-__all__ = ["Mailbox", "check_key"]
+__all__ = ["Mailbox", "check_key", "check_range"]
 
 _SEGMENT_BAD = {"", ".", ".."}
 _KEY_CHARS = re.compile(r"^[A-Za-z0-9._/\-=+:@,]+$")
@@ -58,6 +60,16 @@ def check_prefix(prefix: str) -> str:
     return prefix
 
 
+def check_range(key: str, start: int, stop: int) -> None:
+    """Raise `LocalProtocolError` unless 0 <= start <= stop are ints (a byte range)."""
+    ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (start, stop))
+    if not ints or not 0 <= start <= stop:
+        raise LocalProtocolError(
+            f"byte range [{start!r}, {stop!r}) of key {key!r} is not a range; need ints "
+            "with 0 <= start <= stop"
+        )
+
+
 class Mailbox(abc.ABC):
     """An object store seen as keys and bytes. Every method may be awaited concurrently."""
 
@@ -71,6 +83,17 @@ class Mailbox(abc.ABC):
     @abc.abstractmethod
     async def get(self, key: str) -> bytes | None:
         """The object's bytes, or None when the key does not exist."""
+
+    async def get_range(self, key: str, start: int, stop: int) -> bytes | None:
+        """Bytes [start, stop) of the object, cut short at its end like a slice, or None
+        when the key does not exist.
+
+        This default downloads the whole object; the stores override it with a ranged
+        read (a file seek, an S3 `Range` header), so that only the range travels.
+        """
+        check_range(key, start, stop)
+        data = await self.get(key)
+        return None if data is None else data[start:stop]
 
     @abc.abstractmethod
     async def put(self, key: str, data: bytes) -> None:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from gradientmail.errors import ConfigError, MailboxError
-from gradientmail.mailbox.base import Mailbox, check_key, check_prefix
+from gradientmail.mailbox.base import Mailbox, check_key, check_prefix, check_range
 
 __all__ = ["TEMP_PREFIX", "LocalMailbox"]
 
@@ -42,7 +42,7 @@ _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 # threads putting and deleting in one directory on 2 busy cores) 8 tries were seen to run
 # out, so allow many, yielding the CPU between them.
 _DIR_RETRIES = 200
-_KEY_OPS = frozenset({"get", "put", "create", "delete"})
+_KEY_OPS = frozenset({"get", "get_range", "put", "create", "delete"})
 
 
 def _pid_alive(pid: int) -> bool:
@@ -105,6 +105,11 @@ class LocalMailbox(Mailbox):
     async def get(self, key: str) -> bytes | None:
         path = self._path(key)
         return await self._io("get", key, path, lambda: self._get(path))
+
+    async def get_range(self, key: str, start: int, stop: int) -> bytes | None:
+        path = self._path(key)
+        check_range(key, start, stop)
+        return await self._io("get_range", key, path, lambda: self._get_range(path, start, stop))
 
     async def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
@@ -185,6 +190,16 @@ class LocalMailbox(Mailbox):
         try:
             with open(path, "rb") as f:
                 return f.read()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+
+    def _get_range(self, path: str, start: int, stop: int) -> bytes | None:
+        # Objects are replaced by rename, never written in place: the open file is one
+        # version of the object from its first byte to its last.
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                return f.read(stop - start)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return None
 

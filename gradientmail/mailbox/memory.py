@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import threading
 
-from gradientmail.mailbox.base import Mailbox, check_key, check_prefix
+from gradientmail.mailbox.base import Mailbox, check_key, check_prefix, check_range
 
 __all__ = ["MemoryMailbox"]
 
@@ -48,6 +48,13 @@ class MemoryMailbox(Mailbox):
         check_key(key)
         with self._store.lock:
             return self._store.objects.get(key)
+
+    async def get_range(self, key: str, start: int, stop: int) -> bytes | None:
+        check_key(key)
+        check_range(key, start, stop)
+        with self._store.lock:
+            data = self._store.objects.get(key)
+        return None if data is None else data[start:stop]
 
     async def put(self, key: str, data: bytes) -> None:
         check_key(key)

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from gradientmail.clock import Clock, MonotonicClock
 from gradientmail.errors import ConfigError, LocalProtocolError, MailboxError, MissingExtra
-from gradientmail.mailbox.base import Mailbox, check_key, check_prefix
+from gradientmail.mailbox.base import Mailbox, check_key, check_prefix, check_range
 
 __all__ = ["S3Mailbox"]
 
@@ -143,6 +143,27 @@ class S3Mailbox(Mailbox):
                 raise
 
         return await self._run("get", key, fetch)
+
+    async def get_range(self, key: str, start: int, stop: int) -> bytes | None:
+        full = self._full(key)
+        check_range(key, start, stop)
+
+        def fetch() -> bytes | None:
+            from botocore.exceptions import ClientError
+
+            try:
+                if start == stop:  # HTTP cannot ask for no bytes; ask whether the key exists
+                    self._invoke("head_object", {"Bucket": self.bucket, "Key": full})
+                    return b""
+                return self._fetch(full, Range=f"bytes={start}-{stop - 1}")
+            except ClientError as exc:
+                if _code(exc) in ("NoSuchKey", "404", "NotFound"):
+                    return None
+                if _status(exc) == 416 or _code(exc) == "InvalidRange":
+                    return b""  # the object exists and ends before `start`
+                raise
+
+        return await self._run("get_range", key, fetch)
 
     async def put(self, key: str, data: bytes) -> None:
         full = self._full(key)
@@ -291,7 +312,7 @@ class S3Mailbox(Mailbox):
         except BotoCoreError as exc:
             raise self._error(op, key, exc) from exc
 
-    def _fetch(self, full: str) -> bytes:
+    def _fetch(self, full: str, **extra: str) -> bytes:
         from botocore.exceptions import (
             IncompleteReadError,
             ReadTimeoutError,
@@ -300,7 +321,7 @@ class S3Mailbox(Mailbox):
 
         # botocore retries the request, not the reading of the body that follows it.
         for attempt in range(1, self.max_attempts + 1):
-            response = self._invoke("get_object", {"Bucket": self.bucket, "Key": full})
+            response = self._invoke("get_object", {"Bucket": self.bucket, "Key": full, **extra})
             try:
                 data: bytes = response["Body"].read()
                 return data

@@ -1,0 +1,289 @@
+"""Row ranges of payload tensors: which bytes of a payload hold rows [start, stop) of a tensor.
+
+A rank of a sharded learner holds rows of each parameter (FSDP2 shards dim 0). To read a
+commit it needs only those rows, and a safetensors payload stores every tensor row-major
+and contiguous, so rows [a, b) of tensor t are one byte range: t's data offset plus
+a·row_bytes to b·row_bytes. `fetch_rows` reads the header with one ranged GET (a second
+when the header is larger than the probe), checks it as `serialization.read_index` checks
+a whole blob, and then GETs each wanted range, so the rank downloads its rows and the
+header, not the fragment.
+
+Framework-free: `Rows` is a slice of a full tensor as `TensorBytes`, what sharded
+adapters produce and consume.
+
+Limits of this first version (docs/sharded.md says how they are to be lifted):
+- A `zstd` payload is one compressed frame: no range of it can be decoded alone, so
+  `fetch_rows` downloads and decodes it whole, then slices.
+- Ranged bytes cannot be checked against the payload's SHA-256 (that covers the whole
+  blob); the header is checked for consistency with the declared size, and every range
+  for its exact length, but not for its content.
+- An F4 tensor's rows are a byte range only when they start and end on whole bytes (an
+  even number of elements before `start` and before `stop`, or `stop` at the end).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from gradientmail.compression import compression_of, decode
+from gradientmail.errors import ConfigError, CorruptPayload
+from gradientmail.mailbox.base import Mailbox
+
+# serialization's own header checks, reused so that a whole-blob reader and a ranged
+# reader cannot come to disagree about what a valid payload is.
+from gradientmail.serialization import (
+    _F4_SHAPE_PREFIX,
+    MAX_HEADER_BYTES,
+    MAX_TENSORS,
+    Span,
+    TensorBytes,
+    _check_entry,
+    _f4_logical_shape,
+    _parse_header,
+    dtype_bits,
+)
+from gradientmail.tensor_bytes import _numel
+
+__all__ = [
+    "HEADER_PROBE",
+    "ByteRange",
+    "Rows",
+    "coalesce",
+    "fetch_rows",
+    "header_length",
+    "index_from_header",
+    "row_range",
+    "rows_of",
+]
+
+#: Bytes `fetch_rows` asks for first: the length and, usually, the whole header (a
+#: fragment of a GPT-2 has a few hundred tensors, about 100 bytes of JSON each).
+HEADER_PROBE = 64 * 1024
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    """Bytes [start, stop) of a blob (absolute offsets)."""
+
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Rows [start, stop) along dim 0 of a full tensor; `tensor` has shape
+    (stop − start, *the full tensor's other dims*). A 0-d tensor counts as one row:
+    `Rows(0, 1, t)` with `t` 0-d; a rank that does not own it sends nothing."""
+
+    start: int
+    stop: int
+    tensor: TensorBytes
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start <= self.stop:
+            raise ConfigError(f"Rows [{self.start}, {self.stop}) is not a range of rows")
+        shape = self.tensor.shape
+        rows = shape[0] if shape else 1
+        if rows != self.stop - self.start:
+            raise ConfigError(
+                f"Rows [{self.start}, {self.stop}) holds a tensor of shape {list(shape)}; its "
+                f"first dimension must be {self.stop - self.start}"
+            )
+
+
+def rows_of(tensor: TensorBytes, start: int, stop: int) -> Rows:
+    """Rows [start, stop) of the full `tensor`, as a view (no copy) of its bytes."""
+    shape = tensor.shape
+    span = Span("tensor", tensor.dtype, shape, 0, tensor.nbytes)
+    where = row_range(span, start, stop)
+    view = memoryview(tensor.buffer)[where.start : where.stop]
+    sliced = (stop - start, *shape[1:]) if shape else ()
+    return Rows(start, stop, TensorBytes(tensor.dtype, sliced, view))
+
+
+def header_length(first: bytes | memoryview, *, key: str = "payload") -> int:
+    """Bytes of the header a blob starts with (the 8-byte length included), from at least
+    its first 8 bytes."""
+    if len(first) < 8:
+        raise CorruptPayload(
+            f"{key}: {len(first)} bytes is shorter than the 8-byte safetensors header length"
+        )
+    (n,) = struct.unpack("<Q", bytes(first[:8]))
+    return 8 + int(n)
+
+
+def index_from_header(
+    head: bytes | memoryview,
+    size: int,
+    *,
+    key: str = "payload",
+    max_tensors: int = MAX_TENSORS,
+    max_header_bytes: int = MAX_HEADER_BYTES,
+) -> tuple[list[Span], dict[str, str]]:
+    """Where each tensor lies in a blob of `size` bytes, from its first bytes `head` (at
+    least the whole header), without the data.
+
+    The same checks as `serialization.read_index` on a whole blob: the header bounded by
+    `size` and `max_header_bytes`, each entry well formed and exactly as long as its
+    dtype and shape say, the spans tiling the data section up to `size`. Spans come in
+    data order with absolute offsets; the metadata drops reserved entries.
+    """
+    total = header_length(head, key=key)
+    header_len = total - 8
+    if header_len > size - 8 or header_len > max_header_bytes:
+        raise CorruptPayload(
+            f"{key}: header claims {header_len} bytes but the blob has {size - 8} after "
+            f"the length (limit {max_header_bytes}); the payload is truncated or corrupt"
+        )
+    if len(head) < total:
+        raise ConfigError(
+            f"{key}: index_from_header got {len(head)} bytes; the header needs {total}"
+        )
+    header = _parse_header(bytes(head[8:total]), key)
+    raw_meta = header.pop("__metadata__", None) or {}
+    if not isinstance(raw_meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in raw_meta.items()
+    ):
+        raise CorruptPayload(f"{key}: __metadata__ must map strings to strings")
+    if len(header) > max_tensors:
+        raise CorruptPayload(f"{key}: {len(header)} tensors exceed the limit of {max_tensors}")
+    entries = sorted((*_check_entry(name, entry, key), name) for name, entry in header.items())
+    cursor = 0
+    spans = []
+    for start, end, dtype, shape, name in entries:
+        if start != cursor:
+            raise CorruptPayload(
+                f"{key}: tensor {name!r} starts at data offset {start}, expected {cursor}; "
+                "tensors must be contiguous and non-overlapping"
+            )
+        cursor = end
+        f4_shape = raw_meta.get(_F4_SHAPE_PREFIX + name)
+        if f4_shape is not None:
+            shape = _f4_logical_shape(f4_shape, dtype, shape, name, key)
+        spans.append(Span(name, dtype, shape, total + start, total + end))
+    if cursor != size - total:
+        raise CorruptPayload(
+            f"{key}: the header describes {cursor} data bytes but the blob holds "
+            f"{size - total}; the payload is truncated or has trailing bytes"
+        )
+    stray = [
+        k[len(_F4_SHAPE_PREFIX) :]
+        for k in raw_meta
+        if k.startswith(_F4_SHAPE_PREFIX) and k[len(_F4_SHAPE_PREFIX) :] not in header
+    ]
+    if stray:
+        raise CorruptPayload(f"{key}: F4 shape metadata names tensors {stray} that are absent")
+    return spans, {k: v for k, v in raw_meta.items() if not k.startswith(_F4_SHAPE_PREFIX)}
+
+
+def row_range(span: Span, start: int, stop: int) -> ByteRange:
+    """The bytes of rows [start, stop) (along dim 0) of the tensor at `span`.
+
+    A 0-d tensor is one row. `ConfigError` when the rows are outside the tensor, or
+    when they do not start and end on whole bytes (only possible for F4).
+    """
+    rows = span.shape[0] if span.shape else 1
+    if not 0 <= start <= stop <= rows:
+        raise ConfigError(
+            f"rows [{start}, {stop}) of tensor {span.name!r} {list(span.shape)}: need "
+            f"0 <= start <= stop <= {rows}"
+        )
+    row_bits = _numel(span.shape[1:]) * dtype_bits(span.dtype)
+    lo_bits, hi_bits = start * row_bits, stop * row_bits
+    if lo_bits % 8 or (hi_bits % 8 and stop != rows):
+        raise ConfigError(
+            f"rows [{start}, {stop}) of {span.dtype} tensor {span.name!r} "
+            f"{list(span.shape)} do not start and end on whole bytes; fetch the whole tensor"
+        )
+    end = span.end if stop == rows else span.start + hi_bits // 8  # F4 pads its last byte
+    return ByteRange(span.start + lo_bits // 8, end)
+
+
+def coalesce(ranges: Sequence[ByteRange], max_gap: int = 0) -> list[ByteRange]:
+    """`ranges` sorted and merged where at most `max_gap` bytes separate them: fewer GETs
+    for at most `max_gap` wasted bytes per merge."""
+    out: list[ByteRange] = []
+    for r in sorted(ranges, key=lambda r: (r.start, r.stop)):
+        if out and r.start - out[-1].stop <= max_gap:
+            out[-1] = ByteRange(out[-1].start, max(out[-1].stop, r.stop))
+        else:
+            out.append(r)
+    return out
+
+
+async def fetch_rows(
+    mailbox: Mailbox,
+    key: str,
+    size: int,
+    rows: Mapping[str, tuple[int, int]],
+    *,
+    max_gap: int = 0,
+    probe: int = HEADER_PROBE,
+) -> dict[str, Rows] | None:
+    """Rows [start, stop) of each named tensor of the payload at `key` (of `size` bytes,
+    as its reference says), or None when the payload is gone (swept).
+
+    An uncompressed payload is read by ranges: the header, then each tensor's rows
+    (ranges closer than `max_gap` bytes fetched as one). A `zstd` payload is fetched
+    whole, decoded, and sliced. `CorruptPayload` names the key when the header is bad or
+    the store returns fewer bytes than the header promises; `ConfigError` when a name is
+    not in the payload or its rows are not a byte range.
+    """
+    if compression_of(key) != "off":
+        blob = await mailbox.get(key)
+        if blob is None:
+            return None
+        if len(blob) != size:
+            raise CorruptPayload(f"{key}: {len(blob)} bytes, its reference says {size}")
+        tensors = decode(blob, "zstd")
+        missing = sorted(set(rows) - set(tensors))
+        if missing:
+            raise ConfigError(f"{key}: tensors {missing} are not in the payload")
+        return {n: rows_of(tensors[n], a, b) for n, (a, b) in rows.items()}
+    head = await mailbox.get_range(key, 0, min(size, probe))
+    if head is None:
+        return None
+    total = header_length(head, key=key)
+    if total > size or total - 8 > MAX_HEADER_BYTES:
+        index_from_header(head, size, key=key)  # raises CorruptPayload, naming the bound
+    if len(head) < total:
+        rest = await mailbox.get_range(key, len(head), total)
+        if rest is None:
+            return None
+        head += rest
+    spans, _ = index_from_header(head, size, key=key)
+    by_name = {s.name: s for s in spans}
+    missing = sorted(set(rows) - set(by_name))
+    if missing:
+        raise ConfigError(f"{key}: tensors {missing} are not in the payload")
+    wanted = {n: row_range(by_name[n], a, b) for n, (a, b) in rows.items()}
+    merged = coalesce([r for r in wanted.values() if r.size], max_gap)
+    got = await asyncio.gather(*(mailbox.get_range(key, r.start, r.stop) for r in merged))
+    pieces: list[tuple[ByteRange, memoryview]] = []
+    for r, data in zip(merged, got, strict=True):
+        if data is None:
+            return None
+        if len(data) != r.size:
+            raise CorruptPayload(
+                f"{key}: bytes [{r.start}, {r.stop}) came back as {len(data)} bytes; the "
+                "object is shorter than its header says, or was replaced"
+            )
+        pieces.append((r, memoryview(data)))
+    out: dict[str, Rows] = {}
+    for name, (a, b) in rows.items():
+        span, want = by_name[name], wanted[name]
+        piece = memoryview(b"")
+        for r, view in pieces:
+            if r.start <= want.start and want.stop <= r.stop:
+                piece = view[want.start - r.start : want.stop - r.start]
+                break
+        shape = (b - a, *span.shape[1:]) if span.shape else ()
+        out[name] = Rows(a, b, TensorBytes(span.dtype, shape, piece))
+    return out
