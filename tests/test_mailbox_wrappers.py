@@ -176,3 +176,20 @@ def test_plan_rules_validated() -> None:
         FaultPlan().fail("post")
     with pytest.raises(ConfigError, match=r"fault nth=0 and times=1 must be >= 1"):
         FaultPlan().fail("put", nth=0)
+
+
+def test_a_ranged_read_is_counted_as_one_get_of_the_range_only() -> None:
+    import asyncio
+
+    from gradientmail.mailbox import MemoryMailbox
+    from gradientmail.mailbox.wrappers import CountingMailbox
+
+    async def go() -> tuple[bytes | None, int, int]:
+        box = CountingMailbox(MemoryMailbox())
+        await box.put("k", bytes(range(100)))
+        box.reset()
+        data = await box.get_range("k", 10, 20)
+        c = box.snapshot()
+        return data, c.get, c.bytes_down
+
+    assert asyncio.run(go()) == (bytes(range(10, 20)), 1, 10)

@@ -14,10 +14,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gradientmail.compression import encode
 from gradientmail.errors import ConfigError, CorruptPayload, LocalProtocolError
-from gradientmail.mailbox import CountingMailbox, Mailbox, MemoryMailbox, S3Mailbox
-from gradientmail.payload_ranges import (
+from gradientmail.mailbox import (
+    CountingMailbox,
+    FaultPlan,
+    FaultyMailbox,
+    Mailbox,
+    MemoryMailbox,
+    S3Mailbox,
+)
+from gradientmail.wire.compression import encode
+from gradientmail.wire.payload_ranges import (
     ByteRange,
     Rows,
     coalesce,
@@ -27,7 +34,7 @@ from gradientmail.payload_ranges import (
     row_range,
     rows_of,
 )
-from gradientmail.serialization import Span, TensorBytes, pack, read_index
+from gradientmail.wire.serialization import Span, TensorBytes, pack, read_index
 
 # -- get_range on every mailbox -------------------------------------------------------------
 
@@ -60,17 +67,19 @@ def test_get_range_refuses_a_non_range(any_mailbox: Mailbox, start: Any, stop: A
 
 
 def test_get_range_default_falls_back_to_a_full_get() -> None:
-    # CountingMailbox does not override get_range: the base class's default serves it.
-    box = CountingMailbox(MemoryMailbox())
+    # FaultyMailbox does not override get_range: the base class's default serves it, with
+    # full GETs of the mailbox inside (counted there).
+    counting = CountingMailbox(MemoryMailbox())
+    box = FaultyMailbox(counting, FaultPlan())
 
     async def body() -> None:
         await box.put("k", b"abcdef")
-        box.reset()
+        counting.reset()
         assert await box.get_range("k", 1, 3) == b"bc"
         assert await box.get_range("gone", 1, 3) is None
 
     asyncio.run(body())
-    counts = box.snapshot()
+    counts = counting.snapshot()
     assert (counts.get, counts.bytes_down) == (2, 6)
 
 

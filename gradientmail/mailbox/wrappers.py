@@ -75,6 +75,14 @@ class CountingMailbox(Mailbox):
             self._add(bytes_down=len(data))
         return data
 
+    async def get_range(self, key: str, start: int, stop: int) -> bytes | None:
+        # A ranged GET is billed as a GET; only the range travels.
+        self._add(get=1)
+        data = await self.inner.get_range(key, start, stop)
+        if data is not None:
+            self._add(bytes_down=len(data))
+        return data
+
     async def put(self, key: str, data: bytes) -> None:
         self._add(put=1, bytes_up=len(data))
         await self.inner.put(key, data)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from gradientmail.adapters.torch import from_torch
-from gradientmail.serialization import Schema, TensorBytes
+from gradientmail.wire.serialization import Schema, TensorBytes
 
 MIXING = 0.25
 
@@ -84,8 +84,8 @@ def main(out_dir: str, kind: str) -> None:
     import torch.distributed as dist
 
     from gradientmail.adapters.sharded import ShardedAdapter
-    from gradientmail.payload_ranges import rows_of
-    from gradientmail.serialization import pack
+    from gradientmail.wire.payload_ranges import rows_of
+    from gradientmail.wire.serialization import pack
     from workers.alloc_meter import AllocationMeter
 
     dist.init_process_group("gloo")

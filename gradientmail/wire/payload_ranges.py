@@ -28,13 +28,13 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from gradientmail.compression import compression_of, decode
 from gradientmail.errors import ConfigError, CorruptPayload
 from gradientmail.mailbox.base import Mailbox
+from gradientmail.wire.compression import compression_of, decode
 
 # serialization's own header checks, reused so that a whole-blob reader and a ranged
 # reader cannot come to disagree about what a valid payload is.
-from gradientmail.serialization import (
+from gradientmail.wire.serialization import (
     _F4_SHAPE_PREFIX,
     MAX_HEADER_BYTES,
     MAX_TENSORS,
@@ -45,7 +45,7 @@ from gradientmail.serialization import (
     _parse_header,
     dtype_bits,
 )
-from gradientmail.tensor_bytes import _numel
+from gradientmail.wire.tensor_bytes import _numel
 
 __all__ = [
     "HEADER_PROBE",
