@@ -2,16 +2,10 @@
 
 A `Learner` owns one `Mailman`, which runs the communication thread: the receive loop
 (lease listings, new commits, who published the watched round, the embedded syncer), the
-lease loop (beats, roll calls: `gradientmail.run.rollcall`) and the publish loop (anchor − θ,
-quantize, encode, upload). The two threads meet only through the messages of
-`gradientmail.learner.messages`: contributions in, commits, failed rounds and one frozen view of
-what the mailman observed out.
-
-Copies of a fragment's bytes on the way out (F32, codec off; "+1 GPU" where a device adds
-one): the snapshot clone (training thread), anchor − θ (a new tensor), its device-to-host
-copy (GPU only; `from_torch` then holds that host memory as is), quantize (only with a
-delta_dtype: the codes), `pack` (header and tensors joined into one blob), upload. On the
-way in: `gradientmail.learner.fetcher`.
+lease loop (beats, roll calls: `gradientmail.run.rollcall`) and the publish loop. The two
+threads meet only through the messages of `gradientmail.learner.messages`: contributions
+in, commits, failed rounds and one frozen view of what the mailman observed out. The way
+out is `gradientmail.learner.poster`, the way in `gradientmail.learner.fetcher`.
 """
 
 from __future__ import annotations
@@ -29,20 +23,18 @@ from typing import Any
 from gradientmail.adapters.base import Adapter
 from gradientmail.algorithms.base import Algorithm
 from gradientmail.clock import Clock, sleep_unless
-from gradientmail.errors import LocalProtocolError, RemoteProtocolError, RunVanished
+from gradientmail.errors import RemoteProtocolError, RunVanished
 from gradientmail.events import (
     CommitRejected,
     EventSink,
     LeaseReleased,
     PollFailed,
-    PublishCancelled,
-    PublishFailed,
     ReleaseFailed,
     RoundRecorded,
-    SnapshotPublished,
 )
 from gradientmail.learner.fetcher import CommitFetcher
 from gradientmail.learner.messages import Commit, Observed, Outgoing, delta_format
+from gradientmail.learner.poster import Poster
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
 from gradientmail.mailbox.wrappers import CountingMailbox
@@ -53,9 +45,7 @@ from gradientmail.run.replica import Replica
 from gradientmail.run.rollcall import READ_EVERY, Call, reply
 from gradientmail.syncer.runtime import Syncer
 from gradientmail.wire.auth import HmacSeal
-from gradientmail.wire.quantization import quantize
-from gradientmail.wire.records import RoundRecord, SnapshotRecord
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.records import RoundRecord
 
 __all__ = ["BACKUP_EVERY", "MANIFEST_EVERY", "WAITING_POLL", "Mailman", "delta_format",
            "poll_delay"]
@@ -168,7 +158,8 @@ class Mailman:
         self._syncer: Syncer | None = None  # the embedded closer, once the receive loop runs
         self._replica: Replica | None = None  # each fragment's state (shared with the closer)
         self._plan: tuple[tuple[str, ...], ...] = ()
-        self._fetcher: CommitFetcher | None = None
+        self._fetcher: CommitFetcher | None = None  # the way in
+        self._poster: Poster | None = None  # the way out
         # The newest round whose commit is queued: the one receive cursor (what `_publish`
         # and `_settle` ask of "has this round closed"; `observed.received` shows it).
         self._cursor = -1
@@ -286,6 +277,13 @@ class Mailman:
             return
         self._replica, self._plan = result.replica, result.plan
         self._fetcher = CommitFetcher(ex, self.adapter, result)
+        assert self._wake is not None
+        self._poster = Poster(
+            ex, self.adapter, self.algorithm, self.learner_id, result.plan, clock=self.clock,
+            on_event=self.on_event, hold_own=self.hold_own, closed=lambda: self._cursor,
+            closer=lambda: self._syncer, wake=self._wake, failed=self._failed,
+            poll_interval=self.poll_interval,
+        )
         self._cursor = result.rounds_seen
         self._see(received=result.rounds_seen)
         self._begin_loops()
@@ -580,105 +578,8 @@ class Mailman:
             job = await self.clock.idle(self._jobs.get())
             if job is None:
                 return
-            t0 = self.clock.now()
+            assert self._poster is not None
             try:
-                await self._publish(job, t0)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                await self._publish_failed(job, exc, t0)
+                await self._poster.post(job)
             finally:
                 self._see(finished=self.observed.finished + 1)
-
-    async def _publish_failed(self, job: Outgoing, exc: Exception, t0: float) -> None:
-        """A publish raised. Unless the error was our own (a refused field, a round taken
-        already), its record may have been written all the same (the answer was lost, or
-        the retries ran out after an attempt that landed), so look before retracting: a
-        retracted publish whose record landed would have its steps counted twice (once in
-        the commit that merged it, again with the next publish)."""
-        if isinstance(exc, LocalProtocolError):
-            # A refused field, or a round this learner id has a record in already (an
-            # earlier run of it): the steps go out with a later round.
-            outcome, record = "absent", None
-        else:
-            outcome, record = await self._settle(job)
-        if record is not None:
-            self._published(job, record, t0)
-            return
-        self.on_event(PublishFailed(self.learner_id, job.round, repr(exc)))
-        if outcome == "absent":
-            # Known not written: the round may be published again, the steps go out later.
-            # ("closed": the commit's participants say whether it was merged; the training
-            # thread learns it from there.)
-            self._failed.put(job.round)
-
-    async def _settle(self, job: Outgoing) -> tuple[str, SnapshotRecord | None]:
-        """Whether a failed publish's record landed: ("landed", record), ("absent", None),
-        or ("closed", None) when the round's commit arrived before the store would say
-        (one GET per poll interval while it fails)."""
-        ex = self._exchange
-        assert ex is not None
-        while self._cursor < job.round:
-            try:
-                record = await ex.contribution(job.round, self.learner_id)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                await self.clock.sleep(self.poll_interval)
-                continue
-            if record is not None and job.landed_as(record):
-                return "landed", record
-            return "absent", None
-        return "closed", None
-
-    def _published(self, job: Outgoing, record: SnapshotRecord, t0: float,
-                   tensors: dict[str, TensorBytes] | None = None, held: bool = False) -> None:
-        if self._syncer is not None and not held:
-            self._syncer.note_contribution(job.round, self.learner_id, record.payload, tensors)
-            if self._wake is not None:
-                self._wake.set()
-        self.on_event(
-            SnapshotPublished(
-                self.learner_id,
-                job.round,
-                job.fragment,
-                job.steps,
-                job.tokens,
-                record.payload.size,
-                self.clock.now() - t0,
-                held,
-            )
-        )
-
-    async def _publish(self, job: Outgoing, t0: float) -> None:
-        ex = self._exchange
-        assert ex is not None
-        if job.round <= self._cursor and not job.final:
-            self.on_event(PublishCancelled(self.learner_id, job.round, "round already closed"))
-            return
-        fmt = delta_format(self.algorithm.delta_dtype,
-                           [self.adapter.schema[n].dtype for n in self._plan[job.fragment]])
-        tensors = await asyncio.to_thread(self._encode_delta, job, fmt)
-        draft = job.draft(ex, self.learner_id, self.adapter.schema.digest(), fmt)
-        # A run kept auditable (`keep_rounds`) holds nothing back: a merge is re-derived
-        # from the uploaded contributions, and a held one was never uploaded.
-        hold = self.hold_own and self.algorithm.keep_rounds is None
-        if hold and self._syncer is not None and self._wake is not None:
-            # Offered to the embedded closer first: if this contribution completes the
-            # round's set, the closer merges it from memory and it is never uploaded.
-            taken = self._syncer.offer(draft, tensors)
-            self._wake.set()
-            if await taken:
-                self._published(job, draft, t0, held=True)
-                return
-        record = await ex.publish_draft(draft, tensors)
-        self._published(job, record, t0, tensors)
-
-    def _encode_delta(self, job: Outgoing, fmt: str) -> dict[str, TensorBytes]:
-        delta = self.adapter.delta(job.anchor, job.snapshot)
-        if fmt == "F32":
-            return delta
-        out: dict[str, TensorBytes] = {}
-        for name, tensor in delta.items():
-            out.update(quantize(name, tensor, fmt))
-        return out

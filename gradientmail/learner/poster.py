@@ -1,0 +1,171 @@
+"""A learner's contributions on their way out: anchor − θ, quantized, encoded, offered to
+its embedded closer or uploaded, and a failed upload settled.
+
+The mailman's publish loop hands each `Outgoing` job to `Poster.post`, one at a time.
+Copies of a fragment's bytes on the way out (F32, codec off; "+1 GPU" where a device adds
+one): the snapshot clone (training thread), anchor − θ (a new tensor), its device-to-host
+copy (GPU only; `from_torch` then holds that host memory as is), quantize (only with a
+delta_dtype: the codes), `pack` (header and tensors joined into one blob), upload. The
+way in is `gradientmail.learner.fetcher`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from collections.abc import Callable
+
+from gradientmail.adapters.base import Adapter
+from gradientmail.algorithms.base import Algorithm
+from gradientmail.clock import Clock
+from gradientmail.errors import LocalProtocolError
+from gradientmail.events import EventSink, PublishCancelled, PublishFailed, SnapshotPublished
+from gradientmail.learner.messages import Outgoing, delta_format
+from gradientmail.run.protocol import Exchange
+from gradientmail.syncer.runtime import Syncer
+from gradientmail.wire.quantization import quantize
+from gradientmail.wire.records import SnapshotRecord
+from gradientmail.wire.serialization import TensorBytes
+
+__all__ = ["Poster"]
+
+
+class Poster:
+    """Publishes the contributions of learner `learner` through `exchange`. `closed()` is
+    the newest round whose commit the learner has (a job of a round closed already is
+    cancelled), `closer()` the embedded closer once it runs (None without one), `wake`
+    wakes the receive loop, and `failed` takes the rounds whose publish is known not to
+    have landed (the training thread retracts them)."""
+
+    def __init__(
+        self,
+        exchange: Exchange,
+        adapter: Adapter,
+        algorithm: Algorithm,
+        learner: str,
+        plan: tuple[tuple[str, ...], ...],
+        *,
+        clock: Clock,
+        on_event: EventSink,
+        hold_own: bool,
+        closed: Callable[[], int],
+        closer: Callable[[], Syncer | None],
+        wake: asyncio.Event,
+        failed: queue.SimpleQueue[int],
+        poll_interval: float = 1.0,
+    ) -> None:
+        self._ex = exchange
+        self._adapter = adapter
+        self._algorithm = algorithm
+        self._learner = learner
+        self._plan = plan
+        self._clock = clock
+        self._on_event = on_event
+        self._hold_own = hold_own
+        self._closed = closed
+        self._closer = closer
+        self._wake = wake
+        self._failed_rounds = failed
+        self._poll_interval = poll_interval
+
+    async def post(self, job: Outgoing) -> None:
+        """Publish `job`; a failure is reported (and settled), never raised."""
+        t0 = self._clock.now()
+        try:
+            await self._publish(job, t0)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self._failed(job, exc, t0)
+
+    async def _failed(self, job: Outgoing, exc: Exception, t0: float) -> None:
+        """A publish raised. Unless the error was our own (a refused field, a round taken
+        already), its record may have been written all the same (the answer was lost, or
+        the retries ran out after an attempt that landed), so look before retracting: a
+        retracted publish whose record landed would have its steps counted twice (once in
+        the commit that merged it, again with the next publish)."""
+        if isinstance(exc, LocalProtocolError):
+            # A refused field, or a round this learner id has a record in already (an
+            # earlier run of it): the steps go out with a later round.
+            outcome, record = "absent", None
+        else:
+            outcome, record = await self._settle(job)
+        if record is not None:
+            self._published(job, record, t0)
+            return
+        self._on_event(PublishFailed(self._learner, job.round, repr(exc)))
+        if outcome == "absent":
+            # Known not written: the round may be published again, the steps go out later.
+            # ("closed": the commit's participants say whether it was merged; the training
+            # thread learns it from there.)
+            self._failed_rounds.put(job.round)
+
+    async def _settle(self, job: Outgoing) -> tuple[str, SnapshotRecord | None]:
+        """Whether a failed publish's record landed: ("landed", record), ("absent", None),
+        or ("closed", None) when the round's commit arrived before the store would say
+        (one GET per poll interval while it fails)."""
+        ex = self._ex
+        while self._closed() < job.round:
+            try:
+                record = await ex.contribution(job.round, self._learner)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                await self._clock.sleep(self._poll_interval)
+                continue
+            if record is not None and job.landed_as(record):
+                return "landed", record
+            return "absent", None
+        return "closed", None
+
+    def _published(self, job: Outgoing, record: SnapshotRecord, t0: float,
+                   tensors: dict[str, TensorBytes] | None = None, held: bool = False) -> None:
+        syncer = self._closer()
+        if syncer is not None and not held:
+            syncer.note_contribution(job.round, self._learner, record.payload, tensors)
+            self._wake.set()
+        self._on_event(
+            SnapshotPublished(
+                self._learner,
+                job.round,
+                job.fragment,
+                job.steps,
+                job.tokens,
+                record.payload.size,
+                self._clock.now() - t0,
+                held,
+            )
+        )
+
+    async def _publish(self, job: Outgoing, t0: float) -> None:
+        ex = self._ex
+        if job.round <= self._closed() and not job.final:
+            self._on_event(PublishCancelled(self._learner, job.round, "round already closed"))
+            return
+        fmt = delta_format(self._algorithm.delta_dtype,
+                           [self._adapter.schema[n].dtype for n in self._plan[job.fragment]])
+        tensors = await asyncio.to_thread(self._encode, job, fmt)
+        draft = job.draft(ex, self._learner, self._adapter.schema.digest(), fmt)
+        # A run kept auditable (`keep_rounds`) holds nothing back: a merge is re-derived
+        # from the uploaded contributions, and a held one was never uploaded.
+        hold = self._hold_own and self._algorithm.keep_rounds is None
+        syncer = self._closer()
+        if hold and syncer is not None:
+            # Offered to the embedded closer first: if this contribution completes the
+            # round's set, the closer merges it from memory and it is never uploaded.
+            taken = syncer.offer(draft, tensors)
+            self._wake.set()
+            if await taken:
+                self._published(job, draft, t0, held=True)
+                return
+        record = await ex.publish_draft(draft, tensors)
+        self._published(job, record, t0, tensors)
+
+    def _encode(self, job: Outgoing, fmt: str) -> dict[str, TensorBytes]:
+        delta = self._adapter.delta(job.anchor, job.snapshot)
+        if fmt == "F32":
+            return delta
+        out: dict[str, TensorBytes] = {}
+        for name, tensor in delta.items():
+            out.update(quantize(name, tensor, fmt))
+        return out
