@@ -464,3 +464,35 @@ def test_a_preferred_closer_killed_after_its_contribution_holds_its_peer_for_sec
         assert [e for _, e in rec.of(ev.RollCalled) if e.round == 1] == []
     finally:
         shut(clock, survivor, victim)
+
+
+def test_learners_started_apart_leave_wait_for_learners_together() -> None:
+    """The second learner's lease is seen within milliseconds, not a poll interval (1 s by
+    default) later: a barrier's first round does not pay for the difference."""
+    clock = FakeClock()
+    rec = Stamped(clock)
+    mailbox = MemoryMailbox()
+    alg = DiLoCo.standard(4, 2)
+    learners = [Learner(TorchAdapter(make_model(seed=w)), alg, mailbox, x, clock=clock,
+                        on_event=rec) for w, x in enumerate(("a", "b"))]
+    left: dict[str, float] = {}
+
+    def wait(learner: Learner) -> Callable[[], None]:
+        def go() -> None:
+            learner.wait_for_learners(2, timeout=60)
+            left[learner.learner_id] = clock.now()
+        return go
+
+    with clock.busy():
+        learners[0].start()
+    done_a = background(wait(learners[0]))
+    clock.pause(0.7)  # "a" waits alone, its receive loop well into a wait
+    with clock.busy():
+        learners[1].start()
+    left["b-started"] = clock.now()
+    run_until(clock, background(wait(learners[1])), limit=30)
+    run_until(clock, done_a, limit=30)
+    try:
+        assert abs(left["a"] - left["b"]) <= 0.02, left
+    finally:
+        shut(clock, *learners)

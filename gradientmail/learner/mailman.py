@@ -71,6 +71,9 @@ WAITING_CAP = 0.05
 #: contribution, and its learners the commit, within milliseconds, not a poll later.
 FREE_WAITING_POLL = 0.002
 FREE_WAITING_CAP = 0.01
+#: Seconds between lease listings of a learner waiting for others to join
+#: (`Learner.wait_for_learners`) on a billed store.
+WANTED_LIST = 0.2
 
 
 def poll_delay(poll_interval: float, blocked_polls: int, metered: bool = True) -> float:
@@ -140,6 +143,9 @@ class Mailman:
         # Out: read by the training thread.
         self.commits: queue.Queue[Commit] = queue.Queue()
         self.observed = Observed()
+        #: The count of live learners whenever the live set changes while `want_live` is
+        #: set: what `Learner.wait_for_learners` blocks on.
+        self.live_news: queue.Queue[int] = queue.Queue()
         self._failed: queue.SimpleQueue[int] = queue.SimpleQueue()
         # In: single assignments by the training thread, read at the loops' next pass.
         self._watch: int | None = None
@@ -238,7 +244,10 @@ class Mailman:
 
     def _see(self, **changes: Any) -> None:
         """Replace the view with one that differs by `changes` (this thread only)."""
+        before = self.observed.live
         self.observed = dataclasses.replace(self.observed, **changes)
+        if self._want_live and self.observed.live != before:
+            self.live_news.put(len(self.observed.live))
 
     def _thread_main(self, joined: concurrent.futures.Future[JoinResult]) -> None:
         loop = asyncio.new_event_loop()
@@ -383,7 +392,7 @@ class Mailman:
         tracker = self._tracker
         next_leases = -math.inf
         next_manifest = self.clock.now() + MANIFEST_EVERY * self.poll_interval
-        blocked, metered = 0, ex.mailbox.metered
+        blocked, metered, next_wanted = 0, ex.mailbox.metered, -math.inf
         while True:
             assert self._wake is not None
             self._wake.clear()
@@ -392,11 +401,15 @@ class Mailman:
                 await self._check_run_exists()
                 next_manifest = now + MANIFEST_EVERY * self.poll_interval
             try:
-                if now >= next_leases or len(self.observed.live) < self._want_live:
+                short = len(self.observed.live) < self._want_live
+                if now >= next_leases or (short and now >= next_wanted):
                     self._see(live=await ex.observe_leases(tracker))
                     # Leases change once per lease period; listing them every poll would
-                    # cost a LIST per poll per learner for nothing.
+                    # cost a LIST per poll per learner for nothing. While the training
+                    # thread waits for learners, every look (on a billed store, at most
+                    # every WANTED_LIST: a LIST costs 12.5 GETs on S3).
                     next_leases = now + self.lease_every
+                    next_wanted = now + (WANTED_LIST if metered else 0.0)
                 fresh = await self._catch_up()
                 # The embedded closer keeps a cursor of its own (the rounds it has
                 # accepted: it is the class a standalone `gradientmail sync` runs, and it

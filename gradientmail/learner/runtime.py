@@ -10,6 +10,7 @@ orders in, `Commit`s, failed rounds and one frozen `Observed` view out.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import queue
@@ -207,25 +208,31 @@ class Learner:
 
     def wait_for_learners(self, n: int, timeout: float = 600.0) -> frozenset[str]:
         """Block until at least `n` learners hold a lease (this one included), listing
-        the leases every poll meanwhile; returns them. Standard DiLoCo, whose rounds wait
-        for every learner, starts all of them this way so that none runs ahead alone.
-        `GradientmailError` after `timeout` seconds."""
+        the leases meanwhile as often as it looks for a commit it waits for; returns them.
+        Standard DiLoCo, whose rounds wait for every learner, starts all of them this way
+        so that none runs ahead alone. `GradientmailError` after `timeout` seconds."""
         self._require_started()
+        # Looked for as for a commit (`Mailman.blocked`): learners that start together
+        # leave this wait within milliseconds of each other, not a poll interval apart,
+        # and a barrier's first round does not pay for the difference.
         self._mailman.want_live(n)
+        self._mailman.blocked(True)
         clock = self.clock
         try:
             with clock.busy():
                 deadline = clock.now() + timeout
                 while len(live := self._mailman.observed.live) < n:
                     self._check_alive()
-                    if clock.now() > deadline:
+                    if clock.now() >= deadline:
                         raise GradientmailError(
                             f"only {len(live)} of {n} learners are live after "
                             f"{timeout}s: {sorted(live)}; start the others, or wait "
                             "longer"
                         )
-                    clock.pause(min(self.poll_interval, 0.05))
+                    with contextlib.suppress(queue.Empty):  # woken by any news of leases
+                        clock.get(self._mailman.live_news, min(1.0, deadline - clock.now()))
         finally:
+            self._mailman.blocked(False)
             self._mailman.want_live(0)
         return self._mailman.observed.live
 
