@@ -57,10 +57,11 @@ class CommitFetcher:
             before = replica.bytes_down
             try:
                 state = await replica.at(rec.fragment, rec)
-            except (RemoteProtocolError, SchemaMismatch) as exc:
-                # A step that does not fit or does not give its theta: the chain cannot
-                # go past it, so each later step of this fragment is passed over too
-                # until a checkpoint restarts the chain.
+            except SchemaMismatch as exc:
+                # A step that does not fit the model: the chain cannot go past it, so each
+                # later step of this fragment is passed over too, until a checkpoint
+                # restarts the chain. (A payload that fails its digest or bound is
+                # retried instead, as a read the store may serve right next time.)
                 return Commit(rec, None, 0, rejected=str(exc))
             if state is None:
                 return None
