@@ -131,7 +131,7 @@ class Poster:
                 job.fragment,
                 job.steps,
                 job.tokens,
-                record.payload.size,
+                record.payload_size,
                 self._clock.now() - t0,
                 held,
             )
