@@ -64,13 +64,14 @@ def rows_in(metadata: Mapping[str, str], key: str) -> dict[str, tuple[int, int]]
 
 
 def assemble(parts: Sequence[Part], schema: Schema, names: Sequence[str],
-             fmt: str) -> dict[str, TensorBytes]:
+             fmt: str | None) -> dict[str, TensorBytes]:
     """The full delta of `names` from `parts`: each part checked to hold its rows of its
     tensors in `fmt` (plus `<name>.scale` entries of quantized formats) and nothing else,
     the rows of all parts checked to tile every tensor exactly once. F32, F16 and BF16
     rows are joined as they are; quantized ones are dequantized part by part and joined
     in F32 (the values a merge reads either way). `SchemaMismatch` naming the part and
-    the tensor otherwise ("parts do not tile ...")."""
+    the tensor otherwise ("parts do not tile ..."). `fmt` None: each tensor in the
+    schema's own dtype (a model's parameters read by rows, rank by rank)."""
     wanted = set(names)
     pieces: dict[str, list[tuple[int, int, TensorBytes]]] = {n: [] for n in names}
     for key, entries, rows in parts:
@@ -92,7 +93,8 @@ def assemble(parts: Sequence[Part], schema: Schema, names: Sequence[str],
         except SchemaMismatch as exc:
             raise SchemaMismatch(f"part {key!r}: {exc}") from exc
         for name, (a, b) in rows.items():
-            value = entries[name] if fmt in _RAW else dequantize(entries, name, fmt, key=key)
+            raw = fmt is None or fmt in _RAW
+            value = entries[name] if raw else dequantize(entries, name, str(fmt), key=key)
             pieces[name].append((a, b, value))
     out = {}
     for name in names:
@@ -102,7 +104,7 @@ def assemble(parts: Sequence[Part], schema: Schema, names: Sequence[str],
 
 
 def _joined(name: str, spec: ParameterSpec, pieces: list[tuple[int, int, TensorBytes]],
-            fmt: str) -> TensorBytes:
+            fmt: str | None) -> TensorBytes:
     rows = spec.shape[0] if spec.shape else 1
     # Empty pieces (a rank past the last chunk holds none of its rows) tile nothing.
     held = [p for p in pieces if p[1] > p[0]]
@@ -118,7 +120,8 @@ def _joined(name: str, spec: ParameterSpec, pieces: list[tuple[int, int, TensorB
                              f"(rows {[[p[0], p[1]] for p in held]})")
     if len(held) == 1:
         return TensorBytes(held[0][2].dtype, spec.shape, held[0][2].buffer)
-    dtype = held[0][2].dtype if held else (fmt if fmt in _RAW else "F32")
+    dtype = held[0][2].dtype if held else (
+        spec.dtype if fmt is None else fmt if fmt in _RAW else "F32")
     out = bytearray(sum(p[2].nbytes for p in held))
     pos = 0
     for _, _, t in held:
