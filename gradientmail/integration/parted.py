@@ -116,6 +116,13 @@ class PartedRanks:
                    dist.get_rank(), mailbox, prefix=prefix, compression=compression,
                    timeout=timeout)
 
+    @property
+    def held(self) -> int:
+        """How many handles' values this rank holds (rank 0's learner keeps the anchors,
+        and the snapshots of rounds in flight; the rest are released)."""
+        with self._changed:
+            return len(self._store)
+
     def learner_adapter(self) -> RankAdapter:
         """The adapter rank 0's `Learner` is built with."""
         return RankAdapter(self)

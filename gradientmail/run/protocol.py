@@ -11,6 +11,7 @@ order)::
                                                (overwritten by each; see gradientmail.run.rollcall)
     snapshots/<round>/<learner>.json           a contribution record
     payloads/<round>/<learner><ext>            its delta
+    parts/<round>/<learner>/<k>-of-<n><ext>    or its delta in parts, one per rank
     claims/round/<round>/<attempt>             closer election
     rounds/<round>.json                        the commit record: the single source of truth
     theta|outer|updates/<fragment>/<version>-<attempt><ext>   a commit's payloads
