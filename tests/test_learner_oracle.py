@@ -26,13 +26,13 @@ from gradientmail.mailbox import Mailbox, S3Mailbox
 H, ROUNDS, LEARNERS, INNER_LR = 3, 4, 2, 0.05
 
 
-def oracle() -> list[torch.Tensor]:
+def oracle(learners: int = LEARNERS) -> list[torch.Tensor]:
     glob = make_model()
     params = list(glob.parameters())
     outer = torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
     for rnd in range(ROUNDS):
         deltas = []
-        for w in range(LEARNERS):
+        for w in range(learners):
             local = make_model()
             local.load_state_dict(glob.state_dict())
             opt = torch.optim.SGD(local.parameters(), lr=INNER_LR)
@@ -42,7 +42,7 @@ def oracle() -> list[torch.Tensor]:
                 [g.detach() - p.detach() for g, p in zip(params, local.parameters(), strict=True)]
             )
         for i, p in enumerate(params):
-            p.grad = (deltas[0][i] + deltas[1][i]) / 2
+            p.grad = sum(d[i] for d in deltas) / learners
         outer.step()
     return [p.detach().clone() for p in params]
 

@@ -41,12 +41,14 @@ from gradientmail.errors import (
     LocalProtocolError,
     ProtocolError,
 )
-from gradientmail.run.protocol import Exchange, check_delta, delta_bound, payload_bound
+from gradientmail.run.bounds import check_delta, delta_bound, payload_bound
+from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import Replica, require_manifest, theta_digest
 from gradientmail.syncer.merging import merge_round, screen_round
 from gradientmail.wire import compression as codec
+from gradientmail.wire.parts import Part, assemble, rows_in
 from gradientmail.wire.records import Dropped, Manifest, PayloadRef, RoundRecord, SnapshotRecord
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.serialization import Schema, TensorBytes
 
 __all__ = [
     "TRUSTED_DROPS",
@@ -347,21 +349,48 @@ async def _read(ex: Exchange, ref: PayloadRef,
     """A payload decoded even when its bytes differ from the record's digest (so the
     comparison can name the tensor): (entries or None when gone, what is wrong with it,
     bytes read). `CorruptPayload` when it cannot be decoded."""
+    tensors, _, problem, n = await _read_with_metadata(ex, ref, bound)
+    return tensors, problem, n
+
+
+async def _read_with_metadata(
+    ex: Exchange, ref: PayloadRef, bound: int
+) -> tuple[dict[str, TensorBytes] | None, dict[str, str], str | None, int]:
+    """`_read`, with the payload's metadata (a part's rows)."""
     if ref.size > bound:
         raise CorruptPayload(f"payload {ref.key!r} is declared {ref.size} bytes, over the "
                              f"bound of {bound} bytes for what it should hold")
     blob = await ex.mailbox.get(ex.prefix + ref.key)
     if blob is None:
-        return None, None, 0
+        return None, {}, None, 0
     problem = None
     digest = await asyncio.to_thread(lambda: hashlib.sha256(blob).hexdigest())
     if len(blob) != ref.size or digest != ref.sha256:
         problem = (f"payload {ref.key!r} is {len(blob)} bytes with SHA-256 {digest[:16]}…, "
                    f"its record says {ref.size} bytes, {ref.sha256[:16]}…: it was changed "
                    "after the record was written")
-    tensors = codec.decode(blob, codec.compression_of(ref.key), key=ref.key,
-                           max_bytes=max(bound, len(blob)))
-    return tensors, problem, len(blob)
+    tensors, meta = codec.decode_with_metadata(blob, codec.compression_of(ref.key),
+                                               key=ref.key, max_bytes=max(bound, len(blob)))
+    return tensors, meta, problem, len(blob)
+
+
+async def _read_parts(
+    ex: Exchange, snap: SnapshotRecord, schema: Schema, names: list[str], bound: int
+) -> tuple[dict[str, TensorBytes] | None, str | None, int]:
+    """`_read` of a delta made of parts: each part read, its problems joined, the rows
+    put together as a closer puts them (`parts.assemble`)."""
+    parts: list[Part] = []
+    problems, total = [], 0
+    for ref in snap.parts:
+        tensors, meta, problem, n = await _read_with_metadata(ex, ref, bound)
+        total += n
+        if tensors is None:
+            return None, None, total
+        if problem is not None:
+            problems.append(problem)
+        parts.append((ref.key, tensors, rows_in(meta, ref.key)))
+    joined = assemble(parts, schema, names, snap.delta_format)
+    return joined, "; ".join(problems) or None, total
 
 
 class Verifier:
@@ -476,7 +505,10 @@ class Verifier:
 
         async def fetch(snap: SnapshotRecord) -> dict[str, TensorBytes] | None:
             nonlocal nbytes
-            tensors, problem, n = await _read(self.ex, snap.payload, delta_bound(schema, names))
+            bound = delta_bound(schema, names)
+            tensors, problem, n = (
+                await _read(self.ex, snap.payload, bound) if snap.payload is not None
+                else await _read_parts(self.ex, snap, schema, list(names), bound))
             nbytes += n
             if tensors is None:
                 if snap.learner in merged:
@@ -484,6 +516,8 @@ class Verifier:
                 return None
             if problem is not None:
                 problems[snap.learner] = problem
+            if snap.payload is None:
+                return tensors  # checked part by part as it was put together
             return check_delta(tensors, snap, schema, names)
 
         dropped: dict[str, str] = {}

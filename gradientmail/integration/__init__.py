@@ -6,7 +6,8 @@ DDP group on rank 0's parameters over a small `Ranks` contract of collectives
 `count_tokens` is the one rule for how many tokens a batch holds; `METRICS` names and
 explains the `diloco/...` metrics both report, which `RunMetrics` accumulates; and
 `per_process_batch`, `BatchSizes` and `ShareBatchSampler` size batches to the learner's
-share of `global_batch_size`. Needs torch.
+share of `global_batch_size`. With `PartedRanks`, the ranks each mail and read their own
+rows instead (FSDP2 shards, or a DDP group splitting its upload). Needs torch.
 """
 
 from gradientmail.integration.batches import (
@@ -17,6 +18,7 @@ from gradientmail.integration.batches import (
 )
 from gradientmail.integration.losses import LossMean, output_loss
 from gradientmail.integration.metrics import METRICS, PREFIX, RunMetrics
+from gradientmail.integration.parted import PartedRanks
 from gradientmail.integration.ranks import Ranks, SingleRank, ThreadRanks, TorchRanks
 from gradientmail.integration.sync import RankSync
 from gradientmail.integration.tokens import count_tokens
@@ -27,6 +29,7 @@ __all__ = [
     "BatchSizeHook",
     "BatchSizes",
     "LossMean",
+    "PartedRanks",
     "RankSync",
     "Ranks",
     "RunMetrics",

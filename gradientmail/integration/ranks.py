@@ -71,6 +71,9 @@ class SingleRank:
     def broadcast_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
         return None
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
 
 # Sleeps between looks at a tensor a process group may still hold: from 10 µs, doubling
 # up to 1 ms each, 10 s in all.
@@ -99,7 +102,8 @@ class TorchRanks:
     device the backend communicates from: cuda for NCCL, cpu for gloo).
 
     `broadcast_object` is the framework's own (Lightning's `strategy.broadcast`); without
-    one, `torch.distributed.broadcast_object_list`.
+    one, `torch.distributed.broadcast_object_list`. `group`: a process group over every
+    rank other than the default one (the side group of `gradientmail.integration.parted`).
 
     Every collective on CPU tensors keeps them until the backend has let go of them
     (`_released`). Gloo's worker thread marks a collective done, which wakes the caller,
@@ -118,32 +122,41 @@ class TorchRanks:
         self,
         device: torch.device | str,
         broadcast_object: Callable[[Any], Any] | None = None,
+        group: Any = None,
     ) -> None:
         import torch.distributed as dist
 
         self._dist = dist
         self._device = torch.device(device)
         self._broadcast_object = broadcast_object
-        self.world_size = int(dist.get_world_size())
+        # Passed only when given: the default group's calls stay exactly what they were.
+        self._group: dict[str, Any] = {} if group is None else {"group": group}
+        self.world_size = int(dist.get_world_size(**self._group))
         self.is_main = dist.get_rank() == 0
 
     def broadcast_object(self, obj: Any) -> Any:
         if self._broadcast_object is not None:
             return self._broadcast_object(obj)
         box = [obj]
-        self._dist.broadcast_object_list(box, src=0, device=self._device)
+        self._dist.broadcast_object_list(box, src=0, device=self._device, **self._group)
         return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (picklable), in rank order, on every rank."""
+        out: list[Any] = [None] * self.world_size
+        self._dist.all_gather_object(out, obj, **self._group)
+        return out
 
     def broadcast_ints(self, values: Sequence[int]) -> list[int]:
         t = torch.tensor(list(values), dtype=torch.int64, device=self._device)
-        self._dist.broadcast(t, src=0)
+        self._dist.broadcast(t, src=0, **self._group)
         self._let_go(t)
         out: list[int] = t.tolist()
         return out
 
     def sum_int(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64, device=self._device)
-        self._dist.all_reduce(t)
+        self._dist.all_reduce(t, **self._group)
         self._let_go(t)
         return int(t.item())
 
@@ -163,7 +176,7 @@ class TorchRanks:
         for dtype in sorted(groups, key=str):
             group = groups[dtype]
             flat = torch.cat([t.detach().reshape(-1).to(self._device) for t in group])
-            self._dist.broadcast(flat, src=0)
+            self._dist.broadcast(flat, src=0, **self._group)
             self._let_go(flat)
             if self.is_main:
                 continue
@@ -225,6 +238,9 @@ class ThreadRanks:
 
     def sum_int(self, value: int) -> int:
         return sum(self._exchange("sum", int(value)))
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return copy.deepcopy(self._exchange("gather", obj))
 
     @torch.no_grad()
     def broadcast_tensors(self, tensors: Sequence[torch.Tensor]) -> None:

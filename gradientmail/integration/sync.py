@@ -9,6 +9,12 @@ parameters and make the same collective calls in the same order whatever rank 0 
 `start()` and `close()` may overwrite every synced parameter: after them everything is
 broadcast. With one process (`SingleRank`) no collective runs at all.
 
+With `parted` (`gradientmail.integration.parted.PartedRanks`: FSDP2 shards, or a DDP group
+splitting its upload) nothing is broadcast: every rank mails and reads its own rows, and
+applies them itself. Rank 0's learner then works on handles, and each thing it does to
+the model (snapshot, apply, rebase) is sent to the other ranks as it happens, before the
+control vector closes the collective (`PartedRanks.serve_ops`).
+
 Both integrations drive this class from their hooks; `Ranks` carries the collectives out
 (`TorchRanks` for either framework's process group).
 """
@@ -25,6 +31,7 @@ import torch
 from gradientmail.errors import GradientmailError
 from gradientmail.integration.batches import BatchSizeHook
 from gradientmail.integration.metrics import PREFIX, RunMetrics, traffic_values
+from gradientmail.integration.parted import PartedRanks
 from gradientmail.integration.ranks import Ranks
 from gradientmail.learner.runtime import Learner
 
@@ -51,8 +58,10 @@ class RankSync:
         module: torch.nn.Module,
         metrics: RunMetrics | None = None,
         on_batch_size: BatchSizeHook | None = None,
+        parted: PartedRanks | None = None,
     ) -> None:
         self.ranks = ranks
+        self.parted = parted
         self.module = module
         self.run_metrics = metrics if metrics is not None else RunMetrics()
         self.on_batch_size = on_batch_size
@@ -72,6 +81,8 @@ class RankSync:
         then holds the parameters rank 0 joined with."""
         failure: BaseException | None = None
         info: tuple[Any, ...] | None = None
+        if self.parted is not None:
+            self.parted.begin()
         if self.ranks.is_main:
             try:
                 self.learner = make_learner()
@@ -82,13 +93,15 @@ class RankSync:
             except BaseException as exc:
                 failure = exc
                 self.abandon(timeout=30.0)
+        self._ops_done()
         if self.ranks.world_size > 1:
             info = self.ranks.broadcast_object(info)
         if info is None:
             self._raise_for_rank0(failure, "start")
         assert info is not None
         self.plan, self.learner_id, self.rounds_seen, batch_size = info
-        self._fragments = self._resolve(self.plan)
+        if self.parted is None:
+            self._fragments = self._resolve(self.plan)
         if self.ranks.world_size > 1:
             self._broadcast(range(len(self.plan)))
         self._resized(batch_size)
@@ -119,6 +132,7 @@ class RankSync:
                 batch_size = self.learner.batch_size
             except BaseException as exc:
                 failure = exc
+        self._ops_done()
         if world == 1:
             if failure is not None:
                 raise failure
@@ -139,6 +153,9 @@ class RankSync:
                 self.rounds_seen = learner.rounds_seen
             except BaseException as exc:
                 failure = exc
+        self._ops_done()
+        if self.parted is not None:
+            self.parted.finish()
         if self.ranks.world_size > 1:
             everything = tuple(range(len(self.plan)))
             chosen, _ = self._control(failure, everything, self.batch_size, "close")
@@ -243,7 +260,19 @@ class RankSync:
         if changed and batch_size is not None and self.on_batch_size is not None:
             self.on_batch_size(batch_size)
 
+    def _ops_done(self) -> None:
+        """The end of what rank 0's learner did to the model in this collective: the
+        other ranks have replayed it (parted only)."""
+        if self.parted is None:
+            return
+        if self.ranks.is_main:
+            self.parted.end_ops()
+        else:
+            self.parted.serve_ops()
+
     def _broadcast(self, fragments: Any) -> None:
+        if self.parted is not None:
+            return  # every rank applied its own rows
         for p in fragments:
             self.ranks.broadcast_tensors(self._fragments[p])
 

@@ -12,7 +12,13 @@ import asyncio
 
 from gradientmail.adapters.base import Adapter
 from gradientmail.algorithms.diloco import rebuild_theta
-from gradientmail.errors import GradientmailError, RemoteProtocolError, SchemaMismatch
+from gradientmail.errors import (
+    ConfigError,
+    GradientmailError,
+    RemoteProtocolError,
+    SchemaMismatch,
+)
+from gradientmail.learner.crew import crew_of
 from gradientmail.learner.messages import Commit
 from gradientmail.run.join import JoinResult
 from gradientmail.run.protocol import Exchange, payload_bound
@@ -50,6 +56,10 @@ class CommitFetcher:
         ex = self._exchange
         names = self._plan[rec.fragment]
         schema = self._adapter.schema
+        if crew_of(self._adapter) is not None and not self._replica.algorithm.replicated:
+            return await self._fetch_rows(rec, names)
+        # With a replicated outer step, rank 0 keeps the fragment's state whole (its
+        # embedded closer does anyway) and hands each rank its rows (`adapter.load`).
         theta: dict[str, TensorBytes] | None = None
         nbytes = 0
         replica = self._replica
@@ -97,3 +107,19 @@ class CommitFetcher:
         self._host[rec.fragment] = (rec.version, theta)
         loaded = await asyncio.to_thread(self._adapter.load, theta)
         return Commit(rec, loaded, nbytes)
+
+    async def _fetch_rows(self, rec: RoundRecord, names: tuple[str, ...]) -> Commit | None:
+        """A commit read by a learner whose ranks each read their own rows of its theta
+        (`Crew.load`): no rank downloads the fragment, so none holds it to rebuild the
+        next version from an update."""
+        crew = crew_of(self._adapter)
+        assert crew is not None
+        if rec.theta is None:
+            return Commit(rec, None, 0, rejected=(
+                "a learner whose ranks read their own rows needs each commit's theta; this "
+                "run replicates its outer step (checkpoint_every > 1), which it cannot follow"))
+        try:
+            loaded, nbytes = await crew.load(self._exchange, rec, names)
+        except (RemoteProtocolError, SchemaMismatch, ConfigError) as exc:
+            return Commit(rec, None, 0, rejected=str(exc))
+        return None if loaded is None else Commit(rec, loaded, nbytes)

@@ -20,6 +20,7 @@ from gradientmail.algorithms.base import Algorithm
 from gradientmail.clock import Clock
 from gradientmail.errors import LocalProtocolError
 from gradientmail.events import EventSink, PublishCancelled, PublishFailed, SnapshotPublished
+from gradientmail.learner.crew import crew_of
 from gradientmail.learner.messages import Outgoing, delta_format
 from gradientmail.run.protocol import Exchange
 from gradientmail.syncer.runtime import Syncer
@@ -131,7 +132,7 @@ class Poster:
                 job.fragment,
                 job.steps,
                 job.tokens,
-                record.payload.size,
+                record.payload_size,
                 self._clock.now() - t0,
                 held,
             )
@@ -144,8 +145,16 @@ class Poster:
             return
         fmt = delta_format(self._algorithm.delta_dtype,
                            [self._adapter.schema[n].dtype for n in self._plan[job.fragment]])
-        tensors = await asyncio.to_thread(self._encode, job, fmt)
         draft = job.draft(ex, self._learner, self._adapter.schema.digest(), fmt)
+        crew = crew_of(self._adapter)
+        if crew is not None:
+            # Every rank uploads its own rows: no rank holds the whole delta, so nothing
+            # is offered to the embedded closer from memory.
+            parts = await crew.upload(ex, job.round, self._learner, job.anchor,
+                                      job.snapshot, fmt)
+            self._published(job, await ex.publish_parts(draft, parts), t0)
+            return
+        tensors = await asyncio.to_thread(self._encode, job, fmt)
         # A run kept auditable (`keep_rounds`) holds nothing back: a merge is re-derived
         # from the uploaded contributions, and a held one was never uploaded.
         hold = self._hold_own and self._algorithm.keep_rounds is None

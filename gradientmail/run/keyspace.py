@@ -25,6 +25,8 @@ __all__ = [
     "artifact_key",
     "audit_floor",
     "current_attempt",
+    "delta_keys_problem",
+    "part_key",
     "plan_sweep",
     "round_key",
     "screen_snapshot",
@@ -35,7 +37,7 @@ MANIFEST_KEY = "manifest.json"
 CALL_KEY = "rollcall.json"
 _ROUND_LIMIT = 10**10
 _ARTIFACT_KINDS = ("theta", "outer", "updates", "steps")
-_ROUND_AREAS = ("payloads/", "snapshots/", "claims/round/")
+_ROUND_AREAS = ("payloads/", "parts/", "snapshots/", "claims/round/")
 _NUMBERED = re.compile(r"(\d{10})")
 _ATTEMPT = re.compile(r"\d{6}")
 _ARTIFACT = re.compile(r"(theta|outer|updates|steps)/(\d+)/(\d{10})-(\d{6})(\..+)")
@@ -64,6 +66,37 @@ def artifact_key(kind: str, fragment: int, version: int, attempt: int, ext: str)
     _check_number("fragment", fragment, 10**6)
     return (f"{kind}/{fragment}/{_check_number('version', version, _ROUND_LIMIT):010d}"
             f"-{_check_number('attempt', attempt, 10**6):06d}{ext}")
+
+
+def part_key(round_: int, learner: str, k: int, n: int) -> str:
+    """`parts/<round>/<learner>/<k>-of-<n>` (the codec's extension follows): part k
+    (0 <= k < n, the rank) of a contribution its learner's n ranks mail one each. A
+    folder of its own, apart from `payloads/`: a learner id may hold a '.', so a key
+    derived from another learner's payload key could collide with it."""
+    if not 0 <= k < n:
+        raise LocalProtocolError(f"part {k} of {n}: need 0 <= k < n")
+    return f"{_round_dir('parts/', round_)}{learner}/{k}-of-{n}"
+
+
+def delta_keys_problem(record: SnapshotRecord, round_: int, learner: str,
+                       extensions: Iterable[str]) -> tuple[str, str] | None:
+    """Whether `record`, read at `learner`'s key of `round_`, names payloads it may own:
+    None when it does, else what it names and what its key says it must. Its payload must
+    be `payloads/<round>/<learner><ext>`, its parts `part_key(round_, learner, k, n)` +
+    ext for k = 0..n−1 in order, n = `len(parts)` (`extensions`: of the codecs known)."""
+    exts = tuple(extensions)
+    if record.payload is not None:
+        stem = f"{_round_dir('payloads/', round_)}{learner}"
+        wanted = sorted(stem + ext for ext in exts)
+        if record.payload.key in wanted:
+            return None
+        return f"payload {record.payload.key!r}", f"payload one of {wanted}"
+    n = len(record.parts)
+    for k, ref in enumerate(record.parts):
+        stem = part_key(round_, learner, k, n)
+        if not any(ref.key == stem + ext for ext in exts):
+            return f"part {k} {ref.key!r}", f"part {k} {stem!r} and a codec's extension"
+    return None
 
 
 def current_attempt(attempts: Iterable[int]) -> int | None:

@@ -11,6 +11,7 @@ order)::
                                                (overwritten by each; see gradientmail.run.rollcall)
     snapshots/<round>/<learner>.json           a contribution record
     payloads/<round>/<learner><ext>            its delta
+    parts/<round>/<learner>/<k>-of-<n><ext>    or its delta in parts, one per rank
     claims/round/<round>/<attempt>             closer election
     rounds/<round>.json                        the commit record: the single source of truth
     theta|outer|updates/<fragment>/<version>-<attempt><ext>   a commit's payloads
@@ -42,6 +43,7 @@ from gradientmail.errors import (
     RemoteProtocolError,
 )
 from gradientmail.mailbox.base import Mailbox
+from gradientmail.run.bounds import check_delta, delta_bound, payload_bound
 from gradientmail.run.keyspace import (
     _ARTIFACT_KINDS,
     _ROUND_AREAS,
@@ -55,6 +57,8 @@ from gradientmail.run.keyspace import (
     _round_dir,
     artifact_key,
     current_attempt,
+    delta_keys_problem,
+    part_key,
     plan_sweep,
     round_key,
     screen_snapshot,
@@ -63,7 +67,8 @@ from gradientmail.run.keyspace import (
 from gradientmail.run.lease import LeaseTracker, lease_counters, lease_key
 from gradientmail.run.rollcall import Call
 from gradientmail.wire import compression as codec
-from gradientmail.wire.auth import HmacSeal, Seal, open_manifest, refuse_sealed
+from gradientmail.wire.auth import HmacSeal, PlainSeal, Seal, open_manifest
+from gradientmail.wire.parts import Part, assemble, part_metadata, rows_in
 from gradientmail.wire.records import (
     CODECS,
     CreationClaim,
@@ -75,7 +80,7 @@ from gradientmail.wire.records import (
     SnapshotRecord,
     check_learner_id,
 )
-from gradientmail.wire.serialization import Schema, TensorBytes, validate
+from gradientmail.wire.serialization import Schema, TensorBytes
 
 __all__ = [
     "CALL_KEY",
@@ -86,8 +91,10 @@ __all__ = [
     "Rejected",
     "Seal",
     "artifact_key",
+    "check_delta",
     "current_attempt",
     "delta_bound",
+    "part_key",
     "payload_bound",
     "plan_sweep",
     "round_key",
@@ -98,52 +105,6 @@ __all__ = [
 _R = TypeVar("_R", bound=Record)
 
 
-class PlainSeal:
-    """No authentication: records are stored as their canonical JSON bytes."""
-
-    fingerprint: str | None = None
-
-    def seal(self, key: str, data: bytes) -> bytes:
-        return data
-
-    def open(self, key: str, data: bytes) -> bytes:
-        return refuse_sealed(key, data)
-
-
-def check_delta(tensors: dict[str, TensorBytes], snapshot: SnapshotRecord, schema: Schema,
-                names: Iterable[str]) -> dict[str, TensorBytes]:
-    """`tensors`, checked to hold exactly `names` in the record's `delta_format` (plus
-    `<name>.scale` entries of quantized formats); `SchemaMismatch` naming every missing,
-    extra or mis-shaped tensor."""
-    names = list(names)
-    wanted = set(names)
-    scales = {f"{n}.scale" for n in names}
-    main = {n: t for n, t in tensors.items() if n in wanted or n not in scales}
-    validate(schema, main, names, dtype=snapshot.delta_format)
-    return tensors
-
-
-def delta_bound(schema: Schema, names: Iterable[str]) -> int:
-    """A generous bound on a delta payload's bytes: F32 for every element, plus scales and
-    safetensors headers. A payload over it is hostile, refused before it is read."""
-    return sum(8 * schema[n].numel + 256 for n in names) + (1 << 20)
-
-
-def payload_bound(schema: Schema, names: Iterable[str], kind: str) -> int:
-    """A bound on the bytes of a commit's payload of `names`, refused above it: "theta"
-    (Θ⁰ too) in the schema dtypes; "outer" (fp32 momentum and master) and "updates" as
-    two F32 entries per tensor; headers with escaped names and zstd's worst case on
-    incompressible data included."""
-    names = list(names)
-    if kind == "theta":
-        raw = codec.size_bound(schema, names)
-    elif kind in ("outer", "updates", "steps"):
-        raw = sum(8 * schema[n].numel + 2 * (6 * len(n.encode()) + 120 + 24 * len(schema[n].shape))
-                  for n in names) + 4096
-    else:
-        raise LocalProtocolError(
-            f"payload kind {kind!r} must be 'theta', 'outer', 'updates' or 'steps'")
-    return raw + raw // 128 + 1024
 
 
 class Exchange:
@@ -195,13 +156,15 @@ class Exchange:
         return None if data is None else cls.decode(self.seal.open(key, data), key)
 
     async def put_payload(self, key: str, tensors: Mapping[str, TensorBytes],
-                          *, create: bool = False) -> PayloadRef | None:
-        """Encode `tensors` with this Exchange's codec and store them at `key` + extension.
+                          *, create: bool = False,
+                          metadata: Mapping[str, str] | None = None) -> PayloadRef | None:
+        """Encode `tensors` (and `metadata`) with this Exchange's codec and store them at
+        `key` + extension.
 
         With `create`, store only if absent and return None when the key exists.
         """
         key += codec.extension(self.compression)
-        blob = codec.encode(tensors, self.compression)
+        blob = codec.encode(tensors, self.compression, metadata)
         if create:
             if not await self.mailbox.create(self.prefix + key, blob):
                 return None
@@ -394,6 +357,9 @@ class Exchange:
         self, draft: SnapshotRecord, tensors: Mapping[str, TensorBytes]
     ) -> SnapshotRecord:
         """`publish` of a `draft`: the payload, then the record with the payload's ref."""
+        if draft.payload is None:
+            raise LocalProtocolError("publish_draft takes a draft of one payload; a delta "
+                                     "made of parts goes out by put_part and publish_parts")
         round_, learner, stem = draft.round, draft.learner, draft.payload.key
         ref = await self.put_payload(stem, tensors, create=True)
         key = f"{_round_dir('snapshots/', round_)}{learner}.json"
@@ -410,6 +376,43 @@ class Exchange:
             "payload exists); a learner contributes once per round: publish the steps with "
             "a later round"
         )
+
+    async def put_part(self, round_: int, learner: str, k: int, n: int,
+                       tensors: Mapping[str, TensorBytes],
+                       rows: Mapping[str, tuple[int, int]]) -> PayloadRef:
+        """Upload part `k` of `n` of `learner`'s contribution to `round_`: `tensors` hold
+        rows `rows[name]` of each tensor (plus `<name>.scale` entries of quantized
+        formats). Create-if-absent; an own part no record references yet (an earlier
+        attempt that failed) is replaced. `AlreadyContributed` once the record exists."""
+        check_learner_id(learner)
+        stem = part_key(round_, learner, k, n)
+        meta = part_metadata(rows)
+        ref = await self.put_payload(stem, tensors, create=True, metadata=meta)
+        if ref is None:
+            if await self.contribution(round_, learner) is not None:
+                raise AlreadyContributed(
+                    f"learner {learner!r} has already contributed to round {round_}; part "
+                    f"{stem!r} belongs to its record")
+            ref = await self.put_payload(stem, tensors, metadata=meta)
+        assert ref is not None
+        return ref
+
+    async def publish_parts(self, draft: SnapshotRecord,
+                            parts: Iterable[PayloadRef]) -> SnapshotRecord:
+        """The record of `draft` (`Exchange.draft`) with its delta as `parts` (in k order,
+        each uploaded by `put_part`). `AlreadyContributed` as `publish`."""
+        record = dataclasses.replace(draft, payload=None, parts=tuple(parts))
+        problem = delta_keys_problem(record, draft.round, draft.learner,
+                                     [codec.extension(c) for c in CODECS])
+        if problem is not None:
+            raise LocalProtocolError(f"cannot publish {draft.learner!r}'s parts: "
+                                     f"{problem[0]}; need {problem[1]}")
+        key = f"{_round_dir('snapshots/', draft.round)}{draft.learner}.json"
+        if await self._write_record(key, record):
+            return record
+        raise AlreadyContributed(
+            f"learner {draft.learner!r} has already contributed to round {draft.round} "
+            f"({key!r} exists); a learner contributes once per round")
 
     async def contribution(self, round_: int, learner: str) -> SnapshotRecord | None:
         """`learner`'s record for `round_`, or None when it has not contributed (one GET)."""
@@ -456,15 +459,15 @@ class Exchange:
                 continue
             if record is None:
                 continue
-            stem = f"{_round_dir('payloads/', round_)}{learner}"
-            payloads = {stem + codec.extension(c) for c in CODECS}
-            if record.learner != learner or record.round != round_ \
-                    or record.payload.key not in payloads:
+            exts = [codec.extension(c) for c in CODECS]
+            problem = delta_keys_problem(record, round_, learner, exts)
+            if record.learner != learner or record.round != round_ or problem is not None:
+                says, wants = ("", "") if problem is None else (f", {problem[0]}",
+                                                               f", {problem[1]}")
                 rejected.append(Rejected(
                     key, learner,
-                    f"record {key!r} says learner {record.learner!r}, round {record.round}, "
-                    f"payload {record.payload.key!r}; its key says learner {learner!r}, "
-                    f"round {round_}, payload one of {sorted(payloads)}",
+                    f"record {key!r} says learner {record.learner!r}, round {record.round}"
+                    f"{says}; its key says learner {learner!r}, round {round_}{wants}",
                 ))
                 continue
             records.append(record)
@@ -475,15 +478,27 @@ class Exchange:
     ) -> dict[str, TensorBytes] | None:
         """A contribution's delta: verified, decoded, and checked to hold exactly `names` in
         the record's `delta_format` (plus `<name>.scale` entries of quantized formats).
+        A delta made of parts is each part checked and the rows put together
+        (`gradientmail.wire.parts.assemble`: quantized parts come back in F32).
 
         None if the payload was swept. `CorruptPayload` for bad bytes; `SchemaMismatch`
         naming every missing, extra or mis-shaped tensor.
         """
         names = list(names)
-        tensors = await self.fetch_tensors(snapshot.payload, delta_bound(schema, names))
-        if tensors is None:
-            return None
-        return check_delta(tensors, snapshot, schema, names)
+        bound = delta_bound(schema, names)
+        if snapshot.payload is not None:
+            tensors = await self.fetch_tensors(snapshot.payload, bound)
+            return None if tensors is None else check_delta(tensors, snapshot, schema, names)
+        parts: list[Part] = []
+        for ref in snapshot.parts:
+            blob = await self.fetch_payload(ref, bound)
+            if blob is None:
+                return None
+            entries, meta = codec.decode_with_metadata(
+                blob, codec.compression_of(ref.key), key=ref.key, max_bytes=bound)
+            parts.append((ref.key, entries, rows_in(meta, ref.key)))
+        # Assembled into full tensors for now; docs/sharded.md §3 merges them in windows.
+        return assemble(parts, schema, names, snapshot.delta_format)
 
     # -- closing rounds --------------------------------------------------------------
 

@@ -46,7 +46,7 @@ async def screen_round(
     out: list[Contribution] = []
     digest = schema.digest()
     for snap in sorted(snaps, key=lambda s: s.learner):
-        key = snap.payload.key
+        key = snap.payload_key
         problem = screen_snapshot(snap, fragment=fragment, version=state.version,
                                   schema_digest=digest)
         if problem is not None:

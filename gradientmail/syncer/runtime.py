@@ -452,7 +452,7 @@ class Syncer:
         alg = self._alg()
         merge = await asyncio.to_thread(merge_round, alg, state, contributions, schema,
                                         self.backend)
-        keys = {s.learner: s.payload.key for s in snaps}
+        keys = {s.learner: s.payload_key for s in snaps}
         for learner, reason in merge.outliers.items():
             self._drop(r, learner, keys.get(learner, f"round {r}"), reason, dropped)
         for learner, reason in merge.overflowed.items():
@@ -466,7 +466,7 @@ class Syncer:
         # What the run's history needs of each merged contribution, copied into the
         # record: the contributions themselves are swept once the round commits.
         losses = {s.learner: s.loss for s in snaps if s.learner in merged}
-        sizes = {s.learner: s.payload.size for s in snaps
+        sizes = {s.learner: s.payload_size for s in snaps
                  if s.learner in merged and (offer is None or s is not offer.draft)}
         result = merge.result
         new_state = result.state
@@ -581,7 +581,8 @@ class Syncer:
         own = self._own.get(r)
         if offer is not None and snap is offer.draft:
             return check_delta(offer.tensors, snap, schema, names)
-        if own is not None and snap.learner == self.closer_id and own[0] == snap.payload.sha256:
+        if own is not None and snap.learner == self.closer_id and snap.payload is not None \
+                and own[0] == snap.payload.sha256:
             return check_delta(own[1], snap, schema, names)
         return await self.exchange.fetch_delta(snap, schema, names)
 

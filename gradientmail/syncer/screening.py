@@ -56,6 +56,10 @@ def _dequantized(
         fmt in ("F32", "F16", "BF16") and all(entries[n].dtype == fmt for n in names)
     ):
         return {n: entries[n] for n in names}
+    if all(entries[n].dtype == "F32" and f"{n}.scale" not in entries for n in names):
+        # A quantized delta made of parts: each part was dequantized on its own
+        # (`wire.parts.assemble`), its scales with it.
+        return {n: entries[n] for n in names}
     return {n: dequantize(entries, n, fmt) for n in names}
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "RUN_KEY_VARIABLE",
     "SCHEME",
     "HmacSeal",
+    "PlainSeal",
     "Seal",
     "check_run_key",
     "env_run_key",
@@ -153,6 +154,18 @@ class Seal(Protocol):
     def seal(self, key: str, data: bytes) -> bytes: ...
 
     def open(self, key: str, data: bytes) -> bytes: ...
+
+
+class PlainSeal:
+    """No authentication: records are stored as their canonical JSON bytes."""
+
+    fingerprint: str | None = None
+
+    def seal(self, key: str, data: bytes) -> bytes:
+        return data
+
+    def open(self, key: str, data: bytes) -> bytes:
+        return refuse_sealed(key, data)
 
 
 class HmacSeal:

@@ -12,7 +12,6 @@ record with bad values in this process raises `LocalProtocolError`.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 from collections.abc import Mapping
@@ -23,7 +22,6 @@ from gradientmail.errors import (
     LocalProtocolError,
     RemoteProtocolError,
 )
-from gradientmail.mailbox.base import check_key
 from gradientmail.wire.estimates import Estimates
 from gradientmail.wire.record_json import (
     CODECS,
@@ -44,6 +42,7 @@ from gradientmail.wire.record_json import (
     is_number,
     parse_json,
 )
+from gradientmail.wire.refs import Arrival, PayloadRef, StepRef, UpdateRef
 from gradientmail.wire.serialization import Schema
 
 __all__ = [
@@ -90,34 +89,6 @@ class Record:
     @classmethod
     def decode(cls, data: bytes, key: str) -> Self:
         return cls.from_json(parse_json(data, key, cls.MAX_BYTES), key)
-
-
-@dataclasses.dataclass(frozen=True)
-class PayloadRef:
-    """Where a payload lies (key relative to the run's prefix), its size and its SHA-256."""
-
-    key: str
-    size: int
-    sha256: str
-
-    def __post_init__(self) -> None:
-        check_key(self.key)
-        check_count("payload size", self.size)
-        check_sha256("payload sha256", self.sha256)
-
-    @classmethod
-    def of(cls, key: str, data: bytes) -> PayloadRef:
-        """The reference to `data` stored at `key`."""
-        return cls(key, len(data), hashlib.sha256(data).hexdigest())
-
-    def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "sha256": self.sha256, "size": self.size}
-
-    @classmethod
-    def from_json(cls, obj: Any, key: str, path: str = "payload") -> PayloadRef:
-        f = Fields(obj, key, path, ("key", "sha256", "size"))
-        return build_record(cls, key, path, key=f.get_str("key"), size=f.get_int("size"),
-                      sha256=f.get_str("sha256"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,6 +232,12 @@ class SnapshotRecord(Record):
     is the inverse) and `loss` its mean training loss over the steps since it last
     published the fragment, when its training loop reported one (left out of the JSON
     when None, so records without it keep their bytes).
+
+    A learner whose ranks each mail their own rows sends its delta as `parts` instead
+    (`parts/<round>/<learner>/<k>-of-<n><ext>`, in k order; docs/sharded.md): a record
+    holds `payload` or `parts`, never both, and one with parts writes no `payload` field,
+    so records without parts keep their bytes (and an older closer, strict, drops a
+    record with parts as unreadable rather than misread it).
     """
 
     learner: str
@@ -273,12 +250,23 @@ class SnapshotRecord(Record):
     final: bool
     schema_digest: str
     delta_format: str
-    payload: PayloadRef
+    payload: PayloadRef | None
     step_seconds: float | None = None
     loss: float | None = None
+    parts: tuple[PayloadRef, ...] = ()
 
     def __post_init__(self) -> None:
         check_learner_id(self.learner)
+        object.__setattr__(self, "parts", tuple(self.parts))
+        if (self.payload is None) == (not self.parts):
+            raise LocalProtocolError(
+                "a contribution record holds its delta as one payload or as parts, never "
+                f"both and never neither (payload={self.payload!r:.80}, "
+                f"{len(self.parts)} parts)"
+            )
+        if not all(isinstance(r, PayloadRef) for r in (self.payload, *self.parts)
+                   if r is not None):
+            raise LocalProtocolError("payload and parts must be PayloadRefs")
         for name in ("round", "fragment", "base_version", "local_step", "steps", "tokens"):
             check_count(name, getattr(self, name))
         if not isinstance(self.final, bool):
@@ -294,15 +282,30 @@ class SnapshotRecord(Record):
         if self.loss is not None:
             object.__setattr__(self, "loss", check_finite("loss", self.loss))
 
+    def payload_refs(self) -> tuple[PayloadRef, ...]:
+        """The payloads holding the delta: the one payload, or the parts in k order."""
+        return (self.payload,) if self.payload is not None else self.parts
+
+    @property
+    def payload_size(self) -> int:
+        """Bytes of the delta as uploaded, every part counted."""
+        return sum(ref.size for ref in self.payload_refs())
+
+    @property
+    def payload_key(self) -> str:
+        """Where the delta lies, for messages: the payload's key, or its parts' folder."""
+        if self.payload is not None:
+            return self.payload.key
+        return self.parts[0].key.rsplit("/", 1)[0] + "/"
+
     def to_json(self) -> dict[str, Any]:
-        out = {
+        out: dict[str, Any] = {
             "base_version": self.base_version,
             "delta_format": self.delta_format,
             "final": self.final,
             "fragment": self.fragment,
             "learner": self.learner,
             "local_step": self.local_step,
-            "payload": self.payload.to_json(),
             "round": self.round,
             "schema_digest": self.schema_digest,
             "step_seconds": self.step_seconds,
@@ -312,15 +315,23 @@ class SnapshotRecord(Record):
         }
         if self.loss is not None:
             out["loss"] = self.loss
+        if self.payload is not None:
+            out["payload"] = self.payload.to_json()
+        else:
+            out["parts"] = [ref.to_json() for ref in self.parts]
         return out
 
     @classmethod
     def from_json(cls, obj: Any, key: str) -> Self:
         optional = ("loss",) if isinstance(obj, dict) and "loss" in obj else ()
+        delta = "parts" if isinstance(obj, dict) and "parts" in obj else "payload"
         f = Fields(obj, key, "", ("base_version", "delta_format", "final", "fragment",
-                                   "learner", "local_step", "payload", "round",
+                                   "learner", "local_step", delta, "round",
                                    "schema_digest", "step_seconds", "steps", "tokens", "v",
                                    *optional))
+        parts = f.get_list("parts") if delta == "parts" else []
+        if delta == "parts" and not parts:
+            f.fail("parts", "must name at least one part", parts)
         return build_record(
             cls, key, "", learner=f.get_str("learner"), round=f.get_int("round"),
             fragment=f.get_int("fragment"), base_version=f.get_int("base_version"),
@@ -328,9 +339,12 @@ class SnapshotRecord(Record):
             tokens=f.get_int("tokens"),
             final=f.get_bool("final"), schema_digest=f.get_str("schema_digest"),
             delta_format=f.get_str("delta_format"),
-            payload=PayloadRef.from_json(f.obj["payload"], key, "payload"),
+            payload=(PayloadRef.from_json(f.obj["payload"], key, "payload")
+                     if delta == "payload" else None),
             step_seconds=f.get_opt_float("step_seconds"),
             loss=f.get_float("loss") if optional else None,
+            parts=tuple(PayloadRef.from_json(r, key, f"parts[{k}]")
+                        for k, r in enumerate(parts)),
         )
 
 
@@ -407,42 +421,6 @@ class Participant:
 
 
 @dataclasses.dataclass(frozen=True)
-class Arrival:
-    """How a round waited for its learners, as its closer saw it: the `window` (seconds
-    after the first contribution it would wait for the learners it expected), `latency`
-    (seconds from the first contribution it saw to the record), `first` (whose
-    contribution that was; None when the closer saw none before it claimed) and `missed`
-    (expected learners not in when it closed). Every other learner aligns its next
-    publish with the first one's by the latency."""
-
-    window: float
-    latency: float
-    first: str | None = None
-    missed: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "window", check_seconds("window", self.window))
-        object.__setattr__(self, "latency", check_seconds("latency", self.latency))
-        object.__setattr__(self, "missed", tuple(sorted(self.missed)))
-        for learner in (*self.missed, *([] if self.first is None else [self.first])):
-            check_learner_id(learner)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"first": self.first, "latency": self.latency, "missed": list(self.missed),
-                "window": self.window}
-
-    @classmethod
-    def from_json(cls, obj: Any, key: str, path: str) -> Arrival:
-        f = Fields(obj, key, path, ("first", "latency", "missed", "window"))
-        missed = f.get_list("missed")
-        if not all(isinstance(m, str) for m in missed):
-            f.fail("missed", "must be a list of learner ids", missed)
-        return build_record(cls, key, path, window=f.get_float("window"),
-                      latency=f.get_float("latency"), first=f.get_str("first", null=True),
-                      missed=tuple(missed))
-
-
-@dataclasses.dataclass(frozen=True)
 class Dropped:
     """A contribution the closer left out, and why (e.g. 'stale base version 3')."""
 
@@ -461,60 +439,6 @@ class Dropped:
         f = Fields(obj, key, path, ("learner", "reason"))
         return build_record(cls, key, path, learner=f.get_str("learner"),
                       reason=f.get_str("reason"))
-
-
-@dataclasses.dataclass(frozen=True)
-class UpdateRef:
-    """A quantized Θ_new − Θ_old: its payload, its format, and the SHA-256 of the theta
-    it rebuilds (as the algorithm defines that digest), so a learner can check its work."""
-
-    payload: PayloadRef
-    format: str
-    theta_sha256: str
-
-    def __post_init__(self) -> None:
-        check_format("update format", self.format)
-        check_sha256("theta_sha256", self.theta_sha256)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"format": self.format, "payload": self.payload.to_json(),
-                "theta_sha256": self.theta_sha256}
-
-    @classmethod
-    def from_json(cls, obj: Any, key: str, path: str) -> UpdateRef:
-        f = Fields(obj, key, path, ("format", "payload", "theta_sha256"))
-        return build_record(cls, key, path, format=f.get_str("format"),
-                      theta_sha256=f.get_str("theta_sha256"),
-                      payload=PayloadRef.from_json(f.obj["payload"], key, f"{path}.payload"))
-
-
-@dataclasses.dataclass(frozen=True)
-class StepRef:
-    """A replicated commit's merged Δ: its payload, its format, the rule every party
-    applies it by ("nesterov" or "average"), and the SHA-256 of the theta that applying
-    it to the previous version gives (as the algorithm defines that digest)."""
-
-    payload: PayloadRef
-    format: str
-    rule: str
-    theta_sha256: str
-
-    def __post_init__(self) -> None:
-        check_format("step format", self.format)
-        if self.rule not in ("nesterov", "average"):
-            raise LocalProtocolError(f"step rule={self.rule!r} must be 'nesterov' or 'average'")
-        check_sha256("theta_sha256", self.theta_sha256)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"format": self.format, "payload": self.payload.to_json(), "rule": self.rule,
-                "theta_sha256": self.theta_sha256}
-
-    @classmethod
-    def from_json(cls, obj: Any, key: str, path: str) -> StepRef:
-        f = Fields(obj, key, path, ("format", "payload", "rule", "theta_sha256"))
-        return build_record(cls, key, path, format=f.get_str("format"), rule=f.get_str("rule"),
-                      theta_sha256=f.get_str("theta_sha256"),
-                      payload=PayloadRef.from_json(f.obj["payload"], key, f"{path}.payload"))
 
 
 @dataclasses.dataclass(frozen=True)

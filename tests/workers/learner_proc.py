@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--fragments", type=int, default=1)
     ap.add_argument("--standard", type=int, default=0, help="standard DiLoCo with this quorum")
     ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--tokens", type=int, default=5, help="tokens per step")
+    ap.add_argument("--checkpoint-every", type=int, default=20)
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--pause-at", type=int, default=-1)
     ap.add_argument("--start-step", type=int, default=0)
@@ -57,6 +59,7 @@ def main() -> None:
             overlap_steps=0,
             merge=WeightedMean(),
             quorum_size=args.standard,
+            checkpoint_every=args.checkpoint_every,
         )
     else:
         alg = DiLoCo(
@@ -100,7 +103,7 @@ def main() -> None:
             while True:
                 time.sleep(1)
         inner_step(model, opt, args.worker, step)
-        learner.step(5)
+        learner.step(args.tokens)
         if args.sleep:
             time.sleep(args.sleep)
     # However slowly a loaded machine runs this process, it trains on until it has taken
@@ -108,7 +111,7 @@ def main() -> None:
     step, deadline = args.start_step + args.steps, time.monotonic() + 120
     while args.until_merged and not merged.is_set() and time.monotonic() < deadline:
         inner_step(model, opt, args.worker, step)
-        learner.step(5)
+        learner.step(args.tokens)
         step += 1
         time.sleep(max(args.sleep, 0.01))
     learner.close()

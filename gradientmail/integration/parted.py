@@ -1,0 +1,402 @@
+"""The ranks of one learner that each mail their own rows (docs/sharded.md §3).
+
+Every rank holds a `ShardedAdapter` (FSDP2 shards, or a DDP group splitting its upload);
+rank 0 runs the `Learner` over a `RankAdapter`, whose values are `Handle`s: an id that
+names, on every rank, that rank's own rows of the same values. Two channels keep the
+ranks' rows in step, each ordered by rank 0:
+
+- The training channel, on the default group: what the training thread does to the model
+  (snapshot, apply, rebase) is broadcast by rank 0 as it happens, inside `RankSync`'s
+  collectives, and replayed by every other rank on its training thread on the same step.
+- The side channel, on a gloo group of its own (so its collectives never interleave with
+  FSDP's): what the communication thread does (upload a part, read a commit's rows, load
+  the values a learner joins with, read the parameters a creator uploads). Rank 0 sends a
+  command; every rank, rank 0 included, carries out its share; the results are gathered.
+  The other ranks serve it from a thread of their own (`begin`).
+
+A handle rank 0 no longer holds is released on every rank with the next training-channel
+message: the one channel whose order follows every use of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import itertools
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from gradientmail.adapters.sharded import ShardedAdapter
+from gradientmail.errors import (
+    ConfigError,
+    GradientmailError,
+    RemoteProtocolError,
+    SchemaMismatch,
+)
+from gradientmail.integration.ranks import Ranks, TorchRanks
+from gradientmail.mailbox.base import Mailbox
+from gradientmail.mailbox.url import open_mailbox
+from gradientmail.run.protocol import Exchange
+from gradientmail.wire.parts import assemble
+from gradientmail.wire.payload_ranges import Rows, fetch_rows
+from gradientmail.wire.quantization import quantize
+from gradientmail.wire.records import PayloadRef, RoundRecord
+from gradientmail.wire.serialization import TensorBytes
+
+__all__ = ["Handle", "PartedRanks", "RankAdapter", "SideGroup"]
+
+#: Training-channel headers (`Ranks.broadcast_ints`, one value): an op follows, or none.
+_OP, _END = 1, 0
+#: Errors another rank reports that say the data is bad, not the store unreachable: a
+#: commit that fails with one of them is passed over, not retried forever.
+_PERMANENT = {cls.__name__: cls for cls in (ConfigError, SchemaMismatch, RemoteProtocolError)}
+#: Side commands that do no I/O, served without an event loop.
+_SYNC = ("stop", "load_full", "read")
+
+
+class SideGroup(Protocol):
+    """The side channel's collectives (`TorchRanks` on a gloo group, or `ThreadRanks`)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    def broadcast_object(self, obj: Any) -> Any: ...
+
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+
+
+@dataclasses.dataclass(eq=False, frozen=True)
+class Handle:
+    """Values every rank of the learner holds its own rows of, under `id` (rank 0's
+    view: the adapter handle the `Learner` keeps)."""
+
+    id: int
+
+
+class PartedRanks:
+    """One learner's ranks, each mailing and reading its own rows of `adapter`'s model.
+
+    Build one on every rank, at the same point (`create` makes the side group, a
+    collective); `ranks` is the default group `RankSync` uses, `side` the side group,
+    `rank` this process's rank. `mailbox`, `prefix` and `compression` are the learner's
+    (the other ranks open the mailbox themselves: give a URL, not an in-process object).
+    `timeout`: seconds a rank waits for values another rank is still making.
+    """
+
+    def __init__(self, adapter: ShardedAdapter, ranks: Ranks, side: SideGroup, rank: int,
+                 mailbox: Mailbox | str, *, prefix: str = "", compression: str = "off",
+                 timeout: float = 600.0) -> None:
+        self.adapter = adapter
+        self.ranks = ranks
+        self.side = side
+        self.rank = rank
+        self.size = side.world_size
+        self.timeout = timeout
+        self._mailbox, self._prefix, self._compression = mailbox, prefix, compression
+        self._store: dict[int, Any] = {}  # this rank's rows of every live handle
+        self._changed = threading.Condition()
+        self._ids = itertools.count()
+        self._released: list[int] = []  # rank 0: ids to release with the next message
+        self._command = threading.Lock()  # rank 0: one side command at a time
+        self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None  # what ended a member's serving thread
+
+    @classmethod
+    def create(cls, module: Any, mailbox: Mailbox | str, *, prefix: str = "",
+               compression: str = "off", timeout: float = 600.0) -> PartedRanks:
+        """For a `torch.distributed` launch (every rank calls it): a `ShardedAdapter` of
+        `module` (after `fully_shard`), the default group, and a new gloo side group."""
+        import torch.distributed as dist
+
+        side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        return cls(ShardedAdapter(module), TorchRanks("cpu"), TorchRanks("cpu", group=side),
+                   dist.get_rank(), mailbox, prefix=prefix, compression=compression,
+                   timeout=timeout)
+
+    @property
+    def held(self) -> int:
+        """How many handles' values this rank holds (rank 0's learner keeps the anchors,
+        and the snapshots of rounds in flight; the rest are released)."""
+        with self._changed:
+            return len(self._store)
+
+    def learner_adapter(self) -> RankAdapter:
+        """The adapter rank 0's `Learner` is built with."""
+        return RankAdapter(self)
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Every rank but 0: serve side commands from a thread, until `finish`."""
+        if self.rank != 0 and self._thread is None:
+            self._thread = threading.Thread(target=self._serve_side, daemon=True,
+                                            name=f"gradientmail-rank{self.rank}")
+            self._thread.start()
+
+    def finish(self) -> None:
+        """Rank 0: tell the other ranks' threads to stop; the others: wait for it."""
+        if self.rank == 0:
+            self._side_command(("stop",))
+        elif self._thread is not None:
+            self._thread.join(self.timeout)
+
+    # -- the training channel --------------------------------------------------------------
+
+    def op(self, kind: str, *args: Any) -> None:
+        """Rank 0: do `kind` to the model's rows on every rank (training thread)."""
+        with self._changed:
+            released, self._released = self._released, []
+        self.ranks.broadcast_ints([_OP])
+        self.ranks.broadcast_object((kind, args, released))
+        self._replay(kind, args, released)
+
+    def end_ops(self) -> None:
+        """Rank 0: no more ops for now (the other ranks leave `serve_ops`)."""
+        if self._released:
+            self.op("release")
+        self.ranks.broadcast_ints([_END])
+
+    def serve_ops(self) -> None:
+        """Every rank but 0: replay rank 0's ops until it says there are no more."""
+        while self.ranks.broadcast_ints([_END])[0] == _OP:
+            kind, args, released = self.ranks.broadcast_object(None)
+            self._replay(kind, args, released)
+
+    def _replay(self, kind: str, args: tuple[Any, ...], released: Sequence[int]) -> None:
+        a = self.adapter
+        if kind == "snapshot":
+            self._keep(args[0], a.snapshot(args[1]))
+        elif kind == "apply":
+            a.apply(self._get(args[0]), args[1])
+        elif kind == "rebase":
+            a.rebase(self._get(args[0]), self._get(args[1]))
+        with self._changed:
+            for i in released:
+                self._store.pop(i, None)
+
+    def _keep(self, i: int, value: Any) -> None:
+        with self._changed:
+            self._store[i] = value
+            self._changed.notify_all()
+
+    def _get(self, i: int) -> Any:
+        """This rank's values of handle `i`, waiting while the other channel makes them."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: i in self._store, self.timeout):
+                raise GradientmailError(f"rank {self.rank}: values {i} never arrived within "
+                                        f"{self.timeout:.0f} s; rank 0 and this rank disagree")
+            return self._store[i]
+
+    def handle(self, value: Any) -> Handle:
+        """Rank 0: a new handle for its own `value`, released on every rank when dropped."""
+        h = Handle(next(self._ids))
+        self._keep(h.id, value)
+        weakref.finalize(h, self._drop, h.id)
+        return h
+
+    def _drop(self, i: int) -> None:
+        with self._changed:
+            self._store.pop(i, None)
+            self._released.append(i)
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def local(self, h: Handle) -> Any:
+        return self._get(h.id)
+
+    # -- the side channel: rank 0 ----------------------------------------------------------
+
+    def _side_command(self, cmd: tuple[Any, ...]) -> Any:
+        """Rank 0, blocking: send `cmd` (one without I/O: stop, load_full, read), do its
+        share, gather every rank's results."""
+        with self._command:
+            self.side.broadcast_object(cmd)
+            own = _outcome(self._share, cmd)
+            return _results(self.side.all_gather_object(own))
+
+    async def _side_command_async(self, cmd: tuple[Any, ...], exchange: Exchange) -> Any:
+        """`_side_command` from the communication thread's loop (its own share on it)."""
+        await asyncio.to_thread(self._command.acquire)
+        try:
+            await asyncio.to_thread(self.side.broadcast_object, cmd)
+            try:
+                own: tuple[Any, ...] = ("ok", await self._serve(cmd, exchange))
+            except Exception as exc:
+                own = ("error", type(exc).__name__, str(exc))
+            return _results(await asyncio.to_thread(self.side.all_gather_object, own))
+        finally:
+            self._command.release()
+
+    def load_full(self, values: Mapping[str, TensorBytes]) -> Handle:
+        """Rank 0: full `values` (the commits a learner joins with) loaded by every rank,
+        each its own rows. Sent whole over the side group: once per join, not per commit."""
+        i = self.new_id()
+        plain = {n: TensorBytes(t.dtype, t.shape, t.data) for n, t in values.items()}
+        self._side_command(("load_full", i, plain))
+        h = Handle(i)
+        weakref.finalize(h, self._drop, i)
+        return h
+
+    def read(self, names: Sequence[str] | None) -> dict[str, TensorBytes]:
+        """Rank 0: the full parameters `names` (a creator's Θ⁰), each rank's owned rows
+        gathered and joined."""
+        wanted = list(self.adapter.schema.names if names is None else names)
+        got: list[dict[str, Rows]] = self._side_command(("read", wanted))
+        parts = [(f"rank {k}", {n: r.tensor for n, r in rows.items()},
+                  {n: (r.start, r.stop) for n, r in rows.items()})
+                 for k, rows in enumerate(got)]
+        return assemble(parts, self.adapter.schema, wanted, None)
+
+    async def upload(self, exchange: Exchange, round_: int, learner: str, anchor: Any,
+                     snapshot: Any, delta_format: str) -> list[PayloadRef]:
+        """`Crew.upload`: every rank's part, in rank order."""
+        cmd = ("upload", round_, learner, anchor.id, snapshot.id, delta_format)
+        refs: list[PayloadRef] = await self._side_command_async(cmd, exchange)
+        return refs
+
+    async def load(self, exchange: Exchange, record: RoundRecord,
+                   names: Sequence[str]) -> tuple[Any, int]:
+        """`Crew.load`: every rank's rows of the commit's theta; (None, 0) when swept."""
+        assert record.theta is not None
+        i = self.new_id()
+        got: list[int | None] = await self._side_command_async(
+            ("load", i, record.theta, tuple(names)), exchange)
+        h = Handle(i)
+        weakref.finalize(h, self._drop, i)  # also what releases the rows of a swept one
+        if any(n is None for n in got):
+            return None, 0
+        return h, sum(n or 0 for n in got)
+
+    # -- the side channel: every rank's share ----------------------------------------------
+
+    def _serve_side(self) -> None:
+        """A member's thread: carry out rank 0's commands until it says stop."""
+        loop = asyncio.new_event_loop()
+        ex = Exchange(open_mailbox(self._mailbox), prefix=self._prefix,
+                      compression=self._compression)
+        try:
+            while True:
+                cmd = self.side.broadcast_object(None)
+                if cmd[0] in _SYNC:
+                    out = _outcome(self._share, cmd)
+                else:
+                    out = _outcome(lambda c: loop.run_until_complete(self._serve(c, ex)), cmd)
+                self.side.all_gather_object(out)
+                if cmd[0] == "stop":
+                    return
+        except BaseException as exc:
+            self.failure = exc
+        finally:
+            loop.run_until_complete(ex.mailbox.close())
+            loop.close()
+
+    def _share(self, cmd: tuple[Any, ...]) -> Any:
+        """This rank's share of a command without I/O."""
+        kind = cmd[0]
+        if kind == "load_full":
+            self._keep(cmd[1], self.adapter.load(cmd[2]))
+        elif kind == "read":
+            return {n: _portable(r) for n, r in self.adapter.read(cmd[1]).items()}
+        return None
+
+    async def _serve(self, cmd: tuple[Any, ...], ex: Exchange) -> Any:
+        """This rank's share of a command that reads or writes the mailbox."""
+        a, kind = self.adapter, cmd[0]
+        if kind == "upload":
+            round_, learner, anchor, snapshot, fmt = cmd[1:]
+            delta = await asyncio.to_thread(a.delta, self._get(anchor), self._get(snapshot))
+            entries: dict[str, TensorBytes] = {}
+            for name, rows in delta.items():
+                entries.update({name: rows.tensor} if fmt == "F32" else
+                               quantize(name, rows.tensor, fmt))
+            return await ex.put_part(round_, learner, self.rank, self.size, entries,
+                                     {n: (r.start, r.stop) for n, r in delta.items()})
+        if kind == "load":
+            i, ref, names = cmd[1:]
+            return await self._load_rows(ex, i, ref, names)
+        raise ConfigError(f"unknown side command {kind!r}")
+
+    async def _load_rows(self, ex: Exchange, i: int, ref: PayloadRef,
+                         names: Sequence[str]) -> int | None:
+        a = self.adapter
+        rows = await fetch_rows(ex.mailbox, ex.prefix + ref.key, ref.size,
+                                {n: a.local_rows(n) for n in names})
+        if rows is None:
+            return None
+        wrong = [f"{n!r} is {r.tensor.dtype} {list(r.tensor.shape[1:])} per row"
+                 for n, r in rows.items()
+                 if r.tensor.dtype != a.schema[n].dtype
+                 or tuple(r.tensor.shape[1:]) != a.schema[n].shape[1:]]
+        if wrong:
+            raise SchemaMismatch(f"commit {ref.key!r} does not fit the model: "
+                                 + "; ".join(wrong))
+        self._keep(i, await asyncio.to_thread(a.load, rows))
+        return sum(r.tensor.nbytes for r in rows.values())
+
+
+class RankAdapter:
+    """The adapter of rank 0's `Learner` when every rank mails its own rows: each call
+    reaches every rank (see the module), each value is a `Handle`, and `crew` is the
+    `PartedRanks` the learner's mailman uploads and reads through."""
+
+    def __init__(self, parted: PartedRanks) -> None:
+        self.crew = parted
+        self._inner = parted.adapter
+
+    @property
+    def schema(self) -> Any:
+        return self._inner.schema
+
+    @property
+    def direct_names(self) -> frozenset[str]:
+        return self._inner.direct_names
+
+    def read(self, names: Sequence[str] | None = None) -> dict[str, TensorBytes]:
+        return self.crew.read(names)
+
+    def snapshot(self, names: Sequence[str]) -> Handle:
+        i = self.crew.new_id()
+        self.crew.op("snapshot", i, list(names))
+        h = Handle(i)
+        weakref.finalize(h, self.crew._drop, i)
+        return h
+
+    def load(self, values: Mapping[str, TensorBytes]) -> Handle:
+        return self.crew.load_full(values)
+
+    def delta(self, anchor: Handle, snapshot: Handle) -> dict[str, Rows]:
+        """Rank 0's own rows only: the learner's upload goes through `crew`."""
+        return self._inner.delta(self.crew.local(anchor), self.crew.local(snapshot))
+
+    def apply(self, values: Handle, mixing: float = 0.0) -> None:
+        self.crew.op("apply", values.id, float(mixing))
+
+    def rebase(self, values: Handle, base: Handle) -> None:
+        self.crew.op("rebase", values.id, base.id)
+
+
+def _portable(rows: Rows) -> Rows:
+    """`rows` with its own bytes (a view of torch memory does not pickle)."""
+    t = rows.tensor
+    return Rows(rows.start, rows.stop, TensorBytes(t.dtype, t.shape, t.data))
+
+
+def _outcome(fn: Any, *args: Any) -> tuple[Any, ...]:
+    try:
+        return ("ok", fn(*args))
+    except Exception as exc:
+        return ("error", type(exc).__name__, str(exc))
+
+
+def _results(outcomes: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """The ranks' results, in rank order; the first rank's error raised (a bad commit's
+    as the error it is, so the fetcher passes it over)."""
+    for rank, out in enumerate(outcomes):
+        if out[0] == "error":
+            cls = _PERMANENT.get(out[1], GradientmailError)
+            raise cls(f"rank {rank}: {out[1]}: {out[2]}")
+    return [out[1] for out in outcomes]

@@ -1,0 +1,54 @@
+"""A learner whose ranks each mail their own rows: what its mailman asks of them.
+
+A learner run by several ranks that each hold a shard (FSDP2), or that split their upload
+(DDP), publishes a contribution as one part per rank and reads each commit by ranges, each
+rank its own rows (docs/sharded.md §3). Rank 0 runs the `Learner`; its adapter then has a
+`crew`: the other ranks, reached over a side process group that the integration core
+(`gradientmail.integration.parted`) carries out. The mailman's poster and fetcher ask it
+for two things, and for nothing else:
+
+- `upload`: every rank computes anchor − θ over the rows it owns and uploads it as its
+  part of the round; the part references, in rank order (a failure on any rank raises).
+- `load`: every rank reads its rows of a commit's parameters and loads them onto its
+  device; rank 0's loaded values (what the training thread applies, which tells every
+  rank to apply its own), and the bytes all ranks downloaded.
+
+`anchor` and `snapshot` are the adapter's handles, as the training thread made them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from gradientmail.run.protocol import Exchange
+from gradientmail.wire.records import PayloadRef, RoundRecord
+
+__all__ = ["Crew", "crew_of"]
+
+
+class Crew(Protocol):
+    """The ranks of a learner that mails its contribution in parts (see the module)."""
+
+    @property
+    def size(self) -> int:
+        """How many ranks, and parts per contribution."""
+        ...
+
+    async def upload(self, exchange: Exchange, round_: int, learner: str, anchor: Any,
+                     snapshot: Any, delta_format: str) -> list[PayloadRef]:
+        """Every rank's part of `learner`'s contribution to `round_`, in rank order."""
+        ...
+
+    async def load(self, exchange: Exchange, record: RoundRecord,
+                   names: Sequence[str]) -> tuple[Any, int]:
+        """Every rank's rows of `record`'s parameters `names`, loaded; rank 0's, and the
+        bytes all ranks read."""
+        ...
+
+
+def crew_of(adapter: Any) -> Crew | None:
+    """The crew an adapter brings (its `crew` attribute), or None: a learner of one rank,
+    or one whose rank 0 mails for all (the whole-model adapters)."""
+    crew: Crew | None = getattr(adapter, "crew", None)
+    return crew

@@ -1,0 +1,49 @@
+"""What a payload may hold and how large it may be: the checks a reader applies before
+and after it downloads one. Pure; re-exported by `gradientmail.run.protocol`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from gradientmail.errors import LocalProtocolError
+from gradientmail.wire import compression as codec
+from gradientmail.wire.records import SnapshotRecord
+from gradientmail.wire.serialization import Schema, TensorBytes, validate
+
+__all__ = ["check_delta", "delta_bound", "payload_bound"]
+
+
+def check_delta(tensors: dict[str, TensorBytes], snapshot: SnapshotRecord, schema: Schema,
+                names: Iterable[str]) -> dict[str, TensorBytes]:
+    """`tensors`, checked to hold exactly `names` in the record's `delta_format` (plus
+    `<name>.scale` entries of quantized formats); `SchemaMismatch` naming every missing,
+    extra or mis-shaped tensor."""
+    names = list(names)
+    wanted = set(names)
+    scales = {f"{n}.scale" for n in names}
+    main = {n: t for n, t in tensors.items() if n in wanted or n not in scales}
+    validate(schema, main, names, dtype=snapshot.delta_format)
+    return tensors
+
+
+def delta_bound(schema: Schema, names: Iterable[str]) -> int:
+    """A generous bound on a delta payload's bytes: F32 for every element, plus scales and
+    safetensors headers. A payload over it is hostile, refused before it is read."""
+    return sum(8 * schema[n].numel + 256 for n in names) + (1 << 20)
+
+
+def payload_bound(schema: Schema, names: Iterable[str], kind: str) -> int:
+    """A bound on the bytes of a commit's payload of `names`, refused above it: "theta"
+    (Θ⁰ too) in the schema dtypes; "outer" (fp32 momentum and master) and "updates" as
+    two F32 entries per tensor; headers with escaped names and zstd's worst case on
+    incompressible data included."""
+    names = list(names)
+    if kind == "theta":
+        raw = codec.size_bound(schema, names)
+    elif kind in ("outer", "updates", "steps"):
+        raw = sum(8 * schema[n].numel + 2 * (6 * len(n.encode()) + 120 + 24 * len(schema[n].shape))
+                  for n in names) + 4096
+    else:
+        raise LocalProtocolError(
+            f"payload kind {kind!r} must be 'theta', 'outer', 'updates' or 'steps'")
+    return raw + raw // 128 + 1024

@@ -1,0 +1,130 @@
+"""A contribution made of parts: each part holds some rows of each tensor, the parts
+together hold every row exactly once.
+
+A learner whose ranks each mail their own rows (docs/sharded.md §3) uploads one payload
+per rank. Each part is an ordinary payload whose tensors keep their full names, shaped as
+the rows it holds, with the metadata entry `gradientmail.rows`: the canonical JSON
+`{"name": [start, stop], ...}`. Quantized formats quantize each part on its own (its own
+F8 scale, F4 blocks counted from its first element), so a reader dequantizes each part
+before putting rows side by side.
+
+Pure functions: `part_metadata` for the writer; `rows_in` and `assemble` for the reader,
+which checks that the parts tile every tensor exactly once, each in the record's format,
+and builds the full tensors the merge reads.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+
+from gradientmail.errors import CorruptPayload, SchemaMismatch
+from gradientmail.wire.quantization import dequantize
+from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes, validate
+
+__all__ = ["ROWS_KEY", "Part", "assemble", "part_metadata", "rows_in"]
+
+#: The metadata entry naming the rows of each tensor a part holds.
+ROWS_KEY = "gradientmail.rows"
+
+#: Formats whose parts join byte for byte; the others are dequantized part by part.
+_RAW = ("F32", "F16", "BF16")
+
+#: One part as read: its key (for messages), its entries, and the rows of each tensor.
+Part = tuple[str, Mapping[str, TensorBytes], Mapping[str, tuple[int, int]]]
+
+
+def part_metadata(rows: Mapping[str, tuple[int, int]]) -> dict[str, str]:
+    """The metadata a part carries for `rows` (name -> [start, stop) of the full tensor)."""
+    body = {name: [int(a), int(b)] for name, (a, b) in sorted(rows.items())}
+    return {ROWS_KEY: json.dumps(body, sort_keys=True, separators=(",", ":"))}
+
+
+def rows_in(metadata: Mapping[str, str], key: str) -> dict[str, tuple[int, int]]:
+    """The rows a part's metadata says it holds; `CorruptPayload` naming `key` when the
+    entry is missing or not an object of `[start, stop]` pairs with 0 <= start <= stop."""
+    text = metadata.get(ROWS_KEY)
+    if text is None:
+        raise CorruptPayload(f"{key}: a part must carry the metadata entry {ROWS_KEY!r}")
+    try:
+        body = json.loads(text)
+    except ValueError as exc:
+        raise CorruptPayload(f"{key}: metadata {ROWS_KEY!r} is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise CorruptPayload(f"{key}: metadata {ROWS_KEY!r} must map names to [start, stop]")
+    out = {}
+    for name, pair in body.items():
+        ok = isinstance(pair, list) and len(pair) == 2 and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in pair)
+        if not ok or not 0 <= pair[0] <= pair[1]:
+            raise CorruptPayload(f"{key}: metadata {ROWS_KEY!r}: tensor {name!r} has rows "
+                                 f"{pair!r:.60}; need [start, stop] with 0 <= start <= stop")
+        out[name] = (pair[0], pair[1])
+    return out
+
+
+def assemble(parts: Sequence[Part], schema: Schema, names: Sequence[str],
+             fmt: str | None) -> dict[str, TensorBytes]:
+    """The full delta of `names` from `parts`: each part checked to hold its rows of its
+    tensors in `fmt` (plus `<name>.scale` entries of quantized formats) and nothing else,
+    the rows of all parts checked to tile every tensor exactly once. F32, F16 and BF16
+    rows are joined as they are; quantized ones are dequantized part by part and joined
+    in F32 (the values a merge reads either way). `SchemaMismatch` naming the part and
+    the tensor otherwise ("parts do not tile ..."). `fmt` None: each tensor in the
+    schema's own dtype (a model's parameters read by rows, rank by rank)."""
+    wanted = set(names)
+    pieces: dict[str, list[tuple[int, int, TensorBytes]]] = {n: [] for n in names}
+    for key, entries, rows in parts:
+        stray = sorted(set(rows) - wanted)
+        if stray:
+            raise SchemaMismatch(f"part {key!r} holds rows of {stray}, not in the fragment")
+        specs = []
+        for name, (a, b) in rows.items():
+            full = schema[name].shape
+            if b > (full[0] if full else 1):
+                raise SchemaMismatch(f"part {key!r}: rows [{a}, {b}) of {name!r} run past "
+                                     f"its shape {list(full)}")
+            specs.append(ParameterSpec(name, schema[name].dtype,
+                                       (b - a, *full[1:]) if full else ()))
+        scales = {f"{n}.scale" for n in rows}
+        main = {n: t for n, t in entries.items() if n not in scales}
+        try:
+            validate(Schema(tuple(specs)), main, list(rows), dtype=fmt)
+        except SchemaMismatch as exc:
+            raise SchemaMismatch(f"part {key!r}: {exc}") from exc
+        for name, (a, b) in rows.items():
+            raw = fmt is None or fmt in _RAW
+            value = entries[name] if raw else dequantize(entries, name, str(fmt), key=key)
+            pieces[name].append((a, b, value))
+    out = {}
+    for name in names:
+        out[name] = _joined(name, schema[name], sorted(pieces[name], key=lambda p: p[:2]),
+                            fmt)
+    return out
+
+
+def _joined(name: str, spec: ParameterSpec, pieces: list[tuple[int, int, TensorBytes]],
+            fmt: str | None) -> TensorBytes:
+    rows = spec.shape[0] if spec.shape else 1
+    # Empty pieces (a rank past the last chunk holds none of its rows) tile nothing.
+    held = [p for p in pieces if p[1] > p[0]]
+    at = 0
+    for a, b, _ in held:
+        if a != at:
+            what = "overlap" if a < at else "a gap"
+            raise SchemaMismatch(f"parts do not tile {name!r}: {what} at row {min(a, at)} "
+                                 f"(rows {[[p[0], p[1]] for p in held]} of {rows})")
+        at = b
+    if at != rows:
+        raise SchemaMismatch(f"parts do not tile {name!r}: rows {at}..{rows} are in no part "
+                             f"(rows {[[p[0], p[1]] for p in held]})")
+    if len(held) == 1:
+        return TensorBytes(held[0][2].dtype, spec.shape, held[0][2].buffer)
+    dtype = held[0][2].dtype if held else (
+        spec.dtype if fmt is None else fmt if fmt in _RAW else "F32")
+    out = bytearray(sum(p[2].nbytes for p in held))
+    pos = 0
+    for _, _, t in held:
+        out[pos : pos + t.nbytes] = t.buffer
+        pos += t.nbytes
+    return TensorBytes(dtype, spec.shape, memoryview(out).toreadonly())

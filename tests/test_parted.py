@@ -1,0 +1,106 @@
+"""A learner whose ranks each mail their own rows (`PartedRanks` under `RankSync`), with
+ranks as threads (`ThreadRanks` for both the default and the side group): a 2-rank
+learner that splits its upload, next to a plain learner, is standard DiLoCo's oracle; its
+rounds are made of parts, one per rank, and its ranks end on the same parameters.
+
+The same with real processes, FSDP2 and gloo: tests/test_sharded_oracle.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import secrets
+import threading
+from typing import Any
+
+import pytest
+import torch
+from test_learner_oracle import INNER_LR, ROUNDS, H, oracle
+from test_learner_runtime import in_threads
+from workers.toy import inner_step, make_model
+
+from gradientmail.adapters import TorchAdapter
+from gradientmail.adapters.sharded import ShardedAdapter
+from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.integration import RankSync, ThreadRanks
+from gradientmail.integration.parted import PartedRanks
+from gradientmail.learner.runtime import Learner
+from gradientmail.mailbox import MemoryMailbox
+from gradientmail.run.protocol import Exchange
+
+RANKS = 2
+TIMEOUT = 120.0
+
+
+def standard(**kw: Any) -> DiLoCo:
+    return DiLoCo(sync_every=H, fragments=1, in_flight=1, overlap_steps=0,
+                  merge=WeightedMean(), quorum_size=2, **kw)
+
+
+def learner(adapter: Any, url: str, name: str, **kw: Any) -> Learner:
+    return Learner(adapter, standard(**kw), url, name, poll_interval=0.01, lease_every=5.0,
+                   lease_timeout=30.0)
+
+
+# checkpoint_every=1: every commit carries its theta, which each rank reads by rows; the
+# default replicates the outer step, and rank 0 hands each rank its rows of the state.
+@pytest.mark.parametrize("alg", [{"checkpoint_every": 1}, {}], ids=["rows", "replicated"])
+def test_a_two_rank_learner_mailing_parts_and_a_plain_one_equal_the_oracle(
+        alg: dict[str, Any]) -> None:
+    url = f"memory://parted-{secrets.token_hex(4)}"
+    default = ThreadRanks.group(RANKS, timeout=TIMEOUT)
+    side = ThreadRanks.group(RANKS, timeout=TIMEOUT)
+    # Built one after the other: make_model seeds torch's global generator.
+    models = [make_model() for _ in range(RANKS + 1)]
+    results: dict[str, list[torch.Tensor]] = {}
+    ready = threading.Barrier(RANKS + 1)
+
+    def rank(k: int) -> None:
+        model = models[k]
+        adapter = ShardedAdapter(model, group_size=RANKS, group_rank=k)
+        parted = PartedRanks(adapter, default[k], side[k], k, url, timeout=TIMEOUT)
+        sync = RankSync(default[k], model, parted=parted)
+        sync.start(lambda: learner(parted.learner_adapter(), url, "ranked", **alg))
+        ready.wait(timeout=TIMEOUT)
+        assert sync.wait_for_learners(2, timeout=TIMEOUT)
+        opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+        for step in range(ROUNDS * H):
+            inner_step(model, opt, 0, step)  # both ranks train on worker 0's data
+            sync.step(5)
+        sync.close()
+        assert sync.rounds_seen == ROUNDS - 1
+        # The anchor of the one fragment, and a snapshot kept for rebasing at most: every
+        # other snapshot and commit was released on every rank.
+        assert parted.held <= 2, parted.held
+        results[f"rank{k}"] = [p.detach().clone() for p in model.parameters()]
+
+    def plain() -> None:
+        model = models[RANKS]
+        one = learner(TorchAdapter(model), url, "plain", **alg)
+        one.start()
+        ready.wait(timeout=TIMEOUT)
+        one.wait_for_learners(2, timeout=TIMEOUT)
+        opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+        for step in range(ROUNDS * H):
+            inner_step(model, opt, 1, step)
+            one.step(10)  # as many tokens as the two ranks together
+        one.close()
+        results["plain"] = [p.detach().clone() for p in model.parameters()]
+
+    in_threads(*(functools.partial(rank, k) for k in range(RANKS)), plain, timeout=240)
+    want = oracle()
+    for who, got in results.items():
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-6, msg=who)
+    async def contributions() -> list[Any]:
+        ex = Exchange(MemoryMailbox(url.split("//")[1]))
+        recs = await ex.rounds_after(-1)
+        assert [sorted(p.learner for p in r.participants) for r in recs] == \
+            [["plain", "ranked"]] * ROUNDS
+        assert all(r.theta is not None for r in recs) == ("checkpoint_every" in alg)
+        return [await ex.contribution(r, "ranked") for r in range(ROUNDS)]
+
+    for snap in asyncio.run(contributions()):
+        assert snap is None or [ref.key.rsplit("/", 1)[1] for ref in snap.parts] == \
+            ["0-of-2.safetensors", "1-of-2.safetensors"]

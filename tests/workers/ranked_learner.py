@@ -1,0 +1,90 @@
+"""One learner run by the ranks of a torchrun launch, each mailing its own rows.
+
+    torchrun --nproc_per_node N tests/workers/ranked_learner.py MAILBOX ID --worker W
+        --out OUT.json [--fsdp] [--steps S] [--sync-every H] [--learners L]
+        [--checkpoint-every K]
+
+Every rank builds the toy model (the same seed), shards it with FSDP2 (`--fsdp`) or keeps
+it whole (a DDP group splitting its upload), and runs it through `RankSync` with
+`PartedRanks`: standard DiLoCo with a quorum of L learners. Every rank trains on worker W's
+batches, so the gradient every rank sees (FSDP2 averages identical ones) is the one a
+single process would. Rank 0 writes OUT.json: the full parameters (gathered from the
+shards), the rounds seen and the rounds it published; rank k > 0 writes OUT.json.rank<k>.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+import torch.distributed as dist
+from toy import inner_step, make_model
+
+from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.events import Event, SnapshotPublished
+from gradientmail.integration import RankSync, TorchRanks
+from gradientmail.integration.parted import PartedRanks
+from gradientmail.learner.runtime import Learner
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mailbox")
+    ap.add_argument("learner_id")
+    ap.add_argument("--worker", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--fsdp", action="store_true")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--sync-every", type=int, default=3)
+    ap.add_argument("--learners", type=int, default=3)
+    ap.add_argument("--checkpoint-every", type=int, default=20)
+    ap.add_argument("--lr", type=float, default=0.05)
+    args = ap.parse_args()
+
+    dist.init_process_group("gloo")
+    model = make_model()
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model[0])
+        fully_shard(model[2])
+        fully_shard(model)
+    alg = DiLoCo(sync_every=args.sync_every, fragments=1, in_flight=1, overlap_steps=0,
+                 merge=WeightedMean(), quorum_size=args.learners,
+                 checkpoint_every=args.checkpoint_every)
+    published: list[int] = []
+
+    def on_event(e: Event) -> None:
+        if isinstance(e, SnapshotPublished):
+            published.append(e.round)
+
+    parted = PartedRanks.create(model, args.mailbox, timeout=300.0)
+    sync = RankSync(TorchRanks("cpu"), model, parted=parted)
+    sync.start(lambda: Learner(parted.learner_adapter(), alg, args.mailbox, args.learner_id,
+                               poll_interval=0.01, lease_every=2.0, lease_timeout=30.0,
+                               on_event=on_event))
+    assert sync.wait_for_learners(args.learners, timeout=240)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    for step in range(args.steps):
+        inner_step(model, opt, args.worker, step)
+        sync.step(5)
+    sync.close()
+    params = {}
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p  # a collective
+        params[name] = full.detach().reshape(-1).tolist()
+    rank = dist.get_rank()
+    Path(args.out if rank == 0 else f"{args.out}.rank{rank}").write_text(json.dumps({
+        "params": params, "rounds_seen": sync.rounds_seen, "published": published,
+        "world": dist.get_world_size()}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
