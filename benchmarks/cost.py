@@ -79,6 +79,7 @@ async def simulate(learners: int, seconds: float, step: float = 1.0, poll: float
     """The observed learner's requests over `seconds` of simulated time; rounds closed;
     roll calls it answered or made."""
     store = MemoryMailbox()
+    store.metered = True  # the cadence of the S3 it prices: polls of a billed store
     counted = CountingMailbox(store)
     clock = FakeClock()
     me = Exchange(counted, clock=clock)
