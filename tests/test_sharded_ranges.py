@@ -155,7 +155,7 @@ def test_index_from_header_agrees_with_read_index_and_checks_the_size() -> None:
         index_from_header(blob[:head], len(blob) - 1)
     with pytest.raises(CorruptPayload, match="header claims"):
         index_from_header(blob[:head], head - 1)
-    needs = f"index_from_header got 20 bytes; the header needs {head}"
+    needs = f"read_header got 20 bytes; the header needs {head}"
     with pytest.raises(ConfigError, match=needs):
         index_from_header(blob[:20], len(blob))
     with pytest.raises(CorruptPayload, match="shorter than the 8-byte"):

@@ -31,19 +31,13 @@ from dataclasses import dataclass
 from gradientmail.errors import ConfigError, CorruptPayload
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.wire.compression import compression_of, decode
-
-# serialization's own header checks, reused so that a whole-blob reader and a ranged
-# reader cannot come to disagree about what a valid payload is.
 from gradientmail.wire.serialization import (
-    _F4_SHAPE_PREFIX,
     MAX_HEADER_BYTES,
     MAX_TENSORS,
     Span,
     TensorBytes,
-    _check_entry,
-    _f4_logical_shape,
-    _parse_header,
     dtype_bits,
+    read_header,
 )
 from gradientmail.wire.tensor_bytes import _numel
 
@@ -128,59 +122,11 @@ def index_from_header(
     max_header_bytes: int = MAX_HEADER_BYTES,
 ) -> tuple[list[Span], dict[str, str]]:
     """Where each tensor lies in a blob of `size` bytes, from its first bytes `head` (at
-    least the whole header), without the data.
-
-    The same checks as `serialization.read_index` on a whole blob: the header bounded by
-    `size` and `max_header_bytes`, each entry well formed and exactly as long as its
-    dtype and shape say, the spans tiling the data section up to `size`. Spans come in
-    data order with absolute offsets; the metadata drops reserved entries.
-    """
-    total = header_length(head, key=key)
-    header_len = total - 8
-    if header_len > size - 8 or header_len > max_header_bytes:
-        raise CorruptPayload(
-            f"{key}: header claims {header_len} bytes but the blob has {size - 8} after "
-            f"the length (limit {max_header_bytes}); the payload is truncated or corrupt"
-        )
-    if len(head) < total:
-        raise ConfigError(
-            f"{key}: index_from_header got {len(head)} bytes; the header needs {total}"
-        )
-    header = _parse_header(bytes(head[8:total]), key)
-    raw_meta = header.pop("__metadata__", None) or {}
-    if not isinstance(raw_meta, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in raw_meta.items()
-    ):
-        raise CorruptPayload(f"{key}: __metadata__ must map strings to strings")
-    if len(header) > max_tensors:
-        raise CorruptPayload(f"{key}: {len(header)} tensors exceed the limit of {max_tensors}")
-    entries = sorted((*_check_entry(name, entry, key), name) for name, entry in header.items())
-    cursor = 0
-    spans = []
-    for start, end, dtype, shape, name in entries:
-        if start != cursor:
-            raise CorruptPayload(
-                f"{key}: tensor {name!r} starts at data offset {start}, expected {cursor}; "
-                "tensors must be contiguous and non-overlapping"
-            )
-        cursor = end
-        f4_shape = raw_meta.get(_F4_SHAPE_PREFIX + name)
-        if f4_shape is not None:
-            shape = _f4_logical_shape(f4_shape, dtype, shape, name, key)
-        spans.append(Span(name, dtype, shape, total + start, total + end))
-    if cursor != size - total:
-        raise CorruptPayload(
-            f"{key}: the header describes {cursor} data bytes but the blob holds "
-            f"{size - total}; the payload is truncated or has trailing bytes"
-        )
-    stray = [
-        k[len(_F4_SHAPE_PREFIX) :]
-        for k in raw_meta
-        if k.startswith(_F4_SHAPE_PREFIX) and k[len(_F4_SHAPE_PREFIX) :] not in header
-    ]
-    if stray:
-        raise CorruptPayload(f"{key}: F4 shape metadata names tensors {stray} that are absent")
-    return spans, {k: v for k, v in raw_meta.items() if not k.startswith(_F4_SHAPE_PREFIX)}
+    least the whole header), without the data: `serialization.read_header`, the checks of
+    `read_index` on a whole blob, so that a ranged reader and a whole-blob reader cannot
+    come to disagree about what a valid payload is."""
+    return read_header(head, size, key=key, max_tensors=max_tensors,
+                       max_header_bytes=max_header_bytes)
 
 
 def row_range(span: Span, start: int, stop: int) -> ByteRange:

@@ -69,6 +69,7 @@ __all__ = [
     "nbytes_of",
     "pack",
     "pack_header",
+    "read_header",
     "read_index",
     "unpack",
     "unpack_with_metadata",
@@ -379,28 +380,50 @@ def read_index(
     max_tensors: int = MAX_TENSORS,
     max_header_bytes: int = MAX_HEADER_BYTES,
 ) -> tuple[list[Span], dict[str, str]]:
-    """Check a blob's header and return where each tensor lies, and the metadata.
+    """Check a blob's header and return where each tensor lies, and the metadata: the
+    whole blob's `read_header`."""
+    return read_header(blob, len(blob), key=key, max_tensors=max_tensors,
+                       max_header_bytes=max_header_bytes)
 
-    Checked before any data is touched: the header length is bounded by the blob and
+
+def read_header(
+    head: bytes | memoryview,
+    size: int,
+    *,
+    key: str = "payload",
+    max_tensors: int = MAX_TENSORS,
+    max_header_bytes: int = MAX_HEADER_BYTES,
+) -> tuple[list[Span], dict[str, str]]:
+    """Where each tensor of a blob of `size` bytes lies, and its metadata, from the
+    blob's first bytes `head` (at least its whole header; the data is not needed, so a
+    ranged reader checks a payload exactly as a whole-blob reader does).
+
+    Checked before any data is touched: the header length is bounded by `size` and
     `max_header_bytes`; the header is a JSON object without duplicate keys; every entry
     has exactly a known dtype, a shape of non-negative ints and data offsets; the offsets
     tile the data section from 0 to its end, contiguous and non-overlapping; each span
-    holds exactly shape × dtype bytes. Spans come in data order.
+    holds exactly shape × dtype bytes. Spans come in data order, with offsets from the
+    blob's start. `ConfigError` when `head` is shorter than the header it declares.
     """
-    view = memoryview(blob)
-    if len(view) < 8:
+    view = memoryview(head)
+    if size < 8 or len(view) < 8:
         raise CorruptPayload(
-            f"{key}: {len(view)} bytes is shorter than the 8-byte safetensors header length"
+            f"{key}: {min(size, len(view))} bytes is shorter than the 8-byte safetensors "
+            "header length"
         )
     (header_len,) = struct.unpack("<Q", view[:8])
-    if header_len > len(view) - 8 or header_len > max_header_bytes:
+    if header_len > size - 8 or header_len > max_header_bytes:
         raise CorruptPayload(
-            f"{key}: header claims {header_len} bytes but the blob has {len(view) - 8} after "
+            f"{key}: header claims {header_len} bytes but the blob has {size - 8} after "
             f"the length (limit {max_header_bytes}); the payload is truncated or corrupt"
         )
-    header = _parse_header(bytes(view[8 : 8 + header_len]), key)
     data_start = 8 + header_len
-    data_len = len(view) - data_start
+    if len(view) < data_start:
+        raise ConfigError(
+            f"{key}: read_header got {len(view)} bytes; the header needs {data_start}"
+        )
+    header = _parse_header(bytes(view[8:data_start]), key)
+    data_len = size - data_start
     raw_meta = header.pop("__metadata__", None)
     if raw_meta is None:
         raw_meta = {}
