@@ -136,6 +136,8 @@ def main() -> None:
     out = {
         "rank": rank,
         "world": accelerator.num_processes,
+        "distributed_type": getattr(accelerator.distributed_type, "name", ""),
+        "fsdp2": bool(getattr(accelerator, "is_fsdp2", False)),
         "micro_batches": micro,
         "records": records,
         "params": {n: whole(p).reshape(-1).tolist() for n, p in net.named_parameters()},
