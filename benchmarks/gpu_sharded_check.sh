@@ -16,10 +16,10 @@
 #                  ignores the plugin: AcceleratorState turns MULTI_GPU into FSDP, never
 #                  MULTI_CPU, and `launch --cpu --use_fsdp` is refused); 12 steps, H=4;
 #                  then the check below. Log: accelerate.log.
-#   The check (benchmarks/gpu_sharded_verify.py, its line in each stage log): the launch ended on its run's newest commits (every parameter,
-#   gathered whole, equal to the committed theta), committed at least 3 rounds, and its
-#   last contribution was one part per rank; for Accelerate, distributed_type was FSDP
-#   with FSDP2.
+#   The check (benchmarks/gpu_sharded_verify.py; its "verify" line in each stage log):
+#   the launch ended on its run's newest commits (every parameter, gathered whole, equal
+#   to the committed theta), committed at least 3 rounds, and its last contribution was
+#   one part per rank; for Accelerate, distributed_type was FSDP with FSDP2.
 #   summary.txt: each stage's exit code, seconds and budget; env.txt: GPU, torch, tree.
 #   Exits 1 when a stage failed, ran out of time or was skipped.
 #
