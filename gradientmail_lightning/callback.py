@@ -118,11 +118,9 @@ def _sharded(strategy: Any) -> bool:
 
 
 def _counts_its_batches(strategy: Any) -> tuple[bool, bool]:
-    """Whether this rank counts its batches' tokens, and whether every rank does: the
-    ranks of one tensor-parallel group of a `ModelParallelStrategy` all see the same
+    """Under a `ModelParallelStrategy`: whether this rank counts its batches' tokens, and
+    whether every rank does. The ranks of one tensor-parallel group all see the same
     batches, and only the first of them counts."""
-    if not _sharded(strategy):
-        return True, True
     group = strategy.device_mesh["tensor_parallel"]
     return int(group.get_local_rank()) == 0, int(group.size()) == 1
 
@@ -299,7 +297,8 @@ class DiLoCoCallback(Callback):
             )
         else:
             ranks = SingleRank()
-        self._counting, self._all_count = _counts_its_batches(strategy)
+        self._counting, self._all_count = _counts_its_batches(strategy) if sharded else (
+            True, True)
         # FSDP2's shards: every rank mails and reads its own rows (a collective: the
         # side group). The mailbox is opened again by the other ranks' side threads.
         parted = PartedRanks.create(
