@@ -403,8 +403,9 @@ class RankAdapter:
     def load(self, values: Mapping[str, TensorBytes]) -> Handle:
         return self.crew.load_full(values)
 
-    def delta(self, anchor: Handle, snapshot: Handle) -> dict[str, Rows]:
-        """Rank 0's own rows only: the learner's upload goes through `crew`."""
+    def delta(self, anchor: Handle, snapshot: Handle) -> dict[str, Any]:
+        """Rank 0's own rows only (`Rows`, not the full tensors `Adapter.delta` promises,
+        hence `Any`): a learner with a `crew` uploads through it, never through this."""
         return self._inner.delta(self.crew.local(anchor), self.crew.local(snapshot))
 
     def apply(self, values: Handle, mixing: float = 0.0) -> None:
