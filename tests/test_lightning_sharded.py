@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -77,6 +78,21 @@ def records(box: Path) -> list[Any]:
     return asyncio.run(go())
 
 
+def parts_written(log: Path, ranks: int, learner: str) -> list[dict[int, tuple[int, int]]]:
+    """Per rank, {round: (k, n)} of the parts `learner`'s ranks wrote (their key logs);
+    a whole payload written by any of them fails the test."""
+    out: list[dict[int, tuple[int, int]]] = []
+    for rank in range(ranks):
+        path = Path(f"{log}.rank{rank}")
+        keys = path.read_text().split() if path.exists() else []
+        assert not [k for k in keys if k.startswith("payloads/")], keys
+        mine = [m for k in keys
+                if (m := re.fullmatch(rf"parts/(\d+)/{re.escape(learner)}/(\d+)-of-(\d+)"
+                                      r"\.safetensors", k))]
+        out.append({int(m[1]): (int(m[2]), int(m[3])) for m in mine})
+    return out
+
+
 def assert_params(got: dict[str, list[float]], want: dict[str, torch.Tensor], who: str) -> None:
     assert set(got) == set(want), who
     for name, w in want.items():
@@ -114,9 +130,9 @@ def test_a_killed_fsdp2_learner_resumes_at_another_world_size_as_the_same_learne
 
     # 1. The sharded learner (2 ranks) creates the run, checkpoints at step 6 and is
     #    killed at step 8, mid-run: its lease is left to expire, nothing is flushed.
-    first = tmp_path / "first"
+    first, keys = tmp_path / "first", tmp_path / "keys"
     rc, log = launch(2, box, first, "--steps", "20", "--ckpt-dir", str(ckpts),
-                     "--ckpt-every", "6", "--die-at", "8")
+                     "--ckpt-every", "6", "--die-at", "8", "--key-log", f"{keys}-first")
     assert rc != 0, "the learner was to be killed:\n" + log[-4000:]
     started = json.loads(Path(f"{first}.start.json").read_text())
     learner_id = started["learner_id"]
@@ -124,9 +140,12 @@ def test_a_killed_fsdp2_learner_resumes_at_another_world_size_as_the_same_learne
     assert checkpoint.is_dir(), sorted(p.name for p in ckpts.iterdir())
     recs, snaps = records(box)
     assert recs and {p.learner for r in recs for p in r.participants} == {learner_id}
-    # Its contributions were made of one part per rank.
+    # Its contributions were made of one part per rank, each written by that rank.
     mine = snaps[learner_id]
     assert mine is None or (mine.payload is None and len(mine.parts) == 2)
+    written = parts_written(Path(f"{keys}-first"), 2, learner_id)
+    for r in recs:
+        assert [w.get(r.round) for w in written] == [(0, 2), (1, 2)], (r.round, written)
     before = len(recs)
 
     # 2. Meanwhile a plain learner moves the run on.
@@ -150,7 +169,8 @@ def test_a_killed_fsdp2_learner_resumes_at_another_world_size_as_the_same_learne
     #    an empty shard): the same learner, joined on the newest commits, not on the
     #    checkpoint's weights; it ends on the newest commits.
     second = tmp_path / "second"
-    rc, log = launch(3, box, second, "--steps", "14", "--resume", str(checkpoint))
+    rc, log = launch(3, box, second, "--steps", "14", "--resume", str(checkpoint),
+                     "--key-log", f"{keys}-second")
     assert rc == 0, log[-6000:]
     start = json.loads(Path(f"{second}.start.json").read_text())
     end = json.loads(Path(f"{second}.end.json").read_text())
@@ -164,5 +184,8 @@ def test_a_killed_fsdp2_learner_resumes_at_another_world_size_as_the_same_learne
     assert end["published"] and min(end["published"]) >= after_other
     mine = snaps[learner_id]
     assert mine is None or (mine.payload is None and len(mine.parts) == 3)
+    written = parts_written(Path(f"{keys}-second"), 3, learner_id)
+    for r in resumed:
+        assert [w.get(r.round) for w in written] == [(0, 3), (1, 3), (2, 3)], (r.round, written)
     assert end["rounds_seen"] == recs[-1].round
     assert_params(end["params"], newest_theta(LocalMailbox(box)), "ended")

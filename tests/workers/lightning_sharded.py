@@ -1,17 +1,18 @@
 """One sharded Lightning learner: `ModelParallelStrategy` with FSDP2, for issue #15's tests.
 
     torchrun --nproc_per_node N tests/workers/lightning_sharded.py MAILBOX OUT --steps S
-        [--ckpt-dir DIR --ckpt-every K] [--resume CKPT] [--die-at S] [--device cpu|cuda]
+        [--ckpt-dir DIR --ckpt-every K] [--resume CKPT] [--die-at S] [--key-log LOG]
+        [--device cpu|cuda]
 
 Every rank builds the toy module; `configure_model` shards each linear layer and the whole
 with `fully_shard` over the strategy's data-parallel mesh (N ranks, no tensor
 parallelism), so each rank holds a chunk of rows (with 3 ranks the last holds an empty
 shard of the 2-row layer). The DiLoCoCallback is given no learner id: a run resumed from
 a checkpoint must find it there. `--die-at S` SIGKILLs every rank after optimizer step S
-(what a preempted machine does: no hook, no lease release). Rank 0 writes OUT.start.json
-at train start (the learner id and the full parameters it joined with) and OUT.end.json
-after train end (the same after close, the rounds seen, the rounds it published, and the
-world size).
+(what a preempted machine does: no hook, no lease release). `--key-log LOG`: every rank
+notes the keys it writes in LOG.rank<R>. Rank 0 writes OUT.start.json at train start
+(the learner id and the full parameters it joined with) and OUT.end.json after train end
+(the same after close, the rounds seen, the rounds it published, and the world size).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from gradientmail import events as ev
 from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.mailbox import LocalMailbox
 from gradientmail_lightning import DiLoCoCallback
 from workers.lightning_toy import ToyModule, toy_loader
 
@@ -40,6 +42,27 @@ from workers.lightning_toy import ToyModule, toy_loader
 #: another is refused): 2 fragments, a round every 2 steps, one round in flight.
 ALGORITHM = DiLoCo(sync_every=4, fragments=2, in_flight=1, overlap_steps=0,
                    merge=WeightedMean(), flush_on_close=False)
+
+
+class KeyLog(LocalMailbox):
+    """A local directory that notes every key this process writes in `log`: the sweep
+    leaves no part behind, so this is how a test sees which rank uploaded what."""
+
+    def __init__(self, root: str, log: str) -> None:
+        super().__init__(root)
+        self._log = log
+
+    def _note(self, key: str) -> None:
+        with open(self._log, "a") as f:
+            f.write(key + "\n")
+
+    async def create(self, key: str, data: bytes) -> bool:
+        self._note(key)
+        return await super().create(key, data)
+
+    async def put(self, key: str, data: bytes) -> None:
+        self._note(key)
+        await super().put(key, data)
 
 
 class ShardedToy(ToyModule):
@@ -109,9 +132,13 @@ def main() -> None:
     ap.add_argument("--resume")
     ap.add_argument("--die-at", type=int)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--key-log", help="note the keys each rank writes in KEY_LOG.rank<R>")
     args = ap.parse_args()
     torch.set_num_threads(1)
     world = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    mailbox = KeyLog(args.mailbox, f"{args.key_log}.rank{rank}") if args.key_log \
+        else args.mailbox
 
     probe: Probe
 
@@ -119,7 +146,7 @@ def main() -> None:
         if isinstance(e, ev.SnapshotPublished):
             probe.published.append(e.round)
 
-    diloco = DiLoCoCallback(args.mailbox, ALGORITHM, poll_interval=0.01, lease_every=1.0,
+    diloco = DiLoCoCallback(mailbox, ALGORITHM, poll_interval=0.01, lease_every=1.0,
                             lease_timeout=6.0, on_event=on_event)
     probe = Probe(args.out, diloco, args.die_at)
     callbacks: list[Callback] = [diloco, probe]
