@@ -18,8 +18,9 @@
 #                  then the check below. Log: accelerate.log.
 #   The check (benchmarks/gpu_sharded_verify.py; its "verify" line in each stage log):
 #   the launch ended on its run's newest commits (every parameter, gathered whole, equal
-#   to the committed theta), committed at least 3 rounds, and its last contribution was
-#   one part per rank; for Accelerate, distributed_type was FSDP with FSDP2.
+#   to the committed theta) and committed at least 3 rounds; for Lightning every rank
+#   wrote its own part of every round (the worker's key log); for Accelerate,
+#   distributed_type was FSDP with FSDP2.
 #   summary.txt: each stage's exit code, seconds and budget; env.txt: GPU, torch, tree.
 #   Exits 1 when a stage failed, ran out of time or was skipped.
 #
@@ -81,8 +82,10 @@ stage_lightning() {
     rm -rf "$WORK/lightning-run"
     "$(torchrun_of)" --nproc_per_node "$RANKS" --master_addr 127.0.0.1 \
         --master_port "$((29000 + RANDOM % 1000))" tests/workers/lightning_sharded.py \
-        "$WORK/lightning-run" "$OUT/lightning" --steps 12 --device cuda || return 1
-    "$PY" "$ROOT/benchmarks/gpu_sharded_verify.py" lightning "$WORK/lightning-run" "$OUT/lightning.end.json" "$RANKS"
+        "$WORK/lightning-run" "$OUT/lightning" --steps 12 --device cuda \
+        --key-log "$OUT/lightning-keys" || return 1
+    "$PY" "$ROOT/benchmarks/gpu_sharded_verify.py" lightning "$WORK/lightning-run" \
+        "$OUT/lightning.end.json" "$RANKS" "$OUT/lightning-keys"
 }
 
 stage_accelerate() {

@@ -1,17 +1,21 @@
 """The check after each launch of benchmarks/gpu_sharded_check.sh.
 
     python benchmarks/gpu_sharded_verify.py lightning|accelerate RUN_DIR RESULT.json RANKS
+        [KEY_LOG]
 
 Passes (exit 0, a line starting "verify <kind>: ok") when the launch ended on its run's
 newest commits (every parameter, gathered whole by the worker, equal to the committed
 theta), the run committed at least 3 rounds, its last contribution was one part per rank
-(or was swept already), and, for Accelerate, the launch ran as FSDP with FSDP2.
+(or was swept already), with KEY_LOG (the worker's `--key-log`) every rank wrote its own
+part of every round and no rank a whole payload, and, for Accelerate, the launch ran as
+FSDP with FSDP2.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -55,11 +59,25 @@ def main() -> int:
     if kind == "accelerate" and (got.get("distributed_type"), got.get("fsdp2")) != ("FSDP", True):
         problems.append(f"distributed_type {got.get('distributed_type')}, fsdp2 "
                         f"{got.get('fsdp2')}: the plugin did not shard")
+    if len(sys.argv) > 5:
+        for rank in range(ranks):
+            log = Path(f"{sys.argv[5]}.rank{rank}")
+            keys = log.read_text().split() if log.exists() else []
+            whole = [k for k in keys if k.startswith("payloads/")]
+            parts = {int(m[1]): m[2] for k in keys
+                     if (m := re.fullmatch(r"parts/(\d+)/[^/]+/(\d+-of-\d+)\.safetensors", k))}
+            if whole:
+                problems.append(f"rank {rank} wrote whole payloads: {whole[:3]}")
+            wrong = {r: parts.get(r.round) for r in recs
+                     if r.participants and parts.get(r.round) != f"{rank}-of-{ranks}"}
+            if wrong:
+                problems.append(f"rank {rank}: parts written per round {parts}, expected "
+                                f"{rank}-of-{ranks} in every round")
     for p in problems:
         print(f"verify {kind}: FAIL {p}")
     if not problems:
-        print(f"verify {kind}: ok, {len(recs)} rounds, ended on the newest commits, "
-              f"{ranks} part(s) per contribution")
+        print(f"verify {kind}: ok, {len(recs)} rounds, ended on the newest commits"
+              + (f", each of {ranks} rank(s) wrote its part" if len(sys.argv) > 5 else ""))
     return 1 if problems else 0
 
 
