@@ -20,6 +20,11 @@ then every rank takes rank 0's overwritten parameters. That synchronisation, the
 rule and the metric names are `gradientmail.integration`'s, shared with
 `gradientmail_lightning`. With `global_batch_size`, `batch_sampler()` makes the loader
 whose batches follow this learner's share of it.
+
+A sharded model (FSDP2: Accelerate's FSDP plugin with `fsdp_version: 2`, or a module the
+script shards itself with `torch.distributed.fsdp.fully_shard`) makes every rank mail and
+read its own rows (`gradientmail.integration.PartedRanks`); no rank holds a full fragment.
+FSDP1 (`fsdp_version: 1`) is refused: its flat parameters cut tensors at arbitrary offsets.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from gradientmail.integration import (
     BatchSizeHook,
     BatchSizes,
     LossMean,
+    PartedRanks,
     RankSync,
     RunMetrics,
     ShareBatchSampler,
@@ -46,6 +52,7 @@ from gradientmail.integration import (
     TorchRanks,
     count_tokens,
 )
+from gradientmail.integration.parted import is_sharded
 from gradientmail.learner.runtime import Learner
 from gradientmail_accelerate.plugin import DiLoCoPlugin
 
@@ -54,8 +61,8 @@ __all__ = ["STATE_VERSION", "DiLoCo", "count_tokens"]
 #: The version of the wrapper's checkpoint state (`state_dict`).
 STATE_VERSION = 1
 _STATE_KEYS = frozenset({"version", "learner_id", "optimizer_steps", "tokens", "rounds_seen"})
-_SUPPORTED = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_XPU", "MULTI_MLU", "MULTI_HPU")
-
+_SUPPORTED = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_XPU", "MULTI_MLU", "MULTI_HPU",
+              "FSDP")
 
 
 class DiLoCo:
@@ -90,8 +97,15 @@ class DiLoCo:
         if dist_type not in _SUPPORTED:
             raise ConfigError(
                 f"accelerator.distributed_type={dist_type} is not supported; the wrapper "
-                "broadcasts whole parameters, which needs single-process or DDP training "
-                f"({', '.join(_SUPPORTED)}), not sharded parameters"
+                f"runs single-process, DDP and FSDP2 training ({', '.join(_SUPPORTED)})"
+            )
+        if dist_type == "FSDP" and not getattr(accelerator, "is_fsdp2", False):
+            raise ConfigError(
+                "Accelerate's FSDP plugin runs FSDP1 here (fsdp_version: 1), whose flat "
+                "parameters cut tensors at arbitrary element offsets, which gradientmail "
+                "cannot mail by rows. Use FSDP2: fsdp_version: 2 in the accelerate config "
+                "(fsdp_config), `accelerate launch --use_fsdp --fsdp_version 2`, or "
+                "FullyShardedDataParallelPlugin(fsdp_version=2)"
             )
         inner = getattr(optimizer, "optimizer", optimizer)
         if not isinstance(inner, torch.optim.Optimizer):
@@ -100,6 +114,7 @@ class DiLoCo:
                 "AcceleratedOptimizer wrapping one; pass what accelerator.prepare returned"
             )
         self.accelerator = accelerator
+        self._dist_type = dist_type
         self.module: torch.nn.Module = accelerator.unwrap_model(model)
         self._inner = inner
         self._on_event = on_event
@@ -139,6 +154,17 @@ class DiLoCo:
             raise ConfigError("this DiLoCo wrapper was started already; start it once")
         self._started = True
         try:
+            if is_sharded(self.module):
+                # A collective (the side group); the other ranks open the mailbox again.
+                p, ranks = self.plugin, self._sync.ranks
+                self._sync.parted = PartedRanks.create(
+                    self.module, p.mailbox, prefix=p.prefix, compression=p.compression,
+                    ranks=ranks if ranks.world_size > 1 else SingleRank())
+            elif self._dist_type == "FSDP":
+                raise ConfigError(
+                    "the model has no FSDP2-sharded (DTensor) parameters under Accelerate's "
+                    "FSDP plugin; pass the model accelerator.prepare returned"
+                )
             self._sync.start(self._build_learner)
         except BaseException:
             self._closed = True
@@ -289,8 +315,9 @@ class DiLoCo:
 
     def _build_learner(self) -> Learner:
         p = self.plugin
+        parted = self._sync.parted
         return Learner(
-            TorchAdapter(self.module),
+            parted.learner_adapter() if parted is not None else TorchAdapter(self.module),
             p.resolved_algorithm,
             p.mailbox,
             self._sync.learner_id,

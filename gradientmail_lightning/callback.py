@@ -2,11 +2,14 @@
 
 Hooks map to the learner's calls and nothing else:
 
-- `setup` (fit): refuse a strategy the callback cannot keep consistent (FSDP, model
-  parallel, DeepSpeed, XLA) before any work is done.
-- `on_train_start` (after checkpoint restore and DDP wrapping): global rank 0 builds a
-  `Learner` over the unwrapped LightningModule and joins the run; the other ranks copy
-  what it loaded (`gradientmail.integration.RankSync`, as for Accelerate).
+- `setup` (fit): refuse a strategy the callback cannot keep consistent (FSDP1's
+  `FSDPStrategy`, DeepSpeed, XLA) before any work is done.
+- `on_train_start` (after checkpoint restore and DDP wrapping or `configure_model`'s
+  sharding): global rank 0 builds a `Learner` over the unwrapped LightningModule and joins
+  the run; the other ranks copy what it loaded (`gradientmail.integration.RankSync`, as
+  for Accelerate). Under `ModelParallelStrategy` (FSDP2: `fully_shard` in
+  `configure_model`) every rank mails and reads its own rows instead
+  (`gradientmail.integration.PartedRanks`), and no rank holds a full fragment.
 - `on_train_batch_end`: a real optimizer step happened when `trainer.global_step` moved
   (gradient accumulation counts once); the tokens every rank counted in the
   micro-batches since the last one (`gradientmail.integration.count_tokens`) are summed
@@ -42,6 +45,7 @@ from gradientmail.integration import (
     PREFIX,
     BatchSizeHook,
     LossMean,
+    PartedRanks,
     RankSync,
     RunMetrics,
     ShareBatchSampler,
@@ -82,31 +86,43 @@ _LEARNER_OPTIONS = frozenset(inspect.signature(Learner).parameters) - {
 
 
 def check_strategy(strategy: Any) -> None:
-    """Raise ConfigError unless `strategy` is a single-device or a DDP strategy.
+    """Raise ConfigError unless `strategy` is a single-device, a DDP or a
+    `ModelParallelStrategy` (FSDP2) strategy.
 
-    FSDP and model parallelism shard the parameters, so rank 0 does not hold the
-    fragments it would publish; DeepSpeed and XLA wrap them in ways not handled yet.
+    FSDP1 (`FSDPStrategy`) flattens the parameters and cuts them at arbitrary element
+    offsets, so no rank holds rows of a tensor it could mail; DeepSpeed and XLA wrap them
+    in ways not handled. FSDP2 shards by rows, which the ranks mail one part each.
     """
     from lightning.pytorch import strategies as s
     from lightning.pytorch.strategies.single_xla import SingleDeviceXLAStrategy
     from lightning.pytorch.strategies.xla import XLAStrategy
 
-    unsupported = (
-        s.FSDPStrategy,
-        s.ModelParallelStrategy,
-        s.DeepSpeedStrategy,
-        XLAStrategy,
-        SingleDeviceXLAStrategy,
-    )
-    if isinstance(strategy, unsupported) or not isinstance(
-        strategy, s.SingleDeviceStrategy | s.DDPStrategy
-    ):
+    unsupported = (s.FSDPStrategy, s.DeepSpeedStrategy, XLAStrategy, SingleDeviceXLAStrategy)
+    supported = s.SingleDeviceStrategy | s.DDPStrategy | s.ModelParallelStrategy
+    if isinstance(strategy, unsupported) or not isinstance(strategy, supported):
         raise ConfigError(
             f"DiLoCoCallback does not support the {type(strategy).__name__} strategy; it "
-            "supports a single device and DDP (strategy='ddp', 'ddp_spawn', "
-            "'ddp_notebook'), where every rank holds the whole model. Train each learner "
-            "with DDP or on one device (sharded strategies are not supported yet)"
+            "supports a single device, DDP (strategy='ddp', 'ddp_spawn', 'ddp_notebook') "
+            "and sharded learners under ModelParallelStrategy with FSDP2. To shard a "
+            "learner, use strategy=ModelParallelStrategy(data_parallel_size=N, "
+            "tensor_parallel_size=1) and call torch.distributed.fsdp.fully_shard in your "
+            "LightningModule's configure_model (FSDPStrategy is FSDP1, whose flat "
+            "parameters cannot be mailed by rows)"
         )
+
+
+def _sharded(strategy: Any) -> bool:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return isinstance(strategy, ModelParallelStrategy)
+
+
+def _counts_its_batches(strategy: Any) -> tuple[bool, bool]:
+    """Under a `ModelParallelStrategy`: whether this rank counts its batches' tokens, and
+    whether every rank does. The ranks of one tensor-parallel group all see the same
+    batches, and only the first of them counts."""
+    group = strategy.device_mesh["tensor_parallel"]
+    return int(group.get_local_rank()) == 0, int(group.size()) == 1
 
 
 def check_share_samplers(loaders: Any, global_batch_size: int | None) -> None:
@@ -223,6 +239,7 @@ class DiLoCoCallback(Callback):
         self._losses = LossMean()  # rank 0's micro-batch losses since the last step
         self._last_local_step = 0
         self._last_rounds_seen = -1
+        self._counting = self._all_count = True  # this rank's / every rank's tokens count
 
     @property
     def learner(self) -> Learner | None:
@@ -272,16 +289,26 @@ class DiLoCoCallback(Callback):
         self._last_global_step = trainer.global_step
         self._tokens = 0
         self._losses = LossMean()
-        if trainer.world_size > 1 and torch.distributed.is_initialized():
-            strategy = trainer.strategy
+        strategy = trainer.strategy
+        sharded = _sharded(strategy) and torch.distributed.is_initialized()
+        if (trainer.world_size > 1 or sharded) and torch.distributed.is_initialized():
             ranks: Any = TorchRanks(
                 strategy.root_device, lambda obj: strategy.broadcast(obj, src=0)
             )
         else:
             ranks = SingleRank()
-        self._ranks = RankSync(ranks, pl_module, self.metrics, self._batch_hook(trainer))
+        self._counting, self._all_count = _counts_its_batches(strategy) if sharded else (
+            True, True)
+        # FSDP2's shards: every rank mails and reads its own rows (a collective: the
+        # side group). The mailbox is opened again by the other ranks' side threads.
+        parted = PartedRanks.create(
+            pl_module, self.mailbox, prefix=self.learner_options.get("prefix", ""),
+            compression=self.compression, ranks=ranks,
+        ) if sharded else None
+        self._ranks = RankSync(ranks, pl_module, self.metrics, self._batch_hook(trainer),
+                               parted=parted)
         try:
-            self._ranks.start(lambda: self._make_learner(pl_module))
+            self._ranks.start(lambda: self._make_learner(pl_module, parted))
         except BaseException:
             self._ranks = None
             raise
@@ -297,7 +324,8 @@ class DiLoCoCallback(Callback):
         sync = self._ranks
         if sync is None:
             return
-        self._tokens += self._count(batch)
+        if self._counting:
+            self._tokens += self._count(batch)
         if sync.learner is not None:
             self._losses.add(output_loss(outputs))
         step = trainer.global_step
@@ -305,8 +333,8 @@ class DiLoCoCallback(Callback):
             return
         self._last_global_step = step
         tokens, self._tokens = self._tokens, 0
-        sync.step(tokens, same_on_every_rank=isinstance(self.tokens_per_step, int),
-                  loss=self._losses.take())
+        sync.step(tokens, loss=self._losses.take(),
+                  same_on_every_rank=isinstance(self.tokens_per_step, int) and self._all_count)
         learner = sync.learner
         if learner is not None:
             self._last_local_step = learner.local_step
@@ -362,9 +390,9 @@ class DiLoCoCallback(Callback):
 
     # -- internals -------------------------------------------------------------------------
 
-    def _make_learner(self, pl_module: LightningModule) -> Learner:
+    def _make_learner(self, pl_module: LightningModule, parted: PartedRanks | None) -> Learner:
         return Learner(
-            TorchAdapter(pl_module),
+            parted.learner_adapter() if parted is not None else TorchAdapter(pl_module),
             self.algorithm,
             self.mailbox,
             self._resolved_id(),

@@ -221,9 +221,18 @@ def test_unsupported_setups_are_refused(tmp_path: Path) -> None:
 
     class FsdpAccelerator:
         distributed_type = "FSDP"
+        is_fsdp2 = False
 
-    with pytest.raises(ConfigError, match=r"distributed_type=FSDP is not supported; the wrapper"):
+    with pytest.raises(ConfigError, match=r"FSDP plugin runs FSDP1 here \(fsdp_version: 1\)"
+                       r".* Use FSDP2: fsdp_version: 2 in the accelerate config"):
         DiLoCo(FsdpAccelerator(), model, opt, plugin(tmp_path))
+
+    class DeepSpeedAccelerator:
+        distributed_type = "DEEPSPEED"
+
+    with pytest.raises(ConfigError, match=r"distributed_type=DEEPSPEED is not supported; the "
+                       r"wrapper runs single-process, DDP and FSDP2 training"):
+        DiLoCo(DeepSpeedAccelerator(), model, opt, plugin(tmp_path))
 
 
 def test_plugin_defaults_to_the_environment(

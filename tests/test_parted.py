@@ -104,3 +104,35 @@ def test_a_two_rank_learner_mailing_parts_and_a_plain_one_equal_the_oracle(
     for snap in asyncio.run(contributions()):
         assert snap is None or [ref.key.rsplit("/", 1)[1] for ref in snap.parts] == \
             ["0-of-2.safetensors", "1-of-2.safetensors"]
+
+
+def test_a_mesh_that_does_not_span_the_learner_is_refused() -> None:
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from gradientmail.errors import ConfigError
+    from gradientmail.integration.parted import check_meshes, is_sharded
+
+    store = tempfile.mktemp(prefix="gm-mesh-")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        model = make_model()
+        assert not is_sharded(model)
+        fully_shard(model)  # over the default mesh: this one rank
+        assert is_sharded(model)
+        check_meshes(model, 1)
+        # What a learner of 2 ranks sees when each shards over a mesh of its own (say
+        # Lightning's data_parallel dimension of size 1 with 2 tensor-parallel ranks).
+        with pytest.raises(ConfigError) as info:
+            check_meshes(model, 2)
+    finally:
+        dist.destroy_process_group()
+        if os.path.exists(store):
+            os.unlink(store)
+    assert str(info.value).startswith(
+        "parameter '0.weight' is sharded over a device mesh of 1 ranks (shape [1]), but the "
+        "learner has 2: shard over all of its ranks"
+    )

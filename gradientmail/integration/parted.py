@@ -46,7 +46,7 @@ from gradientmail.wire.quantization import quantize
 from gradientmail.wire.records import PayloadRef, RoundRecord
 from gradientmail.wire.serialization import TensorBytes
 
-__all__ = ["Handle", "PartedRanks", "RankAdapter", "SideGroup"]
+__all__ = ["Handle", "PartedRanks", "RankAdapter", "SideGroup", "check_meshes", "is_sharded"]
 
 #: Training-channel headers (`Ranks.broadcast_ints`, one value): an op follows, or none.
 _OP, _END = 1, 0
@@ -106,15 +106,22 @@ class PartedRanks:
 
     @classmethod
     def create(cls, module: Any, mailbox: Mailbox | str, *, prefix: str = "",
-               compression: str = "off", timeout: float = 600.0) -> PartedRanks:
+               compression: str = "off", timeout: float = 600.0,
+               ranks: Ranks | None = None) -> PartedRanks:
         """For a `torch.distributed` launch (every rank calls it): a `ShardedAdapter` of
-        `module` (after `fully_shard`), the default group, and a new gloo side group."""
+        `module` (after `fully_shard`), the default group, and a new gloo side group.
+
+        `ranks`: the default group's collectives, by default `TorchRanks("cpu")` (gloo);
+        under NCCL pass `TorchRanks` on the rank's CUDA device (the integrations pass the
+        one `RankSync` uses)."""
         import torch.distributed as dist
 
+        world = dist.get_world_size()
+        check_meshes(module, world)
         side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
-        return cls(ShardedAdapter(module), TorchRanks("cpu"), TorchRanks("cpu", group=side),
-                   dist.get_rank(), mailbox, prefix=prefix, compression=compression,
-                   timeout=timeout)
+        return cls(ShardedAdapter(module), ranks if ranks is not None else TorchRanks("cpu"),
+                   TorchRanks("cpu", group=side), dist.get_rank(), mailbox, prefix=prefix,
+                   compression=compression, timeout=timeout)
 
     @property
     def held(self) -> int:
@@ -338,6 +345,34 @@ class PartedRanks:
         return sum(r.tensor.nbytes for r in rows.values())
 
 
+def is_sharded(module: Any) -> bool:
+    """Whether any parameter of `module` is a DTensor (FSDP2's `fully_shard`, or a device
+    mesh placement of the user's own)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def check_meshes(module: Any, world: int) -> None:
+    """`ConfigError` unless every DTensor parameter of `module` spans the `world` ranks of
+    the learner: the ranks' rows must tile each tensor once, and a mesh over a subset (say
+    Lightning's `device_mesh["data_parallel"]` of size 1 when 2 processes form its
+    `tensor_parallel` dimension) leaves several ranks holding and mailing the same rows
+    as if each were the whole learner."""
+    from torch.distributed.tensor import DTensor
+
+    for name, p in module.named_parameters():
+        if isinstance(p, DTensor) and p.device_mesh.size() != world:
+            raise ConfigError(
+                f"parameter {name!r} is sharded over a device mesh of "
+                f"{p.device_mesh.size()} ranks (shape {list(p.device_mesh.shape)}), but the "
+                f"learner has {world}: shard over all of its ranks, e.g. fully_shard(module) "
+                "with the default mesh, or with Lightning's ModelParallelStrategy("
+                "data_parallel_size=N, tensor_parallel_size=1) fully_shard(module, "
+                "mesh=self.device_mesh['data_parallel'])"
+            )
+
+
 class RankAdapter:
     """The adapter of rank 0's `Learner` when every rank mails its own rows: each call
     reaches every rank (see the module), each value is a `Handle`, and `crew` is the
@@ -368,8 +403,9 @@ class RankAdapter:
     def load(self, values: Mapping[str, TensorBytes]) -> Handle:
         return self.crew.load_full(values)
 
-    def delta(self, anchor: Handle, snapshot: Handle) -> dict[str, Rows]:
-        """Rank 0's own rows only: the learner's upload goes through `crew`."""
+    def delta(self, anchor: Handle, snapshot: Handle) -> dict[str, Any]:
+        """Rank 0's own rows only (`Rows`, not the full tensors `Adapter.delta` promises,
+        hence `Any`): a learner with a `crew` uploads through it, never through this."""
         return self._inner.delta(self.crew.local(anchor), self.crew.local(snapshot))
 
     def apply(self, values: Handle, mixing: float = 0.0) -> None:

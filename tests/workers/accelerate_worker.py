@@ -8,6 +8,13 @@ its tokens with `diloco.count(x)`, and after every real optimizer step records t
 the rounds seen and a SHA-256 of its parameters. At the end each rank writes
 DIR/<ID>.rank<R>.json (those records, its final parameters, and on rank 0 the learner's
 local step and the launch's token count).
+
+`--fsdp`: the launch is a sharded learner. Accelerate applies its FSDP plugin only on
+accelerator devices (on CPU `distributed_type` stays MULTI_CPU and the plugin is
+ignored), so on CPU the script shards the model itself with `fully_shard` and prepares the
+optimizer alone; `--fsdp-plugin` (a GPU launch with `--use_fsdp --fsdp_version 2`) lets
+`accelerator.prepare` shard it. Parameters are then gathered whole (`full_tensor`, a
+collective) for the checksums and the output.
 """
 
 from __future__ import annotations
@@ -35,11 +42,17 @@ def batch(stream: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(5, 6, generator=g), torch.randn(5, 2, generator=g)
 
 
+def whole(p: torch.Tensor) -> torch.Tensor:
+    """`p` gathered whole when it is a DTensor (a collective), on the host."""
+    full = p.full_tensor() if hasattr(p, "full_tensor") else p
+    return full.detach().to("cpu").contiguous()
+
+
 def checksum(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
         h.update(name.encode())
-        h.update(p.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(whole(p).reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -55,10 +68,13 @@ def main() -> None:
     ap.add_argument("--quorum", type=int, default=0, help="standard DiLoCo with this quorum")
     ap.add_argument("--wait-for", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0, help="data stream of this learner")
+    ap.add_argument("--fsdp", action="store_true", help="shard with fully_shard (FSDP2)")
+    ap.add_argument("--fsdp-plugin", action="store_true",
+                    help="Accelerate's FSDP2 plugin shards it (an accelerator launch)")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accum)
+    accelerator = Accelerator(cpu=not args.fsdp_plugin, gradient_accumulation_steps=args.accum)
     if args.quorum:
         alg = Config.standard(args.sync_every, args.quorum)
     else:
@@ -78,8 +94,18 @@ def main() -> None:
     )
     # Every rank starts from a different model: start() must give them rank 0's.
     model = make_model(seed=accelerator.process_index + 7 * args.seed)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    model, opt = accelerator.prepare(model, opt)
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model[0])
+        fully_shard(model[2])
+        fully_shard(model)
+        opt = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.05))
+    else:
+        if args.fsdp_plugin:
+            model = model.to(accelerator.device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        model, opt = accelerator.prepare(model, opt)
     rank = accelerator.process_index
     records = []
     micro = 0
@@ -88,7 +114,7 @@ def main() -> None:
         net = accelerator.unwrap_model(model)
         records.append({"step": 0, "rounds_seen": diloco.rounds_seen, "sum": checksum(net)})
         while diloco.optimizer_steps < args.steps:
-            x, y = batch(100 * args.seed + rank, micro)
+            x, y = (t.to(accelerator.device) for t in batch(100 * args.seed + rank, micro))
             micro += 1
             diloco.count(x)  # before the step that consumes it
             with accelerator.accumulate(model):
@@ -110,9 +136,11 @@ def main() -> None:
     out = {
         "rank": rank,
         "world": accelerator.num_processes,
+        "distributed_type": getattr(accelerator.distributed_type, "name", ""),
+        "fsdp2": bool(getattr(accelerator, "is_fsdp2", False)),
         "micro_batches": micro,
         "records": records,
-        "params": {n: p.detach().reshape(-1).tolist() for n, p in net.named_parameters()},
+        "params": {n: whole(p).reshape(-1).tolist() for n, p in net.named_parameters()},
         "local_step": learner.local_step if learner is not None else None,
         "tokens": diloco.tokens,
         "state": diloco.state_dict(),

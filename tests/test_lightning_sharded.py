@@ -1,0 +1,191 @@
+"""A sharded Lightning learner (issue #15): `ModelParallelStrategy` with FSDP2, every rank
+mailing its own rows through the DiLoCoCallback, SIGKILLed, and resumed from its
+Lightning checkpoint at another world size.
+
+Real processes (torchrun, gloo on CPU) on a local-directory mailbox. The phases run one
+after the other, so what each must end on is known exactly; no timing is asserted and
+the timeouts are generous for two loaded cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+from test_lightning_processes import newest_theta
+from test_sharded_adapter import free_port
+from workers.lightning_sharded import ALGORITHM
+from workers.lightning_toy import ToyModule, toy_loader
+
+from gradientmail.adapters import TorchAdapter
+from gradientmail.errors import ConfigError
+from gradientmail.learner.runtime import Learner
+from gradientmail.mailbox import LocalMailbox
+from gradientmail.run.protocol import Exchange
+from gradientmail_lightning.callback import check_strategy
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "workers" / "lightning_sharded.py"
+
+
+def env() -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_", "GRADIENTMAIL_"))}
+    out.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), out.get("PYTHONPATH", "")]))
+    return out
+
+
+def launch(ranks: int, box: Path, out: Path, *extra: str, timeout: float = 600
+           ) -> tuple[int, str]:
+    exe = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    assert exe is not None, "torchrun is not installed next to this Python"
+    cmd = [exe, "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(WORKER), str(box), str(out), *extra]
+    proc = subprocess.Popen(cmd, env=env(), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, log.decode()
+
+
+def records(box: Path) -> list[Any]:
+    async def go() -> list[Any]:
+        ex = Exchange(LocalMailbox(box))
+        recs = list(await ex.rounds_after(-1))
+        last = recs[-1].round
+        snaps = {p.learner: await ex.contribution(last, p.learner)
+                 for p in recs[-1].participants}
+        await ex.mailbox.close()
+        return [recs, snaps]
+
+    return asyncio.run(go())
+
+
+def parts_written(log: Path, ranks: int, learner: str) -> list[dict[int, tuple[int, int]]]:
+    """Per rank, {round: (k, n)} of the parts `learner`'s ranks wrote (their key logs);
+    a whole payload written by any of them fails the test."""
+    out: list[dict[int, tuple[int, int]]] = []
+    for rank in range(ranks):
+        path = Path(f"{log}.rank{rank}")
+        keys = path.read_text().split() if path.exists() else []
+        assert not [k for k in keys if k.startswith("payloads/")], keys
+        mine = [m for k in keys
+                if (m := re.fullmatch(rf"parts/(\d+)/{re.escape(learner)}/(\d+)-of-(\d+)"
+                                      r"\.safetensors", k))]
+        out.append({int(m[1]): (int(m[2]), int(m[3])) for m in mine})
+    return out
+
+
+def assert_params(got: dict[str, list[float]], want: dict[str, torch.Tensor], who: str) -> None:
+    assert set(got) == set(want), who
+    for name, w in want.items():
+        g = torch.tensor(got[name], dtype=torch.float32).reshape(w.shape)
+        torch.testing.assert_close(g, w, rtol=0, atol=0, msg=f"{who}: {name}")
+
+
+def test_strategies_are_checked_by_name() -> None:
+    from lightning.pytorch.strategies import (
+        DDPStrategy,
+        DeepSpeedStrategy,
+        FSDPStrategy,
+        ModelParallelStrategy,
+        SingleDeviceStrategy,
+    )
+
+    for fine in (SingleDeviceStrategy("cpu"), DDPStrategy(), ModelParallelStrategy()):
+        check_strategy(fine)
+    # DeepSpeed is not installed here, and its strategy refuses to be built without it;
+    # the check looks at the type alone.
+    deepspeed = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
+    for strategy, name in ((FSDPStrategy(), "FSDPStrategy"), (deepspeed, "DeepSpeedStrategy")):
+        with pytest.raises(ConfigError) as info:
+            check_strategy(strategy)
+        text = str(info.value)
+        assert text.startswith(f"DiLoCoCallback does not support the {name} strategy; ")
+        assert "ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)" in text
+        assert "torch.distributed.fsdp.fully_shard in your LightningModule's configure_model" \
+            in text
+
+
+def test_a_killed_fsdp2_learner_resumes_at_another_world_size_as_the_same_learner(
+        tmp_path: Path) -> None:
+    box, ckpts = tmp_path / "run", tmp_path / "ckpt"
+
+    # 1. The sharded learner (2 ranks) creates the run, checkpoints at step 6 and is
+    #    killed at step 8, mid-run: its lease is left to expire, nothing is flushed.
+    first, keys = tmp_path / "first", tmp_path / "keys"
+    rc, log = launch(2, box, first, "--steps", "20", "--ckpt-dir", str(ckpts),
+                     "--ckpt-every", "6", "--die-at", "8", "--key-log", f"{keys}-first")
+    assert rc != 0, "the learner was to be killed:\n" + log[-4000:]
+    started = json.loads(Path(f"{first}.start.json").read_text())
+    learner_id = started["learner_id"]
+    checkpoint = ckpts / "epoch=0-step=6.ckpt"
+    assert checkpoint.is_dir(), sorted(p.name for p in ckpts.iterdir())
+    recs, snaps = records(box)
+    assert recs and {p.learner for r in recs for p in r.participants} == {learner_id}
+    # Its contributions were made of one part per rank, each written by that rank.
+    mine = snaps[learner_id]
+    assert mine is None or (mine.payload is None and len(mine.parts) == 2)
+    written = parts_written(Path(f"{keys}-first"), 2, learner_id)
+    for r in recs:
+        assert [w.get(r.round) for w in written] == [(0, 2), (1, 2)], (r.round, written)
+    before = len(recs)
+
+    # 2. Meanwhile a plain learner moves the run on.
+    other = ToyModule(seed=5)
+    learner = Learner(TorchAdapter(other), ALGORITHM, str(box), "other", poll_interval=0.01,
+                      lease_every=1.0, lease_timeout=6.0)
+    learner.start()
+    opt = torch.optim.SGD(other.parameters(), lr=0.05)
+    for x, y in toy_loader(n=40, seed=3):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(other.net(x), y).backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        learner.step(24)
+    learner.close()
+    moved = newest_theta(LocalMailbox(box))
+    recs, _ = records(box)
+    assert len(recs) >= before + 4
+    after_other = len(recs)
+
+    # 3. Resumed from the step-6 checkpoint with 3 ranks (the 2-row layer leaves rank 2
+    #    an empty shard): the same learner, joined on the newest commits, not on the
+    #    checkpoint's weights; it ends on the newest commits.
+    second = tmp_path / "second"
+    rc, log = launch(3, box, second, "--steps", "14", "--resume", str(checkpoint),
+                     "--key-log", f"{keys}-second")
+    assert rc == 0, log[-6000:]
+    start = json.loads(Path(f"{second}.start.json").read_text())
+    end = json.loads(Path(f"{second}.end.json").read_text())
+    assert start["learner_id"] == end["learner_id"] == learner_id
+    assert start["global_step"] == 6 and end["global_step"] == 14 and end["world"] == 3
+    assert_params(start["params"], moved, "joined")
+    recs, snaps = records(box)
+    resumed = recs[after_other:]
+    assert len(resumed) >= 3, [r.round for r in recs]
+    assert all([p.learner for p in r.participants] == [learner_id] for r in resumed)
+    assert end["published"] and min(end["published"]) >= after_other
+    mine = snaps[learner_id]
+    assert mine is None or (mine.payload is None and len(mine.parts) == 3)
+    written = parts_written(Path(f"{keys}-second"), 3, learner_id)
+    for r in resumed:
+        assert [w.get(r.round) for w in written] == [(0, 3), (1, 3), (2, 3)], (r.round, written)
+    assert end["rounds_seen"] == recs[-1].round
+    assert_params(end["params"], newest_theta(LocalMailbox(box)), "ended")
