@@ -9,10 +9,12 @@ ranks' rows in step, each ordered by rank 0:
   (snapshot, apply, rebase) is broadcast by rank 0 as it happens, inside `RankSync`'s
   collectives, and replayed by every other rank on its training thread on the same step.
 - The side channel, on a gloo group of its own (so its collectives never interleave with
-  FSDP's): what the communication thread does (upload a part, read a commit's rows, load
-  the values a learner joins with, read the parameters a creator uploads). Rank 0 sends a
-  command; every rank, rank 0 included, carries out its share; the results are gathered.
-  The other ranks serve it from a thread of their own (`begin`).
+  FSDP's): what the communication thread does (upload a part; reach a fragment's
+  version, joining or following commits, each rank reading its own rows and, with a
+  replicated outer step, replaying it on its rows of the state: `RowReplica`; read the
+  parameters a creator uploads). Rank 0 sends a command; every rank, rank 0 included,
+  carries out its share; the results are gathered. The other ranks serve it from a
+  thread of their own (`begin`). No rank holds a fragment whole.
 
 A handle rank 0 no longer holds is released on every rank with the next training-channel
 message: the one channel whose order follows every use of it.
@@ -236,8 +238,9 @@ class PartedRanks:
             self._command.release()
 
     def load_full(self, values: Mapping[str, TensorBytes]) -> Handle:
-        """Rank 0: full `values` (the commits a learner joins with) loaded by every rank,
-        each its own rows. Sent whole over the side group: once per join, not per commit."""
+        """Rank 0: full `values` loaded by every rank, each its own rows (the adapter's
+        `load`; sent whole over the side group, so the learner does not use it: it joins
+        and follows commits by rows, `load`)."""
         i = self.new_id()
         plain = {n: TensorBytes(t.dtype, t.shape, t.data) for n, t in values.items()}
         self._side_command(("load_full", i, plain))
