@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from gradientmail.adapters.sharded import ShardedAdapter
+from gradientmail.algorithms.base import FragmentState
 from gradientmail.errors import (
     ConfigError,
     GradientmailError,
@@ -128,6 +129,11 @@ class PartedRanks:
         and the snapshots of rounds in flight; the rest are released)."""
         with self._changed:
             return len(self._store)
+
+    def rows_state(self, fragment: int) -> FragmentState | None:
+        """This rank's rows of `fragment`'s outer state as it last replayed it (a run with
+        a replicated outer step; None before, or in other runs)."""
+        return None if self._replica is None else self._replica.state(fragment)
 
     def learner_adapter(self) -> RankAdapter:
         """The adapter rank 0's `Learner` is built with."""
