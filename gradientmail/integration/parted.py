@@ -280,12 +280,14 @@ class PartedRanks:
         held = self._versions.get(fragment)
         chain = await plan_chain(exchange, manifest, fragment, record, held)
         i = self.new_id()
+        h = Handle(i)
+        # Also what releases the rows of a swept one, or those some ranks loaded when
+        # another failed.
+        weakref.finalize(h, self._drop, i)
         # Forgotten until every rank says it holds the new version: a rank that failed
         # partway dropped its state, and the next chain must start from a checkpoint.
         self._versions.pop(fragment, None)
         got: list[int | None] = await self._side_command_async(("reach", i, chain), exchange)
-        h = Handle(i)
-        weakref.finalize(h, self._drop, i)  # also what releases the rows of a swept one
         if any(n is None for n in got):
             return None, 0
         if chain.replicated:
