@@ -30,9 +30,11 @@ from gradientmail.wire.payload_ranges import Rows, rows_of
 from gradientmail.wire.records import Manifest, RoundRecord
 from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
 
-#: Odd row counts, a BF16 tensor (the fragment keeps an fp32 master), a 0-d scalar.
+#: Odd row counts, a BF16 tensor (the fragment keeps an fp32 master), a 0-d scalar;
+#: "wide" has rows of 32 elements: its F4 blocks end at every row, so ranks read its rows.
 SCHEMA = Schema((ParameterSpec("emb", "F32", (7, 6)), ParameterSpec("w", "BF16", (5, 3)),
-                 ParameterSpec("b", "F32", (3,)), ParameterSpec("s", "F32", ())))
+                 ParameterSpec("b", "F32", (3,)), ParameterSpec("s", "F32", ()),
+                 ParameterSpec("wide", "F32", (5, 32))))
 ROUNDS = 5
 RANKS = 3
 
@@ -138,7 +140,7 @@ def test_a_rank_reads_only_its_rows_and_a_wrong_held_version_is_refused() -> Non
         box = CountingMailbox(MemoryMailbox("rows-bytes"))
         ex = Exchange(box, clock=FakeClock(100.0))
         manifest, recs = await make_run(ex, None)
-        rows = {"emb": (0, 1), "w": (4, 5), "b": (2, 3), "s": (0, 1)}
+        rows = {"emb": (0, 1), "w": (4, 5), "b": (2, 3), "s": (0, 1), "wide": (1, 2)}
         follower = RowReplica(ex, rows)
 
         async def nothing(name: str, r: Rows) -> None:
@@ -147,8 +149,8 @@ def test_a_rank_reads_only_its_rows_and_a_wrong_held_version_is_refused() -> Non
         for rec in [None, *recs[:2]]:
             chain = await plan_chain(ex, manifest, 0, rec, follower.held(0))
             assert await follower.reach(chain, nothing)
-        # Θ⁰ and two F32 steps, one row of each tensor: 6·(24+6+4+4) bytes, no more.
-        assert follower.bytes_down == 24 + 6 + 4 + 4 + 2 * (24 + 12 + 4 + 4)
+        # Θ⁰ and two F32 steps, one row of each tensor, no more.
+        assert follower.bytes_down == 24 + 6 + 4 + 4 + 128 + 2 * (24 + 12 + 4 + 4 + 128)
         stale = await plan_chain(ex, manifest, 0, recs[0], 0)  # this rank holds 2
         assert (stale.theta, stale.base_version) == (None, 0)
         with pytest.raises(GradientmailError, match="holds version 2 of fragment 0, not 0"):

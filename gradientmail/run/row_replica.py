@@ -14,7 +14,8 @@ of the base and of each step by ranged GETs and replays (`RowReplica.reach`).
 
 Memory: the state's rows are this rank's, held in writable buffers the steps update in
 place, a few rows at a time; what a replay allocates on top is one tensor's rows of the
-step (its whole tensor for F4 steps, whose blocks cross rows). A zstd payload cannot be
+step (for an F4 step whose 32-element blocks cross this rank's first or last row, that
+tensor whole). A zstd payload cannot be
 read by ranges and is decoded whole: sharded runs should commit uncompressed.
 
 Not checked on rows: the record's `theta_sha256` (it covers the whole theta; a ranged
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -171,6 +173,19 @@ class _Reader:
     @property
     def names(self) -> set[str]:
         return set(self._spans if self._spans is not None else self._whole or {})
+
+    @property
+    def ranged(self) -> bool:
+        """Whether it reads by ranges (else it holds the decoded payload)."""
+        return self._spans is not None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.names:
+            raise RemoteProtocolError(f"{self.key}: the payload has no tensor {name!r}")
+        if self._whole is not None:
+            return self._whole[name].shape
+        assert self._spans is not None
+        return self._spans[name].shape
 
     def dtype(self, name: str) -> str:
         if name not in self.names:
@@ -341,12 +356,25 @@ class RowReplica:
     async def _delta_rows(self, reader: _Reader, name: str, fmt: str) -> TensorBytes | None:
         """This rank's rows of the step's Δ of `name`, in F32 (dequantized exactly)."""
         a, b = self.rows[name]
-        if fmt == "F4":  # blocks of 32 elements cross rows: the tensor whole, then rows
-            codes = await reader.whole(name)
-            scale = await reader.whole(scale_name(name))
-            if codes is None or scale is None:
+        if fmt == "F4":
+            # Blocks of 32 elements: rows that start and end on a block boundary are read
+            # with their blocks' scales; otherwise the tensor whole, then its rows.
+            shape = reader.shape(name)
+            per_row, rows = math.prod(shape[1:]), shape[0] if shape else 1
+            if reader.ranged and (a * per_row) % 32 == 0 and \
+                    ((b * per_row) % 32 == 0 or b == rows):
+                codes = await reader.rows(name, a, b)
+                scale = await reader.rows(scale_name(name), a * per_row // 32,
+                                          -(-b * per_row // 32))
+                if codes is None or scale is None:
+                    return None
+                return dequantize({name: codes.tensor, scale_name(name): scale.tensor}, name,
+                                  fmt, key=reader.key)
+            whole = await reader.whole(name)
+            scales = await reader.whole(scale_name(name))
+            if whole is None or scales is None:
                 return None
-            full = dequantize({name: codes, scale_name(name): scale}, name, fmt,
+            full = dequantize({name: whole, scale_name(name): scales}, name, fmt,
                               key=reader.key)
             return rows_of(full, a, b).tensor
         got = await reader.rows(name, a, b)
