@@ -78,7 +78,7 @@ async def plan_chain(ex: Exchange, manifest: Manifest, fragment: int,
     form a chain, as `Replica.at`."""
     names = manifest.plan[fragment]
     alg = dict(manifest.algorithm)
-    replicated = int(alg.get("checkpoint_every", 1)) > 1
+    replicated = _algorithm(alg).replicated
     if rec is None:
         return RowChain(fragment, names, 0, replicated, 0, manifest.init[fragment], None, (),
                         alg)
