@@ -390,4 +390,4 @@ def _frozen(data: bytes) -> bytes:
     rank's shard; copying it would double what the rank holds while it uploads)."""
     if isinstance(data, bytes):
         return data
-    return memoryview(data).toreadonly()  # type: ignore[return-value]
+    return memoryview(data).toreadonly()

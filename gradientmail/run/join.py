@@ -162,7 +162,7 @@ async def join_run(
         newest = await ex.newest_round()
         latest = await ex.latest_commit_per_fragment(len(plan), newest)
         fragments = []
-        thetas = []
+        thetas: list[dict[str, TensorBytes]] = []
         for p, names in enumerate(plan):
             rec = latest.get(p)
             if load is not None:
