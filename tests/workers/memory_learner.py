@@ -11,7 +11,9 @@ sharded block by block, trained R rounds of standard DiLoCo with a quorum of 1 (
 no closer's state), and each rank writes OUT.rank<R>.json: its shard and largest tensor in
 F32, and the peak of each window (`SharedMeter`): "publish" (its part: delta and upload),
 "apply" (reading a commit's rows, replaying a replicated step on them, loading them, and
-the training thread's apply or rebase), "snapshot" (the due step's copy).
+the training thread's apply or rebase), "snapshot" (the due step's copy), "join" (the
+same as "apply" for what the learner joins with, which with a replicated outer step also
+makes the rank's rows of the outer state it keeps).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def measure(meter: SharedMeter) -> None:
     """Open and close the windows around the learner's own code (test instrumentation:
     the library has no hooks for it)."""
     upload, reach, replay = PartedRanks._upload, PartedRanks._reach, PartedRanks._replay
+    trained: list[bool] = []  # a snapshot was taken: the join is behind
 
     async def measured_upload(self: PartedRanks, *args: Any) -> Any:
         meter.begin("publish")
@@ -58,16 +61,21 @@ def measure(meter: SharedMeter) -> None:
             meter.end("publish")
 
     async def measured_reach(self: PartedRanks, *args: Any) -> Any:
-        meter.begin("apply")  # ended by the apply or rebase that uses what it loads
+        # Ended by the apply or rebase that uses what it loads. Before the first snapshot
+        # it is the join, which also makes the rank's rows of the outer state.
+        meter.begin("apply" if trained else "join")
         return await reach(self, *args)
 
     def measured_replay(self: PartedRanks, kind: str, *args: Any) -> None:
         if kind == "snapshot":
+            trained.append(True)
             meter.begin("snapshot")
         with meter.tap():
             replay(self, kind, *args)
-        if kind in ("snapshot", "apply", "rebase"):
-            meter.end("snapshot" if kind == "snapshot" else "apply")
+        if kind == "snapshot":
+            meter.end("snapshot")
+        elif kind in ("apply", "rebase") and meter.window is not None:
+            meter.end(meter.window)
 
     PartedRanks._upload = measured_upload  # type: ignore[method-assign]
     PartedRanks._reach = measured_reach  # type: ignore[method-assign]
