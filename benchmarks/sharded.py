@@ -13,10 +13,11 @@ Each rank measures, in the same run:
   on its rows of the state, loading them, the training thread's apply or rebase), against
   its shard + the largest tensor, in F32 (goal: ≤ 1.1×);
 - the payload bytes it uploads and downloads per round (goal: ≤ 1.1× shard + one tensor);
-- the median time of a due `step()` (the decision, its broadcast to the ranks and the
-  snapshot of the rank's shard; timed to the end of the snapshot, since a standard
-  DiLoCo step then waits for the round's commit) against a plain `clone()` of its shard
-  (goal: ≤ 1.5×).
+- the median time of a due step's own work (on rank 0 the learner's hand-over: its
+  decision, the snapshot broadcast to the ranks and taken, the job posted; on the other
+  ranks the snapshot they replay; a standard DiLoCo due step then waits for its commit,
+  the barrier, which is not the learner's cost) against a plain `clone()` of the rank's
+  shard (goal: ≤ 1.5×).
 Prints a markdown table and appends it to benchmarks/RESULTS.md (unless --no-append).
 Ranks run as `torchrun` processes of this file (`--rank-worker`).
 """
@@ -95,7 +96,7 @@ def rank_worker(args: argparse.Namespace) -> None:
 
     meter = SharedMeter()
     meter.install()
-    measure(meter)
+    measure(meter, tap_snapshot=False)  # the due step is timed: no Python dispatch in it
     moved = count_payload_bytes()
     import torch
     import torch.distributed as dist
@@ -119,14 +120,26 @@ def rank_worker(args: argparse.Namespace) -> None:
     fully_shard(model)
     alg = DiLoCo.standard(args.sync_every, 1)
     parted = PartedRanks.create(model, args.mailbox, timeout=600.0)
-    snapshots: list[tuple[str, float]] = []
-    replay = PartedRanks._replay
+    # The due step's own work: on rank 0 the learner's hand-over (its decision, the
+    # snapshot broadcast to the ranks and taken, the job posted), on the others the
+    # snapshot they replay. (A standard DiLoCo due step then waits for its commit: the
+    # barrier, not the learner's cost.)
+    due: list[float] = []
+    replay, hand_over = PartedRanks._replay, Learner._hand_over
 
-    def flagged(self: PartedRanks, kind: str, *rest: Any) -> None:
+    def timed_replay(self: PartedRanks, kind: str, *rest: Any) -> None:
+        t0 = time.perf_counter()
         replay(self, kind, *rest)
-        snapshots.append((kind, time.perf_counter()))
+        if kind == "snapshot" and self.rank != 0:
+            due.append(time.perf_counter() - t0)
 
-    PartedRanks._replay = flagged  # type: ignore[method-assign]
+    def timed_hand_over(self: Learner, *rest: Any, **kw: Any) -> None:
+        t0 = time.perf_counter()
+        hand_over(self, *rest, **kw)
+        due.append(time.perf_counter() - t0)
+
+    PartedRanks._replay = timed_replay  # type: ignore[method-assign]
+    Learner._hand_over = timed_hand_over  # type: ignore[method-assign]
     sync = RankSync(TorchRanks("cpu"), model, parted=parted)
     sync.start(lambda: Learner(parted.learner_adapter(), alg, args.mailbox, "sharded",
                                sync=False, poll_interval=0.02, lease_every=5.0,
@@ -136,22 +149,11 @@ def rank_worker(args: argparse.Namespace) -> None:
     moved.update(up=0, down=0)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     ids = torch.randint(0, args.vocab, (1, 32), generator=torch.Generator().manual_seed(rank))
-    due, plain = [], []
     for _ in range(args.rounds * args.sync_every):
         opt.zero_grad()
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
-        snapshots.clear()
-        t0 = time.perf_counter()
         sync.step(32)
-        took = time.perf_counter() - t0
-        # A due step of standard DiLoCo then waits for the round's commit (the barrier,
-        # not the learner's cost): it is timed from step() to the end of its snapshot.
-        snap = [at for kind, at in snapshots if kind == "snapshot"]
-        if snap:
-            due.append(snap[0] - t0)
-        elif not snapshots:
-            plain.append(took)
     sync.close()
     a = parted.adapter
     names = list(a.schema.names)
@@ -167,7 +169,7 @@ def rank_worker(args: argparse.Namespace) -> None:
         "largest_f32": max(4 * math.prod(p.shape) for p in a.schema.params),
         "model_f32": sum(4 * math.prod(p.shape) for p in a.schema.params),
         "peaks": meter.peaks, "moved": moved, "joined": joined,
-        "due": due, "plain": plain, "clone": clones,
+        "due": due, "clone": clones,
     }))
     dist.barrier()
     dist.destroy_process_group()
