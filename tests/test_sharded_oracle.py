@@ -10,6 +10,7 @@ the same. No timing is asserted: the timeouts are generous for two loaded cores.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -26,6 +27,8 @@ from workers.toy import make_model
 
 from gradientmail.mailbox import LocalMailbox
 from gradientmail.run.protocol import Exchange
+from gradientmail.run.replica import state_at
+from gradientmail.wire.payload_ranges import rows_of
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -75,6 +78,12 @@ def records(box: Path) -> list[Any]:
     return asyncio.run(read())
 
 
+def whole_state(box: Path, rec: Any) -> Any:
+    import asyncio
+
+    return asyncio.run(state_at(Exchange(LocalMailbox(box)), 0, rec))
+
+
 @pytest.mark.parametrize("checkpoint_every", [1, 20], ids=["rows", "replicated"])
 def test_fsdp2_a_split_ddp_learner_and_a_plain_one_equal_the_oracle(
         tmp_path: Path, checkpoint_every: int) -> None:
@@ -105,6 +114,21 @@ def test_fsdp2_a_split_ddp_learner_and_a_plain_one_equal_the_oracle(
             g = torch.tensor(result["params"][name]).reshape(w.shape)
             torch.testing.assert_close(g, w, rtol=0, atol=1e-5, msg=f"{who}: {name}")
     recs, snaps = records(box)
+    if checkpoint_every > 1:
+        # Every rank replayed the outer step on its own rows of the state (FSDP2: half of
+        # each tensor's rows): byte for byte those rows of the state the closers computed.
+        whole = whole_state(box, recs[-1])
+        for who in ("fsdp", "fsdp rank 1", "split", "split rank 1"):
+            rows = got[who]["rows"]
+            assert rows["version"] == recs[-1].version, who
+            for key, digest in rows["sha256"].items():
+                kind, name = key.split("/", 1)
+                a, b = rows["held"][name]
+                want = rows_of(getattr(whole, kind)[name], a, b).tensor
+                assert digest == hashlib.sha256(want.buffer).hexdigest(), (who, key)
+        assert got["fsdp"]["rows"]["held"] != got["fsdp rank 1"]["rows"]["held"]
+    else:
+        assert all(got[who]["rows"] is None for who in ("fsdp", "split"))
     assert [sorted(p.learner for p in r.participants) for r in recs] == \
         [["fsdp", "plain", "split"]] * ROUNDS
     assert all(r.theta is not None for r in recs) == (checkpoint_every == 1)

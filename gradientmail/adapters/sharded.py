@@ -315,6 +315,37 @@ class ShardedAdapter:
             out[name] = Rows(o0, o1, _host_bytes(diff, "F32"))
         return out
 
+    def mailed(self, names: Sequence[str]) -> dict[str, tuple[int, int]]:
+        """The owned rows of `names` that `delta` returns (a 0-d parameter only on its
+        one owner)."""
+        out = {}
+        for name in names:
+            o0, o1 = self.owned_rows(name)
+            if o0 == o1 and not self.schema[name].shape:
+                continue  # as in `read`
+            out[name] = (o0, o1)
+        return out
+
+    @torch.no_grad()
+    def delta_into(self, anchor: Mapping[str, torch.Tensor],
+                   snapshot: Mapping[str, torch.Tensor], slots: Mapping[str, Any]) -> None:
+        """`delta`, written into `slots` (name -> a writable host buffer of the owned rows
+        in F32, one per name of `mailed`) instead of new buffers: the same bytes, and on
+        the host no buffer beyond the slots (on another device, one tensor's rows)."""
+        for name, slot in slots.items():
+            h0 = self.local_rows(name)[0]
+            o0, o1 = self.owned_rows(name)
+            a = _narrow(anchor[name], o0 - h0, o1 - h0)
+            s = _narrow(snapshot[name], o0 - h0, o1 - h0)
+            if a.numel() == 0:
+                continue
+            out = torch.frombuffer(slot, dtype=torch.float32).reshape(a.shape)
+            if a.device.type == "cpu":
+                out.copy_(a)  # a.to(float32) in place: then the same subtraction
+                out.sub_(s)
+            else:
+                out.copy_(a.to(torch.float32, copy=True).sub_(s))
+
     @torch.no_grad()
     def apply(self, values: Mapping[str, Any], mixing: float = 0.0) -> None:
         """Write `values` into this rank's shards in place: each a loaded tensor (`load`),

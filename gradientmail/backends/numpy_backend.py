@@ -251,7 +251,7 @@ class NumpyBackend:
         out = self.buffers.empty(arrays[0].size)
 
         def run(span: tuple[int, int]) -> None:
-            tmp = np.empty(CHUNK, dtype=np.float32)
+            tmp = np.empty(min(CHUNK, span[1] - span[0]), dtype=np.float32)
             with np.errstate(over="ignore", invalid="ignore"):
                 for s, n in _chunks(span):
                     _lincomb_chunk(arrays, ks, s, n, out[s : s + n], tmp[:n])
@@ -281,7 +281,8 @@ class NumpyBackend:
         mo_out = self.buffers.empty(mo.size)
 
         def run(span: tuple[int, int]) -> bool:
-            d = np.empty(CHUNK, dtype=np.float32)
+            # No larger than the span: a sharded rank steps its rows a few at a time.
+            d = np.empty(min(CHUNK, span[1] - span[0]), dtype=np.float32)
             tmp = np.empty_like(d)
             finite = True
             with np.errstate(over="ignore", invalid="ignore"):

@@ -9,10 +9,12 @@ ranks' rows in step, each ordered by rank 0:
   (snapshot, apply, rebase) is broadcast by rank 0 as it happens, inside `RankSync`'s
   collectives, and replayed by every other rank on its training thread on the same step.
 - The side channel, on a gloo group of its own (so its collectives never interleave with
-  FSDP's): what the communication thread does (upload a part, read a commit's rows, load
-  the values a learner joins with, read the parameters a creator uploads). Rank 0 sends a
-  command; every rank, rank 0 included, carries out its share; the results are gathered.
-  The other ranks serve it from a thread of their own (`begin`).
+  FSDP's): what the communication thread does (upload a part; reach a fragment's
+  version, joining or following commits, each rank reading its own rows and, with a
+  replicated outer step, replaying it on its rows of the state: `RowReplica`; read the
+  parameters a creator uploads). Rank 0 sends a command; every rank, rank 0 included,
+  carries out its share; the results are gathered. The other ranks serve it from a
+  thread of their own (`begin`). No rank holds a fragment whole.
 
 A handle rank 0 no longer holds is released on every rank with the next training-channel
 message: the one channel whose order follows every use of it.
@@ -30,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from gradientmail.adapters.sharded import ShardedAdapter
+from gradientmail.algorithms.base import FragmentState
 from gradientmail.errors import (
     ConfigError,
     GradientmailError,
@@ -39,11 +42,13 @@ from gradientmail.errors import (
 from gradientmail.integration.ranks import Ranks, TorchRanks
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
+from gradientmail.run.part_blob import PartBlob, put_part_blob
 from gradientmail.run.protocol import Exchange
+from gradientmail.run.row_replica import RowChain, RowReplica, plan_chain
 from gradientmail.wire.parts import assemble
-from gradientmail.wire.payload_ranges import Rows, fetch_rows
+from gradientmail.wire.payload_ranges import Rows
 from gradientmail.wire.quantization import quantize
-from gradientmail.wire.records import PayloadRef, RoundRecord
+from gradientmail.wire.records import Manifest, PayloadRef, RoundRecord
 from gradientmail.wire.serialization import TensorBytes
 
 __all__ = ["Handle", "PartedRanks", "RankAdapter", "SideGroup", "check_meshes", "is_sharded"]
@@ -102,6 +107,8 @@ class PartedRanks:
         self._released: list[int] = []  # rank 0: ids to release with the next message
         self._command = threading.Lock()  # rank 0: one side command at a time
         self._thread: threading.Thread | None = None
+        self._replica: RowReplica | None = None  # this rank's rows of each fragment's state
+        self._versions: dict[int, int] = {}  # rank 0: the version every rank's replica holds
         self.failure: BaseException | None = None  # what ended a member's serving thread
 
     @classmethod
@@ -129,6 +136,11 @@ class PartedRanks:
         and the snapshots of rounds in flight; the rest are released)."""
         with self._changed:
             return len(self._store)
+
+    def rows_state(self, fragment: int) -> FragmentState | None:
+        """This rank's rows of `fragment`'s outer state as it last replayed it (a run with
+        a replicated outer step; None before, or in other runs)."""
+        return None if self._replica is None else self._replica.state(fragment)
 
     def learner_adapter(self) -> RankAdapter:
         """The adapter rank 0's `Learner` is built with."""
@@ -239,8 +251,9 @@ class PartedRanks:
             self._command.release()
 
     def load_full(self, values: Mapping[str, TensorBytes]) -> Handle:
-        """Rank 0: full `values` (the commits a learner joins with) loaded by every rank,
-        each its own rows. Sent whole over the side group: once per join, not per commit."""
+        """Rank 0: full `values` loaded by every rank, each its own rows (the adapter's
+        `load`; sent whole over the side group, so the learner does not use it: it joins
+        and follows commits by rows, `load`)."""
         i = self.new_id()
         plain = {n: TensorBytes(t.dtype, t.shape, t.data) for n, t in values.items()}
         self._side_command(("load_full", i, plain))
@@ -265,17 +278,27 @@ class PartedRanks:
         refs: list[PayloadRef] = await self._side_command_async(cmd, exchange)
         return refs
 
-    async def load(self, exchange: Exchange, record: RoundRecord,
-                   names: Sequence[str]) -> tuple[Any, int]:
-        """`Crew.load`: every rank's rows of the commit's theta; (None, 0) when swept."""
-        assert record.theta is not None
+    async def load(self, exchange: Exchange, manifest: Manifest, fragment: int,
+                   record: RoundRecord | None) -> tuple[Any, int]:
+        """`Crew.load`: every rank's rows of `fragment`'s theta at `record` (Θ⁰ for
+        None), each read by ranges and, with a replicated outer step, replayed on the
+        rank's own rows of the state; (None, 0) when a payload was swept. Rank 0 walks
+        the records (it alone holds the run key), the ranks read and replay."""
+        held = self._versions.get(fragment)
+        chain = await plan_chain(exchange, manifest, fragment, record, held)
         i = self.new_id()
-        got: list[int | None] = await self._side_command_async(
-            ("load", i, record.theta, tuple(names)), exchange)
         h = Handle(i)
-        weakref.finalize(h, self._drop, i)  # also what releases the rows of a swept one
+        # Also what releases the rows of a swept one, or those some ranks loaded when
+        # another failed.
+        weakref.finalize(h, self._drop, i)
+        # Forgotten until every rank says it holds the new version: a rank that failed
+        # partway dropped its state, and the next chain must start from a checkpoint.
+        self._versions.pop(fragment, None)
+        got: list[int | None] = await self._side_command_async(("reach", i, chain), exchange)
         if any(n is None for n in got):
             return None, 0
+        if chain.replicated:
+            self._versions[fragment] = chain.version
         return h, sum(n or 0 for n in got)
 
     # -- the side channel: every rank's share ----------------------------------------------
@@ -312,37 +335,60 @@ class PartedRanks:
 
     async def _serve(self, cmd: tuple[Any, ...], ex: Exchange) -> Any:
         """This rank's share of a command that reads or writes the mailbox."""
-        a, kind = self.adapter, cmd[0]
+        kind = cmd[0]
         if kind == "upload":
             round_, learner, anchor, snapshot, fmt = cmd[1:]
-            delta = await asyncio.to_thread(a.delta, self._get(anchor), self._get(snapshot))
-            entries: dict[str, TensorBytes] = {}
-            for name, rows in delta.items():
-                entries.update({name: rows.tensor} if fmt == "F32" else
-                               quantize(name, rows.tensor, fmt))
-            return await ex.put_part(round_, learner, self.rank, self.size, entries,
-                                     {n: (r.start, r.stop) for n, r in delta.items()})
-        if kind == "load":
-            i, ref, names = cmd[1:]
-            return await self._load_rows(ex, i, ref, names)
+            return await self._upload(ex, round_, learner, self._get(anchor),
+                                      self._get(snapshot), fmt)
+        if kind == "reach":
+            i, chain = cmd[1:]
+            return await self._reach(ex, i, chain)
         raise ConfigError(f"unknown side command {kind!r}")
 
-    async def _load_rows(self, ex: Exchange, i: int, ref: PayloadRef,
-                         names: Sequence[str]) -> int | None:
+    async def _upload(self, ex: Exchange, round_: int, learner: str, anchor: Any,
+                      snapshot: Any, fmt: str) -> PayloadRef:
+        """This rank's part: anchor − θ over its owned rows. Uncompressed F32 is written
+        straight into the part's buffer (the rank holds the part, nothing more); other
+        formats are computed a tensor at a time and quantized before the next."""
         a = self.adapter
-        rows = await fetch_rows(ex.mailbox, ex.prefix + ref.key, ref.size,
-                                {n: a.local_rows(n) for n in names})
-        if rows is None:
+        rows = a.mailed(list(snapshot))
+        if fmt == "F32" and ex.compression == "off":
+            specs = [dataclasses.replace(p, dtype="F32") for p in a.part_schema(list(rows)).params]
+            blob = PartBlob(specs, rows)
+            await asyncio.to_thread(a.delta_into, anchor, snapshot,
+                                    {n: blob.slot(n) for n in rows})
+            return await put_part_blob(ex, round_, learner, self.rank, self.size, blob)
+        entries: dict[str, TensorBytes] = {}
+        for name in rows:
+            one = await asyncio.to_thread(a.delta, {name: anchor[name]}, {name: snapshot[name]})
+            t = one[name].tensor
+            entries.update({name: t} if fmt == "F32" else quantize(name, t, fmt))
+            del one, t  # before the next tensor's delta
+        return await ex.put_part(round_, learner, self.rank, self.size, entries, rows)
+
+    async def _reach(self, ex: Exchange, i: int, chain: RowChain) -> int | None:
+        """This rank's share of `load`: its rows of the chain's theta, loaded onto its
+        device one tensor at a time (the bytes read, or None when swept)."""
+        a = self.adapter
+        if self._replica is None:
+            self._replica = RowReplica(ex, {n: a.local_rows(n) for n in a.schema.names})
+        replica = self._replica
+        loaded: dict[str, Any] = {}
+
+        async def each(name: str, rows: Rows) -> None:
+            spec, t = a.schema[name], rows.tensor
+            if t.dtype != spec.dtype or tuple(t.shape[1:]) != spec.shape[1:]:
+                raise SchemaMismatch(
+                    f"fragment {chain.fragment} v{chain.version} does not fit the model: "
+                    f"{name!r} is {t.dtype} {list(t.shape[1:])} per row, the model's "
+                    f"{spec.dtype} {list(spec.shape[1:])}")
+            loaded.update(await asyncio.to_thread(a.load, {name: rows}))
+
+        before = replica.bytes_down
+        if not await replica.reach(chain, each):
             return None
-        wrong = [f"{n!r} is {r.tensor.dtype} {list(r.tensor.shape[1:])} per row"
-                 for n, r in rows.items()
-                 if r.tensor.dtype != a.schema[n].dtype
-                 or tuple(r.tensor.shape[1:]) != a.schema[n].shape[1:]]
-        if wrong:
-            raise SchemaMismatch(f"commit {ref.key!r} does not fit the model: "
-                                 + "; ".join(wrong))
-        self._keep(i, await asyncio.to_thread(a.load, rows))
-        return sum(r.tensor.nbytes for r in rows.values())
+        self._keep(i, loaded)
+        return replica.bytes_down - before
 
 
 def is_sharded(module: Any) -> bool:

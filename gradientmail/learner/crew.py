@@ -9,20 +9,21 @@ for two things, and for nothing else:
 
 - `upload`: every rank computes anchor − θ over the rows it owns and uploads it as its
   part of the round; the part references, in rank order (a failure on any rank raises).
-- `load`: every rank reads its rows of a commit's parameters and loads them onto its
-  device; rank 0's loaded values (what the training thread applies, which tells every
-  rank to apply its own), and the bytes all ranks downloaded.
+- `load`: every rank reads its rows of a fragment's parameters at a commit (or Θ⁰, when
+  joining) and loads them onto its device; with a replicated outer step each rank
+  replays the commit's step on its own rows of the fragment's state. Rank 0's loaded
+  values (what the training thread applies, which tells every rank to apply its own),
+  and the bytes all ranks downloaded. No rank holds the fragment whole.
 
 `anchor` and `snapshot` are the adapter's handles, as the training thread made them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Protocol
 
 from gradientmail.run.protocol import Exchange
-from gradientmail.wire.records import PayloadRef, RoundRecord
+from gradientmail.wire.records import Manifest, PayloadRef, RoundRecord
 
 __all__ = ["Crew", "crew_of"]
 
@@ -40,10 +41,11 @@ class Crew(Protocol):
         """Every rank's part of `learner`'s contribution to `round_`, in rank order."""
         ...
 
-    async def load(self, exchange: Exchange, record: RoundRecord,
-                   names: Sequence[str]) -> tuple[Any, int]:
-        """Every rank's rows of `record`'s parameters `names`, loaded; rank 0's, and the
-        bytes all ranks read."""
+    async def load(self, exchange: Exchange, manifest: Manifest, fragment: int,
+                   record: RoundRecord | None) -> tuple[Any, int]:
+        """Every rank's rows of `fragment`'s parameters as `record` committed them (Θ⁰
+        for None), loaded; rank 0's (None when a payload was swept), and the bytes all
+        ranks read."""
         ...
 
 

@@ -56,10 +56,8 @@ class CommitFetcher:
         ex = self._exchange
         names = self._plan[rec.fragment]
         schema = self._adapter.schema
-        if crew_of(self._adapter) is not None and not self._replica.algorithm.replicated:
-            return await self._fetch_rows(rec, names)
-        # With a replicated outer step, rank 0 keeps the fragment's state whole (its
-        # embedded closer does anyway) and hands each rank its rows (`adapter.load`).
+        if crew_of(self._adapter) is not None:
+            return await self._fetch_rows(rec)
         theta: dict[str, TensorBytes] | None = None
         nbytes = 0
         replica = self._replica
@@ -108,18 +106,16 @@ class CommitFetcher:
         loaded = await asyncio.to_thread(self._adapter.load, theta)
         return Commit(rec, loaded, nbytes)
 
-    async def _fetch_rows(self, rec: RoundRecord, names: tuple[str, ...]) -> Commit | None:
-        """A commit read by a learner whose ranks each read their own rows of its theta
-        (`Crew.load`): no rank downloads the fragment, so none holds it to rebuild the
-        next version from an update."""
+    async def _fetch_rows(self, rec: RoundRecord) -> Commit | None:
+        """A commit read by a learner whose ranks each read their own rows (`Crew.load`),
+        and with a replicated outer step replay it on their own rows of the state: no rank
+        downloads the fragment, so none holds it to rebuild the next version from an
+        update."""
         crew = crew_of(self._adapter)
         assert crew is not None
-        if rec.theta is None:
-            return Commit(rec, None, 0, rejected=(
-                "a learner whose ranks read their own rows needs each commit's theta; this "
-                "run replicates its outer step (checkpoint_every > 1), which it cannot follow"))
         try:
-            loaded, nbytes = await crew.load(self._exchange, rec, names)
+            loaded, nbytes = await crew.load(self._exchange, self._replica.manifest,
+                                             rec.fragment, rec)
         except (RemoteProtocolError, SchemaMismatch, ConfigError) as exc:
             return Commit(rec, None, 0, rejected=str(exc))
         return None if loaded is None else Commit(rec, loaded, nbytes)

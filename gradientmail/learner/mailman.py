@@ -32,20 +32,21 @@ from gradientmail.events import (
     ReleaseFailed,
     RoundRecorded,
 )
+from gradientmail.learner.crew import Crew, crew_of
 from gradientmail.learner.fetcher import CommitFetcher
 from gradientmail.learner.messages import Commit, Observed, Outgoing, delta_format
 from gradientmail.learner.poster import Poster
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
 from gradientmail.mailbox.wrappers import CountingMailbox
-from gradientmail.run.join import JoinResult, join_run
+from gradientmail.run.join import JoinResult, Loader, join_run
 from gradientmail.run.lease import LeaseTracker
 from gradientmail.run.protocol import MANIFEST_KEY, Exchange
 from gradientmail.run.replica import Replica
 from gradientmail.run.rollcall import READ_EVERY, Call, reply
 from gradientmail.syncer.runtime import Syncer
 from gradientmail.wire.auth import HmacSeal
-from gradientmail.wire.records import RoundRecord
+from gradientmail.wire.records import Manifest, RoundRecord
 
 __all__ = ["BACKUP_EVERY", "MANIFEST_EVERY", "WAITING_POLL", "Mailman", "delta_format",
            "poll_delay"]
@@ -74,6 +75,13 @@ FREE_WAITING_CAP = 0.01
 #: Seconds between lease listings of a learner waiting for others to join
 #: (`Learner.wait_for_learners`) on a billed store.
 WANTED_LIST = 0.2
+
+
+def _rows_loader(crew: Crew, ex: Exchange) -> Loader:
+    async def load(manifest: Manifest, fragment: int, rec: RoundRecord | None) -> Any:
+        return (await crew.load(ex, manifest, fragment, rec))[0]
+
+    return load
 
 
 def poll_delay(poll_interval: float, blocked_polls: int, metered: bool = True) -> float:
@@ -271,6 +279,9 @@ class Mailman:
     async def _main(self, joined: concurrent.futures.Future[JoinResult]) -> None:
         ex = self._exchange
         assert ex is not None
+        crew = crew_of(self.adapter)
+        # A learner of several ranks joins with each rank's own rows.
+        load = None if crew is None else _rows_loader(crew, ex)
         try:
             result = await join_run(
                 ex,
@@ -279,6 +290,7 @@ class Mailman:
                 self.learner_id,
                 poll_interval=self.poll_interval,
                 on_event=self.on_event,
+                load=load,
             )
         except BaseException as exc:
             joined.set_exception(exc)

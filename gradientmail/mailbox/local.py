@@ -113,12 +113,12 @@ class LocalMailbox(Mailbox):
 
     async def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
-        data = bytes(data)
+        data = _frozen(data)
         await self._io("put", key, path, lambda: self._write(key, path, data, replace=True))
 
     async def create(self, key: str, data: bytes) -> bool:
         path = self._path(key)
-        data = bytes(data)
+        data = _frozen(data)
         return await self._io(
             "create", key, path, lambda: self._write(key, path, data, replace=False)
         )
@@ -382,3 +382,12 @@ def _scan(
             and (start_after is None or key > start_after)
         ):
             out.append(key)
+
+
+def _frozen(data: bytes) -> bytes:
+    """`data` as the write will read it: a read-only view of a buffer, not a copy (a
+    sharded learner's part is made in place in a buffer of its own, as large as the
+    rank's shard; copying it would double what the rank holds while it uploads)."""
+    if isinstance(data, bytes):
+        return data
+    return memoryview(data).toreadonly()

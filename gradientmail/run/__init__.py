@@ -2,8 +2,9 @@
 
 The key layout and the pure decisions over keys (`keyspace`), liveness (`lease`, and the
 roll call `rollcall`), the `Exchange` that reads and writes records and payloads
-(`protocol`), joining a run (`join`), following a fragment commit by commit (`replica`) and
-reading the newest committed model (`committed`). Learners and syncers are built on it.
+(`protocol`), joining a run (`join`), following a fragment commit by commit (`replica`;
+one rank's rows of it, `row_replica`), a part written in place (`part_blob`) and reading
+the newest committed model (`committed`). Learners and syncers are built on it.
 """
 
 __all__: list[str] = []

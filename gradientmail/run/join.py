@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from gradientmail.adapters.base import Adapter
@@ -28,16 +28,20 @@ from gradientmail.events import (
 from gradientmail.mailbox.selftest import verify_conditional_writes
 from gradientmail.run.protocol import Exchange, current_attempt
 from gradientmail.run.replica import Replica
-from gradientmail.wire.records import Manifest
+from gradientmail.wire.records import Manifest, RoundRecord
 from gradientmail.wire.serialization import Schema, TensorBytes
 
 __all__ = [
     "JoinResult",
+    "Loader",
     "config_differences",
     "creation_timeout",
     "join_run",
     "schema_differences",
 ]
+
+#: Another way to read a fragment's parameters at a commit (see `join_run`).
+Loader = Callable[[Manifest, int, RoundRecord | None], Awaitable[Any]]
 
 #: The bandwidth a creator is assumed to have at least, to size the takeover timeout.
 CREATOR_BYTES_PER_SECOND = 1024 * 1024
@@ -98,8 +102,13 @@ async def join_run(
     *,
     poll_interval: float,
     on_event: EventSink,
+    load: Loader | None = None,
 ) -> JoinResult:
-    """Join (or create) the run in `ex`, returning each fragment's newest parameters."""
+    """Join (or create) the run in `ex`, returning each fragment's newest parameters.
+
+    `load` reads a fragment's parameters as a commit left them (Θ⁰ for None) another
+    way than through this process's `Replica` (a learner whose ranks each read their own
+    rows); its results' host bytes are not kept (`JoinResult.thetas` holds empty ones)."""
     await verify_conditional_writes(ex.mailbox, prefix=ex.prefix + "selftest/")
     schema = adapter.schema
     plan = algorithm.plan(schema)
@@ -153,9 +162,16 @@ async def join_run(
         newest = await ex.newest_round()
         latest = await ex.latest_commit_per_fragment(len(plan), newest)
         fragments = []
-        thetas = []
+        thetas: list[dict[str, TensorBytes]] = []
         for p, names in enumerate(plan):
             rec = latest.get(p)
+            if load is not None:
+                loaded = await load(manifest, p, rec)
+                if loaded is None:
+                    break  # swept while we read: a newer commit exists, look again
+                fragments.append((rec.version if rec is not None else 0, loaded))
+                thetas.append({})
+                continue
             state = await replica.at(p, rec)
             if state is None:
                 break  # swept while we read: a newer commit exists, look again

@@ -46,7 +46,9 @@ __all__ = [
     "ByteRange",
     "Rows",
     "coalesce",
+    "fetch_index",
     "fetch_rows",
+    "fetch_span_rows",
     "header_length",
     "index_from_header",
     "row_range",
@@ -164,6 +166,46 @@ def coalesce(ranges: Sequence[ByteRange], max_gap: int = 0) -> list[ByteRange]:
     return out
 
 
+async def fetch_index(
+    mailbox: Mailbox, key: str, size: int, *, probe: int = HEADER_PROBE
+) -> dict[str, Span] | None:
+    """Where each tensor of the uncompressed payload at `key` (of `size` bytes) lies, by
+    name, from its header alone (one ranged GET, a second when the header is larger than
+    `probe`); None when the payload is gone. Checked as `index_from_header` checks."""
+    head = await mailbox.get_range(key, 0, min(size, probe))
+    if head is None:
+        return None
+    total = header_length(head, key=key)
+    if total > size or total - 8 > MAX_HEADER_BYTES:
+        index_from_header(head, size, key=key)  # raises CorruptPayload, naming the bound
+    if len(head) < total:
+        rest = await mailbox.get_range(key, len(head), total)
+        if rest is None:
+            return None
+        head += rest
+    spans, _ = index_from_header(head, size, key=key)
+    return {s.name: s for s in spans}
+
+
+async def fetch_span_rows(mailbox: Mailbox, key: str, span: Span, start: int,
+                          stop: int) -> Rows | None:
+    """Rows [start, stop) of the tensor at `span` of the payload at `key` (one ranged GET,
+    none for no rows); None when the payload is gone."""
+    want = row_range(span, start, stop)
+    data = b""
+    if want.size:
+        got = await mailbox.get_range(key, want.start, want.stop)
+        if got is None:
+            return None
+        if len(got) != want.size:
+            raise CorruptPayload(
+                f"{key}: bytes [{want.start}, {want.stop}) came back as {len(got)} bytes; "
+                "the object is shorter than its header says, or was replaced")
+        data = got
+    shape = (stop - start, *span.shape[1:]) if span.shape else ()
+    return Rows(start, stop, TensorBytes(span.dtype, shape, data))
+
+
 async def fetch_rows(
     mailbox: Mailbox,
     key: str,
@@ -193,19 +235,9 @@ async def fetch_rows(
         if missing:
             raise ConfigError(f"{key}: tensors {missing} are not in the payload")
         return {n: rows_of(tensors[n], a, b) for n, (a, b) in rows.items()}
-    head = await mailbox.get_range(key, 0, min(size, probe))
-    if head is None:
+    by_name = await fetch_index(mailbox, key, size, probe=probe)
+    if by_name is None:
         return None
-    total = header_length(head, key=key)
-    if total > size or total - 8 > MAX_HEADER_BYTES:
-        index_from_header(head, size, key=key)  # raises CorruptPayload, naming the bound
-    if len(head) < total:
-        rest = await mailbox.get_range(key, len(head), total)
-        if rest is None:
-            return None
-        head += rest
-    spans, _ = index_from_header(head, size, key=key)
-    by_name = {s.name: s for s in spans}
     missing = sorted(set(rows) - set(by_name))
     if missing:
         raise ConfigError(f"{key}: tensors {missing} are not in the payload")

@@ -271,10 +271,12 @@ _WRITE_RANK = {"F32": 0, "BF16": 1, "F16": 2, "F8_E8M0": 3, "F8_E4M3": 4, "F4": 
 
 
 def pack_header(
-    tensors: Mapping[str, TensorBytes], metadata: Mapping[str, str] | None = None
+    tensors: Mapping[str, TensorBytes | ParameterSpec],
+    metadata: Mapping[str, str] | None = None,
 ) -> tuple[bytes, list[str]]:
     """The header `pack` writes for `tensors` (8-byte length, JSON, padding), and the
-    order in which their data follows it."""
+    order in which their data follows it. A `ParameterSpec` stands for a tensor of its
+    dtype and shape (a blob whose data is written in place afterwards)."""
     meta: dict[str, str] = {}
     for k, v in (metadata or {}).items():
         if not isinstance(k, str) or not isinstance(v, str):
@@ -285,7 +287,7 @@ def pack_header(
     for name, tensor in tensors.items():
         if not isinstance(name, str) or not name or name == "__metadata__":
             raise ConfigError(f"tensor name {name!r} is empty, not a string or reserved")
-        if not isinstance(tensor, TensorBytes):
+        if not isinstance(tensor, TensorBytes | ParameterSpec):
             raise ConfigError(f"tensor {name!r} must be TensorBytes, not {type(tensor).__name__}")
     order = sorted(tensors, key=lambda n: (_WRITE_RANK[tensors[n].dtype], n))
     entries: dict[str, Any] = {}

@@ -15,6 +15,7 @@ shards), the rounds seen and the rounds it published; rank k > 0 writes OUT.json
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -79,9 +80,17 @@ def main() -> None:
         full = p.full_tensor() if hasattr(p, "full_tensor") else p  # a collective
         params[name] = full.detach().reshape(-1).tolist()
     rank = dist.get_rank()
+    state = parted.rows_state(0)  # this rank's rows of the replayed outer state, if any
+    rows = None if state is None else {
+        "version": state.version,
+        "held": {n: list(parted.adapter.local_rows(n)) for n in state.theta},
+        "sha256": {f"{kind}/{n}": hashlib.sha256(t.buffer).hexdigest()
+                   for kind, part in (("theta", state.theta), ("momentum", state.momentum),
+                                      ("master", state.master or {}))
+                   for n, t in part.items()}}
     Path(args.out if rank == 0 else f"{args.out}.rank{rank}").write_text(json.dumps({
         "params": params, "rounds_seen": sync.rounds_seen, "published": published,
-        "world": dist.get_world_size()}))
+        "world": dist.get_world_size(), "rows": rows}))
     dist.barrier()
     dist.destroy_process_group()
 

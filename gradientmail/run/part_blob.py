@@ -1,0 +1,68 @@
+"""A part of a contribution written in place (docs/sharded.md §3): the rank's rows of the
+delta go straight into the payload's own buffer, one tensor at a time.
+
+`Exchange.put_part` encodes tensors that already exist, so a rank would hold its whole
+delta and then the blob made of it: twice its shard. An uncompressed part's bytes are
+known in advance but for the data (`pack_header` over the shapes), so `PartBlob` lays
+the blob out, hands each tensor's slot to whoever computes it, and `put_part_blob`
+uploads it as `Exchange.put_part` would: the same key, the same bytes, the same rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from gradientmail.errors import AlreadyContributed, ConfigError
+from gradientmail.run.keyspace import part_key
+from gradientmail.run.protocol import Exchange
+from gradientmail.wire.compression import extension
+from gradientmail.wire.parts import part_metadata
+from gradientmail.wire.records import PayloadRef, check_learner_id
+from gradientmail.wire.serialization import ParameterSpec, pack_header
+
+__all__ = ["PartBlob", "put_part_blob"]
+
+
+class PartBlob:
+    """The blob of an uncompressed part holding `specs` (rows `rows[name]` of each
+    tensor), its header written; `slot(name)` is the writable view of a tensor's data.
+    Once every slot is written, `data` is byte for byte what `pack` makes."""
+
+    def __init__(self, specs: Sequence[ParameterSpec],
+                 rows: Mapping[str, tuple[int, int]]) -> None:
+        header, order = pack_header({s.name: s for s in specs}, part_metadata(rows))
+        by_name = {s.name: s for s in specs}
+        self._buf = bytearray(len(header) + sum(s.nbytes for s in specs))
+        self._buf[: len(header)] = header
+        self._slots: dict[str, tuple[int, int]] = {}
+        pos = len(header)
+        for name in order:
+            self._slots[name] = (pos, pos + by_name[name].nbytes)
+            pos += by_name[name].nbytes
+
+    def slot(self, name: str) -> memoryview:
+        a, b = self._slots[name]
+        return memoryview(self._buf)[a:b]
+
+    @property
+    def data(self) -> memoryview:
+        return memoryview(self._buf).toreadonly()
+
+
+async def put_part_blob(ex: Exchange, round_: int, learner: str, k: int, n: int,
+                        blob: PartBlob) -> PayloadRef:
+    """`Exchange.put_part` for a part written in place (an uncompressed exchange only)."""
+    if ex.compression != "off":
+        raise ConfigError(f"a part written in place is uncompressed; this exchange's codec "
+                          f"is {ex.compression!r} (use Exchange.put_part)")
+    key = part_key(round_, check_learner_id(learner), k, n) + extension("off")
+    data = blob.data
+    # Create-if-absent; an own part no record references yet (a failed attempt) is
+    # replaced; once the record exists the learner has contributed.
+    if not await ex.mailbox.create(ex.prefix + key, data):  # type: ignore[arg-type]
+        if await ex.contribution(round_, learner) is not None:
+            raise AlreadyContributed(
+                f"learner {learner!r} has already contributed to round {round_}; part "
+                f"{key!r} belongs to its record")
+        await ex.mailbox.put(ex.prefix + key, data)  # type: ignore[arg-type]
+    return PayloadRef.of(key, data)  # type: ignore[arg-type]

@@ -1,0 +1,423 @@
+"""One rank's rows of each fragment's state, followed commit by commit (docs/sharded.md §4).
+
+A learner whose ranks each hold a shard (FSDP2) reads commits by rows: no rank may hold a
+fragment whole. With a replicated outer step (`checkpoint_every` K > 1) a commit carries
+the merged Δ, not theta, so every rank keeps its own rows of the fragment's theta, fp32
+master and momentum, and applies each step to them: the outer step is elementwise, so
+a rank's rows come out byte for byte as the same rows of the whole state a `Replica`
+computes (the same `Algorithm.apply_step`, on slices).
+
+The work is split as `Replica._reach` splits it, across ranks: rank 0 (which holds the
+authenticated records) walks the records back to a base (`plan_chain`: the state the
+ranks hold, a checkpoint, or Θ⁰) and sends the `RowChain`; every rank then reads its rows
+of the base and of each step by ranged GETs and replays (`RowReplica.reach`).
+
+Memory: the state's rows are this rank's, held in writable buffers the steps update in
+place, a few rows at a time; what a replay allocates on top is one tensor's rows of the
+step (for an F4 step whose 32-element blocks cross this rank's first or last row, that
+tensor whole). A zstd payload cannot be
+read by ranges and is decoded whole: sharded runs should commit uncompressed.
+
+Not checked on rows: the record's `theta_sha256` (it covers the whole theta; a ranged
+reader cannot compute it, as with the SHA-256 of ranged payloads, §2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from gradientmail.algorithms.base import Algorithm, FragmentState
+from gradientmail.backends.numpy_backend import NumpyBackend
+from gradientmail.errors import GradientmailError, RemoteProtocolError
+from gradientmail.mailbox.base import Mailbox
+from gradientmail.run.protocol import Exchange
+from gradientmail.wire.compression import compression_of, decode
+from gradientmail.wire.payload_ranges import Rows, fetch_index, fetch_span_rows, rows_of
+from gradientmail.wire.quantization import dequantize, scale_name
+from gradientmail.wire.records import Manifest, PayloadRef, RoundRecord, StepRef
+from gradientmail.wire.serialization import Span, TensorBytes
+
+__all__ = ["CHUNK_BYTES", "RowChain", "RowReplica", "plan_chain"]
+
+#: Bytes of F32 rows a replay hands `apply_step` at once: its temporaries (a few buffers
+#: this size) stay small next to a shard; ~60 µs of overhead per call, ~1 ms per 1 MiB.
+CHUNK_BYTES = 1 << 16
+
+#: What `RowReplica.reach` calls with each tensor's theta rows, one tensor at a time.
+Each = Callable[[str, Rows], Awaitable[None]]
+
+
+@dataclasses.dataclass(frozen=True)
+class RowChain:
+    """How to reach `version` of `fragment`: from the base (the state held at
+    `base_version` when `theta` is None; else `theta` and `outer`, the outer state, or
+    Θ⁰ when `outer` is None and `base_version` is 0), then each step in order. Without
+    `replicated`, theta alone is read (a run that uploads theta with every commit)."""
+
+    fragment: int
+    names: tuple[str, ...]
+    version: int
+    replicated: bool
+    base_version: int
+    theta: PayloadRef | None
+    outer: PayloadRef | None
+    steps: tuple[tuple[int, StepRef], ...]
+    algorithm: Mapping[str, Any]
+
+
+async def plan_chain(ex: Exchange, manifest: Manifest, fragment: int,
+                     rec: RoundRecord | None, held: int | None) -> RowChain:
+    """The chain to `rec`'s version of `fragment` (Θ⁰ for None) for ranks that hold
+    version `held` of it (None: nothing). `RemoteProtocolError` when the records do not
+    form a chain, as `Replica.at`."""
+    names = manifest.plan[fragment]
+    alg = dict(manifest.algorithm)
+    replicated = _algorithm(alg).replicated
+    if rec is None:
+        return RowChain(fragment, names, 0, replicated, 0, manifest.init[fragment], None, (),
+                        alg)
+    if not replicated:
+        if rec.theta is None:
+            raise RemoteProtocolError(f"round {rec.round}'s record carries no theta and this "
+                                      "run does not replicate its outer step")
+        return RowChain(fragment, names, rec.version, False, rec.version, rec.theta, None, (),
+                        alg)
+    if held == rec.version:
+        return RowChain(fragment, names, rec.version, True, held, None, None, (), alg)
+    steps: list[tuple[int, StepRef]] = []
+    cur = rec
+    while True:
+        if held is not None and held == cur.version - 1 and cur.step is not None:
+            steps.append((cur.round, cur.step))
+            base: tuple[int, PayloadRef | None, PayloadRef | None] = (held, None, None)
+            break
+        if cur.checkpoint:
+            base = (cur.version, cur.theta, cur.outer)
+            break
+        if cur.step is None:
+            raise RemoteProtocolError(f"round {cur.round} commits version {cur.version} of "
+                                      f"fragment {fragment} with neither theta nor a step")
+        steps.append((cur.round, cur.step))
+        if cur.version == 1:
+            base = (0, manifest.init[fragment], None)
+            break
+        prev_round = cur.round - len(manifest.plan)
+        prev = await ex.read_round(prev_round) if prev_round >= 0 else None
+        if prev is None or prev.fragment != fragment or prev.version != cur.version - 1:
+            raise RemoteProtocolError(
+                f"round {cur.round} commits version {cur.version} of fragment {fragment}, "
+                f"and round {prev_round} is not its version {cur.version - 1}; the run's "
+                "records do not form a chain"
+            )
+        cur = prev
+    return RowChain(fragment, names, rec.version, True, base[0], base[1], base[2],
+                    tuple(reversed(steps)), alg)
+
+
+class _Buf:
+    """Rows of one tensor in a writable buffer (`rows` of them; a 0-d tensor is one)."""
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], data: Any) -> None:
+        self.dtype, self.shape = dtype, shape
+        self.a: npt.NDArray[np.uint8] = np.array(np.frombuffer(data, np.uint8), copy=True)
+        self.rows = shape[0] if shape else 1
+        self.row_bytes = self.a.size // self.rows if self.rows else 0
+
+    def view(self, r0: int, r1: int) -> TensorBytes:
+        """Rows [r0, r1) (of this buffer), read-only, without a copy."""
+        v = self.a[r0 * self.row_bytes : r1 * self.row_bytes]
+        v.flags.writeable = False
+        return TensorBytes(self.dtype, (r1 - r0, *self.shape[1:]) if self.shape else (), v)
+
+    def write(self, r0: int, t: TensorBytes) -> None:
+        np.copyto(self.a[r0 * self.row_bytes : r0 * self.row_bytes + t.nbytes],
+                  np.frombuffer(t.buffer, np.uint8))
+
+
+@dataclasses.dataclass
+class _State:
+    version: int
+    theta: dict[str, _Buf]
+    master: dict[str, _Buf] | None
+    momentum: dict[str, _Buf]
+
+
+class _Reader:
+    """One payload read tensor by tensor: by ranges when uncompressed; a zstd one is
+    fetched and decoded once (no range of one frame decodes alone)."""
+
+    def __init__(self, mailbox: Mailbox, key: str, spans: Mapping[str, Span] | None,
+                 whole: Mapping[str, TensorBytes] | None) -> None:
+        self._mailbox, self.key, self._spans, self._whole = mailbox, key, spans, whole
+        self.bytes = 0
+
+    @classmethod
+    async def open(cls, ex: Exchange, ref: PayloadRef) -> _Reader | None:
+        key = ex.prefix + ref.key
+        if compression_of(key) == "off":
+            spans = await fetch_index(ex.mailbox, key, ref.size)
+            return None if spans is None else cls(ex.mailbox, key, spans, None)
+        blob = await ex.fetch_payload(ref)
+        if blob is None:
+            return None
+        reader = cls(ex.mailbox, key, None, decode(blob, compression_of(key), key=key))
+        reader.bytes = ref.size
+        return reader
+
+    @property
+    def names(self) -> set[str]:
+        return set(self._spans if self._spans is not None else self._whole or {})
+
+    @property
+    def ranged(self) -> bool:
+        """Whether it reads by ranges (else it holds the decoded payload)."""
+        return self._spans is not None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.names:
+            raise RemoteProtocolError(f"{self.key}: the payload has no tensor {name!r}")
+        if self._whole is not None:
+            return self._whole[name].shape
+        assert self._spans is not None
+        return self._spans[name].shape
+
+    def dtype(self, name: str) -> str:
+        if name not in self.names:
+            raise RemoteProtocolError(f"{self.key}: the payload has no tensor {name!r}")
+        if self._whole is not None:
+            return self._whole[name].dtype
+        assert self._spans is not None
+        return self._spans[name].dtype
+
+    async def rows(self, name: str, a: int, b: int) -> Rows | None:
+        if name not in self.names:
+            raise RemoteProtocolError(f"{self.key}: the payload has no tensor {name!r}")
+        if self._whole is not None:
+            return rows_of(self._whole[name], a, b)
+        assert self._spans is not None
+        got = await fetch_span_rows(self._mailbox, self.key, self._spans[name], a, b)
+        if got is not None:
+            self.bytes += got.tensor.nbytes
+        return got
+
+    async def whole(self, name: str) -> TensorBytes | None:
+        if name not in self.names:
+            raise RemoteProtocolError(f"{self.key}: the payload has no tensor {name!r}")
+        if self._whole is not None:
+            return self._whole[name]
+        assert self._spans is not None
+        span = self._spans[name]
+        got = await self.rows(name, 0, span.shape[0] if span.shape else 1)
+        return None if got is None else TensorBytes(span.dtype, span.shape, got.tensor.buffer)
+
+
+class RowReplica:
+    """This rank's rows (`rows`: name -> [start, stop) of the full tensor) of each
+    fragment's state, reached chain by chain (`reach`); `bytes_down` counts what it read.
+    One per rank, used from one thread at a time."""
+
+    def __init__(self, exchange: Exchange, rows: Mapping[str, tuple[int, int]]) -> None:
+        self.exchange = exchange
+        self.rows = dict(rows)
+        self.bytes_down = 0
+        self._states: dict[int, _State] = {}
+        self._backend = NumpyBackend(threads=1, pool_bytes=0)
+
+    def held(self, fragment: int) -> int | None:
+        """The version of `fragment` whose rows this rank holds, if any."""
+        state = self._states.get(fragment)
+        return None if state is None else state.version
+
+    def state(self, fragment: int) -> FragmentState | None:
+        """This rank's rows of `fragment`'s state, as views (None: none held)."""
+        st = self._states.get(fragment)
+        if st is None:
+            return None
+        return FragmentState(
+            fragment, st.version, {n: b.view(0, b.rows) for n, b in st.theta.items()},
+            None if st.master is None else {n: b.view(0, b.rows) for n, b in st.master.items()},
+            {n: b.view(0, b.rows) for n, b in st.momentum.items()})
+
+    async def reach(self, chain: RowChain, each: Each) -> bool:
+        """Follow `chain`, then hand `each` this rank's theta rows of every tensor, one at a
+        time. False when a payload was swept (a newer commit exists). The state is dropped
+        when a replay fails partway, so that the next chain starts from a checkpoint."""
+        try:
+            done = await self._reach(chain, each)
+        except BaseException:
+            self._states.pop(chain.fragment, None)
+            raise
+        if not done:
+            self._states.pop(chain.fragment, None)
+        return done
+
+    async def _reach(self, chain: RowChain, each: Each) -> bool:
+        alg = _algorithm(chain.algorithm)
+        if not chain.replicated:
+            assert chain.theta is not None
+            reader = await _Reader.open(self.exchange, chain.theta)
+            if reader is None:
+                return False
+            try:
+                for n in chain.names:
+                    got = await reader.rows(n, *self.rows[n])
+                    if got is None:
+                        return False
+                    await each(n, got)
+            finally:
+                self.bytes_down += reader.bytes
+            return True
+        if chain.theta is None:
+            state = self._states.get(chain.fragment)
+            if state is None or state.version != chain.base_version:
+                raise GradientmailError(
+                    f"this rank holds version {None if state is None else state.version} of "
+                    f"fragment {chain.fragment}, not {chain.base_version}; read it again")
+        else:
+            base = await self._base(alg, chain)
+            if base is None:
+                return False
+            state = base
+            self._states[chain.fragment] = state
+        for round_, step in chain.steps:
+            if not await self._step(alg, chain.fragment, state, round_, step):
+                return False
+        for n in chain.names:
+            a, b = self.rows[n]
+            await each(n, Rows(a, b, state.theta[n].view(0, state.theta[n].rows)))
+        return True
+
+    async def _base(self, alg: Algorithm, chain: RowChain) -> _State | None:
+        assert chain.theta is not None
+        theta_in = await _Reader.open(self.exchange, chain.theta)
+        outer_in = None if chain.outer is None else await _Reader.open(self.exchange,
+                                                                      chain.outer)
+        if theta_in is None or (chain.outer is not None and outer_in is None):
+            return None
+        state = _State(chain.base_version, {}, None, {})
+        # Whether the fragment keeps a master apart from theta is the algorithm's choice
+        # over all its dtypes: asked once, of zero rows of each tensor.
+        keep = outer_in is not None and any(k.startswith("master/") for k in outer_in.names)
+        if outer_in is None:
+            empty = {n: TensorBytes(theta_in.dtype(n), (0,), b"") for n in chain.names}
+            keep = alg.initial_state(chain.fragment, empty).master is not None
+        state.master = {} if keep else None
+        try:
+            for n in chain.names:
+                a, b = self.rows[n]
+                got = await theta_in.rows(n, a, b)
+                if got is None:
+                    return None
+                t = got.tensor
+                state.theta[n] = _Buf(t.dtype, t.shape, t.buffer)
+                del got, t
+                if outer_in is None:
+                    one = alg.initial_state(chain.fragment, {n: state.theta[n].view(
+                        0, state.theta[n].rows)})
+                    mom = one.momentum[n]
+                    master = None if not keep else (one.master or one.theta)[n]
+                else:
+                    m_rows = await outer_in.rows("momentum/" + n, a, b)
+                    w_rows = await outer_in.rows("master/" + n, a, b) if keep else None
+                    if m_rows is None or (keep and w_rows is None):
+                        return None
+                    mom = m_rows.tensor
+                    master = None if w_rows is None else w_rows.tensor
+                state.momentum[n] = _Buf("F32", mom.shape, mom.buffer)
+                if state.master is not None:
+                    assert master is not None
+                    state.master[n] = _Buf("F32", master.shape, master.buffer)
+        finally:
+            self.bytes_down += theta_in.bytes + (outer_in.bytes if outer_in else 0)
+        return state
+
+    async def _step(self, alg: Algorithm, fragment: int, state: _State, round_: int,
+                    step: StepRef) -> bool:
+        reader = await _Reader.open(self.exchange, step.payload)
+        if reader is None:
+            return False
+        try:
+            for n in state.theta:
+                d = await self._delta_rows(reader, n, step.format)
+                if d is None:
+                    return False
+                await asyncio.to_thread(self._apply_rows, alg, fragment, state, n, d, step.rule)
+        finally:
+            self.bytes_down += reader.bytes
+        state.version += 1
+        return True
+
+    async def _delta_rows(self, reader: _Reader, name: str, fmt: str) -> TensorBytes | None:
+        """This rank's rows of the step's Δ of `name`, in F32 (dequantized exactly)."""
+        a, b = self.rows[name]
+        if fmt == "F4":
+            # Blocks of 32 elements: rows that start and end on a block boundary are read
+            # with their blocks' scales; otherwise the tensor whole, then its rows.
+            shape = reader.shape(name)
+            per_row, rows = math.prod(shape[1:]), shape[0] if shape else 1
+            if reader.ranged and (a * per_row) % 32 == 0 and \
+                    ((b * per_row) % 32 == 0 or b == rows):
+                codes = await reader.rows(name, a, b)
+                scale = await reader.rows(scale_name(name), a * per_row // 32,
+                                          -(-b * per_row // 32))
+                if codes is None or scale is None:
+                    return None
+                return dequantize({name: codes.tensor, scale_name(name): scale.tensor}, name,
+                                  fmt, key=reader.key)
+            whole = await reader.whole(name)
+            scales = await reader.whole(scale_name(name))
+            if whole is None or scales is None:
+                return None
+            full = dequantize({name: whole, scale_name(name): scales}, name, fmt,
+                              key=reader.key)
+            return rows_of(full, a, b).tensor
+        got = await reader.rows(name, a, b)
+        if got is None:
+            return None
+        if fmt == "F32":
+            return got.tensor
+        entries = {name: got.tensor}
+        if fmt != "BF16":
+            s = await reader.whole(scale_name(name))
+            if s is None:
+                return None
+            entries[scale_name(name)] = s
+        return dequantize(entries, name, fmt, key=reader.key)
+
+    def _apply_rows(self, alg: Algorithm, fragment: int, state: _State, name: str,
+                    delta: TensorBytes, rule: str) -> None:
+        """The step on this rank's rows of `name`, a chunk of rows at a time, written back
+        in place: `apply_step` on a slice is the same slice of `apply_step` on the whole."""
+        th = state.theta[name]
+        mo = state.momentum[name]
+        ma = None if state.master is None else state.master[name]
+        per_row = max(mo.row_bytes, 1)
+        chunk = max(1, CHUNK_BYTES // per_row)
+        d = np.frombuffer(delta.buffer, np.uint8)
+        for r0 in range(0, th.rows, chunk):
+            r1 = min(th.rows, r0 + chunk)
+            one = FragmentState(fragment, state.version, {name: th.view(r0, r1)},
+                                None if ma is None else {name: ma.view(r0, r1)},
+                                {name: mo.view(r0, r1)})
+            piece = d[r0 * mo.row_bytes : r1 * mo.row_bytes]
+            piece.flags.writeable = False
+            dd = TensorBytes("F32", one.theta[name].shape, piece)
+            new = alg.apply_step(one, {name: dd}, "F32", rule, self._backend)
+            th.write(r0, new.theta[name])
+            mo.write(r0, new.momentum[name])
+            if ma is not None:
+                # A tensor of F32 alone keeps no master apart: its theta is the master.
+                ma.write(r0, (new.master or new.theta)[name])
+
+
+def _algorithm(obj: Mapping[str, Any]) -> Algorithm:
+    from gradientmail.algorithms.registry import algorithm_from_json
+
+    return algorithm_from_json(dict(obj))
