@@ -81,6 +81,23 @@ class GPT2Module(LightningModule):
         self._val_sum = torch.zeros(())
         self._val_count = torch.zeros(())
 
+    def configure_model(self) -> None:
+        """Under Lightning's `ModelParallelStrategy`, shard every transformer block and
+        then the whole model with FSDP2 (`fully_shard`) over the data-parallel mesh: each
+        rank holds its rows of every parameter, and the `DiLoCoCallback` mails and reads
+        only those (a learner whose model does not fit one GPU with full replicas, as in
+        recipes/gpt2-xl.yaml). Nothing under any other strategy."""
+        mesh = self.device_mesh
+        if mesh is None or getattr(self, "_sharded", False):
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        data = mesh["data_parallel"]
+        for block in self.model.transformer.h:
+            fully_shard(block, mesh=data)
+        fully_shard(self.model, mesh=data)
+        self._sharded = True
+
     @staticmethod
     def _ids(batch: Any) -> torch.Tensor:
         ids = batch["input_ids"] if isinstance(batch, dict) else batch

@@ -208,7 +208,7 @@ def test_gpt2_module_trains_validates_and_groups_weight_decay(tmp_path: Path) ->
         GPT2Module(min_lr_ratio=2.0)
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny-cpu", "gpt2-124m", "gpt2-350m"])
+@pytest.mark.parametrize("name", ["gpt2-tiny-cpu", "gpt2-124m", "gpt2-350m", "gpt2-xl"])
 def test_recipes_parse_and_their_diloco_sections_are_valid(
     name: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -232,9 +232,15 @@ def test_recipes_parse_and_their_diloco_sections_are_valid(
         assert raw["trainer"]["precision"] == "bf16-mixed"
         assert raw["data"]["streaming"] is True and raw["data"]["dataset"]
         assert raw["diloco"]["mailbox"].startswith("s3://")
-        sizes = {"gpt2-124m": (12, 768, 12), "gpt2-350m": (24, 1024, 16)}[name]
+        sizes = {"gpt2-124m": (12, 768, 12), "gpt2-350m": (24, 1024, 16),
+                 "gpt2-xl": (48, 1600, 25)}[name]
         model = raw["model"]
         assert (model["n_layer"], model["n_embd"], model["n_head"]) == sizes
+    if name == "gpt2-xl":  # sharded learners: FSDP2, commits read by rows (uncompressed)
+        strategy = raw["trainer"]["strategy"]
+        assert strategy["class_path"].endswith("ModelParallelStrategy")
+        assert strategy["init_args"] == {"data_parallel_size": 8, "tensor_parallel_size": 1}
+        assert raw["diloco"]["compression"] == "off"
 
 
 def test_the_recipe_leaves_the_run_key_to_the_learner(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -380,3 +386,42 @@ def test_a_streams_batches_follow_a_new_share_although_workers_pack_the_blocks(
     assert [b["input_ids"].shape for b in itertools.islice(batches, 3)] == [(6, 8)] * 3
     data.resize_batches(2)
     assert next(batches)["input_ids"].shape == (2, 8)
+
+
+SHARD_GPT2 = """
+import os, tempfile
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from gradientmail.adapters import TorchAdapter
+from gradientmail.adapters.sharded import ShardedAdapter
+from gradientmail_lightning.gpt2 import GPT2Module
+
+store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+kw = dict(vocab_size=96, block_size=16, n_layer=2, n_embd=32, n_head=2, seed=0)
+plain, module = GPT2Module(**kw), GPT2Module(**kw)
+module.configure_model()  # no device mesh: nothing happens
+assert not any(isinstance(p, DTensor) for p in module.parameters())
+module._device_mesh = init_device_mesh("cpu", (1, 1),
+                                       mesh_dim_names=("data_parallel", "tensor_parallel"))
+module.configure_model()
+module.configure_model()  # once only
+assert all(isinstance(p, DTensor) for p in module.parameters())
+assert ShardedAdapter(module.model).schema == TorchAdapter(plain.model).schema
+dist.destroy_process_group()
+print("sharded")
+"""
+
+
+def test_gpt2_module_shards_itself_under_a_device_mesh() -> None:
+    """`GPT2Module.configure_model` (what `ModelParallelStrategy` calls) puts FSDP2 on every
+    block and the model, and the result has the unsharded model's schema; in a process of
+    its own, since it sets up a process group."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", SHARD_GPT2], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("sharded")
