@@ -426,3 +426,16 @@ def test_demo_takes_the_outlier_factor(capsys: pytest.CaptureFixture[str]) -> No
     assert _algorithm(demo_config(plain)).outlier_factor is None
     assert main(["demo", "--outlier-factor", "0.5"]) == 1
     assert "outlier_factor=0.5 must be None (off) or a number > 1" in capsys.readouterr().err
+
+
+def test_status_prices_traffic_with_the_prices_given(
+    finished: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, out, _ = cli(capsys, "status", str(finished), "--json", "--egress-per-gb", "0",
+                     "--put-per-1000", "0.01")
+    assert rc == 0
+    assert json.loads(out)["traffic"]["prices"] == {"put_per_1000": 0.01,
+                                                    "get_per_1000": 0.0004,
+                                                    "egress_per_gb": 0.0}
+    rc, _, err = cli(capsys, "status", str(finished), "--egress-per-gb", "-1")
+    assert rc != 0 and "egress_per_gb=-1.0 must be a finite number of dollars >= 0" in err

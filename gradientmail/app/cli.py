@@ -43,6 +43,7 @@ from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import newest_model, require_manifest
+from gradientmail.traffic import S3_STANDARD, Prices
 from gradientmail.wire.auth import env_run_key
 from gradientmail.wire.records import check_learner_id
 from gradientmail.wire.serialization import TensorBytes, pack
@@ -110,7 +111,8 @@ def _seconds(s: float | None) -> str:
 # -- status ------------------------------------------------------------------------------
 
 
-async def read_status(ex: Exchange, url: str) -> dict[str, Any]:
+async def read_status(ex: Exchange, url: str,
+                      prices: Prices = S3_STANDARD) -> dict[str, Any]:
     """What `gradientmail status --json` prints: a JSON-ready summary of the run.
 
     Reads the manifest, the newest `TRAFFIC_ROUNDS` round records (and each fragment's
@@ -130,7 +132,8 @@ async def read_status(ex: Exchange, url: str) -> dict[str, Any]:
     open_round = newest + 1
     window = await asyncio.gather(*(ex.read_round(r) for r in
                                     range(max(newest - TRAFFIC_ROUNDS + 1, 0), newest + 1)))
-    traffic = record_traffic([rec for rec in window if rec is not None], len(leases))
+    traffic = record_traffic([rec for rec in window if rec is not None], len(leases),
+                             prices=prices)
     fragments = []
     for p, names in enumerate(plan):
         rec = latest.get(p)
@@ -261,7 +264,8 @@ def _traffic_lines(traffic: dict[str, Any] | None) -> list[str]:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    status = _with_mailbox(args, lambda ex: read_status(ex, args.url))
+    prices = Prices(args.put_per_1000, args.get_per_1000, args.egress_per_gb)
+    status = _with_mailbox(args, lambda ex: read_status(ex, args.url, prices))
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True))
     else:
@@ -484,6 +488,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Summarize a run: rounds committed, each fragment's "
                        "version and payload sizes, learners holding a lease, estimates.")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    d = S3_STANDARD
+    p.add_argument("--put-per-1000", type=float, default=d.put_per_1000, metavar="USD",
+                   help=f"dollars per 1,000 PUT/LIST requests (default {d.put_per_1000})")
+    p.add_argument("--get-per-1000", type=float, default=d.get_per_1000, metavar="USD",
+                   help=f"dollars per 1,000 GET requests (default {d.get_per_1000})")
+    p.add_argument("--egress-per-gb", type=float, default=d.egress_per_gb, metavar="USD",
+                   help=f"dollars per GB read out of the store (default {d.egress_per_gb}; "
+                   "0 for EC2 in the bucket's region, R2)")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("log", parents=[mailbox], help="one row per committed round",
