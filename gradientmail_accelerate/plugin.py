@@ -42,6 +42,7 @@ from gradientmail.algorithms.merge import Merge
 from gradientmail.algorithms.partition import Partition
 from gradientmail.errors import ConfigError, MissingExtra
 from gradientmail.mailbox.base import Mailbox
+from gradientmail.traffic import S3_STANDARD, Prices
 from gradientmail.wire.auth import RUN_KEY_VARIABLE, env_run_key
 
 __all__ = [
@@ -121,8 +122,16 @@ class DiLoCoPlugin:
     lease_timeout: float = 120.0
     prefix: str = ""
     run_key: str | bytes | None = dataclasses.field(default=None, repr=False)
+    #: What the learner's traffic is priced at (`Learner.traffic`, the `diloco/cost_*`
+    #: metrics): S3 Standard by default.
+    prices: Prices = S3_STANDARD
 
     def __post_init__(self) -> None:
+        if not isinstance(self.prices, Prices):
+            raise ConfigError(
+                f"prices={self.prices!r} must be a gradientmail.traffic.Prices, e.g. "
+                "Prices(egress_per_gb=0.0) for learners in the bucket's region"
+            )
         if not isinstance(self.mailbox, Mailbox | str) or not self.mailbox:
             raise ConfigError(
                 f"mailbox={self.mailbox!r} must be a Mailbox or a non-empty URL "

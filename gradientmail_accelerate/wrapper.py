@@ -329,6 +329,7 @@ class DiLoCo:
             on_event=self._event,
             prefix=p.prefix,
             run_key=p.run_key,
+            prices=p.prices,
         )
 
     def _event(self, event: Event) -> None:

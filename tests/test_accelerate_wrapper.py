@@ -293,3 +293,19 @@ def test_the_wrappers_loader_follows_the_global_batch_size(tmp_path: Path) -> No
     # A share of 10 over 1 process and 2 accumulation steps: micro-batches of 5.
     assert shares == [10] and diloco.batch_size == 10
     assert sizes == [5] * 12
+
+
+def test_the_plugin_prices_the_learners_traffic(tmp_path: Path) -> None:
+    from gradientmail.traffic import Prices
+
+    free = Prices(put_per_1000=0.0, get_per_1000=0.0, egress_per_gb=0.0)
+    accelerator, model, opt = setup(accum=1)
+    p = plugin(tmp_path / "run", prices=free)
+    with DiLoCo(accelerator, model, opt, p) as diloco:
+        train(accelerator, model, opt, diloco, micro_batches=4, count=True)
+        learner = diloco.learner
+        assert learner is not None
+        assert learner.traffic.counts.put > 0 and learner.traffic.usd == 0.0
+        assert diloco.metrics()["diloco/cost_usd"] == 0.0
+    with pytest.raises(ConfigError, match=r"prices=0\.1 must be a gradientmail\.traffic\.Prices"):
+        plugin(tmp_path / "run", prices=0.1)
