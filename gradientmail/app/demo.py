@@ -263,10 +263,11 @@ def run_demo(
             last_print = now
             steps = [curves[j.name][-1][0] if curves[j.name] else 0 for j in jobs[:-1]]
             recent = [v for j in jobs[:-1] for _, v in curves[j.name][-10:]]
+            mean = f"{sum(recent) / len(recent):.3f}" if recent else "-"
+            alone = f"{curves['alone'][-1][1]:.3f}" if curves["alone"] else "-"
             line = (
                 f"steps {min(steps)}-{max(steps)}/{cfg.steps}  rounds committed {rounds + 1}  "
-                f"loss {sum(recent) / max(len(recent), 1):.3f}  "
-                f"(alone: {curves['alone'][-1][1] if curves['alone'] else float('nan'):.3f})"
+                f"loss {mean}  (alone: {alone})"
             )
             print(("\r" + line) if tty else line, end="" if tty else "\n", file=log, flush=True)
     for p in procs:
