@@ -163,3 +163,16 @@ def test_parts_are_merged_from_their_pieces_to_the_bytes_of_assembled_parts(
     assert [type(p) for p in pieces] == [RowPieces, RowPieces, TensorBytes]
     for merge in (WeightedMean(), Rda(direct_pattern=None)):
         assert close(merge, pieces) == close(merge, joined)
+
+
+def test_the_torch_backend_joins_pieces_to_the_bytes_of_the_tensor_whole() -> None:
+    torch_backend = pytest.importorskip("gradientmail.backends.torch_backend")
+    be = torch_backend.TorchBackend()
+    whole = values(3, shape=(300, 100))
+    parted = [cut(t, rows) for t, rows in zip(whole, [[0, 140, 300], [0, 1, 1, 299, 300],
+                                                     [0, 300]], strict=True)]
+    a = [be.load(t) for t in whole]
+    b = [be.load(t) for t in parted]
+    assert be.gram(b) == be.gram(a)
+    assert be.lincomb(b, [0.5, 0.25, -1.0]).to_bytes("F32") == \
+        be.lincomb(a, [0.5, 0.25, -1.0]).to_bytes("F32")
