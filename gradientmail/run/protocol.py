@@ -479,9 +479,8 @@ class Exchange:
     ) -> dict[str, DeltaTensor] | None:
         """A contribution's delta: verified, decoded, and checked to hold exactly `names` in
         the record's `delta_format` (plus `<name>.scale` entries of quantized formats).
-        A delta made of parts is each part checked and its rows left where they lie
-        (`gradientmail.wire.parts.pieces_of`: `RowPieces`; quantized parts come back in
-        F32), never joined: the merge reads them window by window.
+        A delta made of parts is each part checked, its rows left where they lie, never
+        joined (`wire.parts.pieces_of`: `RowPieces`; quantized parts come back in F32).
 
         None if the payload was swept. `CorruptPayload` for bad bytes; `SchemaMismatch`
         naming every missing, extra or mis-shaped tensor.
