@@ -29,8 +29,9 @@ from gradientmail.run.keyspace import part_key, plan_sweep
 from gradientmail.run.protocol import Exchange
 from gradientmail.wire.parts import ROWS_KEY
 from gradientmail.wire.payload_ranges import rows_of
-from gradientmail.wire.quantization import quantize
+from gradientmail.wire.quantization import dequantize, quantize
 from gradientmail.wire.records import PayloadRef, SnapshotRecord
+from gradientmail.wire.row_pieces import RowPieces
 from gradientmail.wire.serialization import TensorBytes
 
 #: Rows of each tensor of SCHEMA (w: 2 rows, b: 3) per part, for two ranks.
@@ -143,7 +144,8 @@ def test_parts_carry_their_rows_and_a_record_is_published_once(
         with pytest.raises(AlreadyContributed):
             await ex.publish_parts(dataclasses.replace(rec), rec.parts)
         got = await ex.fetch_delta(rec, SCHEMA, ["w", "b"])
-        assert got == full
+        assert got is not None and all(isinstance(t, RowPieces) for t in got.values())
+        assert {n: t.joined() for n, t in got.items() if isinstance(t, RowPieces)} == full
 
     run(main())
 
@@ -167,7 +169,29 @@ def test_a_record_naming_parts_of_another_key_is_rejected(
 # -- the closer ---------------------------------------------------------------------------
 
 
-def test_a_round_merges_parts_to_the_bytes_it_merges_from_the_same_delta_whole() -> None:
+#: Each round's cut of the sharded learner: 2 ranks, 3 ranks with an empty part, whole.
+ROUND_CUTS = [TWO_RANKS, [{"w": (0, 0), "b": (0, 1)}, {"w": (0, 2), "b": (1, 2)},
+                          {"w": (2, 2), "b": (2, 3)}], [{"w": (0, 2), "b": (0, 3)}]]
+
+
+def as_merged(full: Mapping[str, TensorBytes], cuts: Sequence[Mapping[str, tuple[int, int]]],
+              fmt: str) -> dict[str, TensorBytes]:
+    """The F32 values a closer merges from `full` mailed in parts `cuts` in `fmt`: each
+    part's rows quantized on their own, dequantized, side by side."""
+    rows: dict[str, list[tuple[int, Any]]] = {n: [] for n in full}
+    for part in cuts:
+        for name, (a, b) in part.items():
+            piece = rows_of(full[name], a, b).tensor
+            if fmt != "F32":
+                piece = dequantize(quantize(name, piece, fmt), name, fmt)
+            rows[name].append((a, piece.to_numpy()))
+    return {n: TensorBytes.from_numpy(np.concatenate([p for _, p in sorted(
+        got, key=lambda x: x[0])]).astype(np.float32)) for n, got in rows.items()}
+
+
+@pytest.mark.parametrize("fmt", ["F32", "F8_E4M3"])
+def test_a_round_merges_parts_to_the_bytes_it_merges_from_the_same_delta_whole(
+        fmt: str) -> None:
     async def close(mailbox: Mailbox, parted: bool, merge: Any) -> list[str]:
         r = Run(mailbox, DiLoCo(4, 1, in_flight=1, overlap_steps=None, quorum_size=3,
                                 merge=merge))
@@ -175,15 +199,20 @@ def test_a_round_merges_parts_to_the_bytes_it_merges_from_the_same_delta_whole()
         s = r.syncer()
         for rnd in range(3):
             await r.contribute(rnd, "whole", tokens=40)
-            cuts = [{"w": (0, 2), "b": (0, 3)}] if not parted else (
-                TWO_RANKS if rnd != 1 else [{"w": (0, 0), "b": (0, 1)}, {"w": (0, 2),
-                                                                         "b": (1, 2)},
-                                            {"w": (2, 2), "b": (2, 3)}])
+            full = delta(rnd, "sharded", ("w", "b"))
             if parted:
-                await publish_parts(r.ex, rnd, "sharded", delta(rnd, "sharded", ("w", "b")),
-                                    cuts, tokens=90)
+                rec = await publish_parts(r.ex, rnd, "sharded", full, ROUND_CUTS[rnd],
+                                          tokens=90, fmt=fmt)
+                # The closer reads the parts where they lie: a tensor cut in two or more
+                # is never joined (`RowPieces`), one held by a single part is that part's.
+                got = await r.ex.fetch_delta(rec, SCHEMA, ("w", "b"))
+                assert got is not None
+                assert [type(got[n]) for n in ("w", "b")] == [
+                    [RowPieces, RowPieces], [TensorBytes, RowPieces],
+                    [TensorBytes, TensorBytes]][rnd]
             else:
-                await r.contribute(rnd, "sharded", tokens=90)
+                await r.contribute(rnd, "sharded", tokens=90,
+                                   tensors=as_merged(full, ROUND_CUTS[rnd], fmt))
             await r.contribute(rnd, "third", tokens=10)
             assert await s.poll(live=frozenset({"whole", "sharded", "third"}))
         recs = await r.records()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from gradientmail.algorithms.schedule import Estimates, RoundSchedule
 from gradientmail.backends.base import Backend
 from gradientmail.errors import ConfigError, RemoteProtocolError
+from gradientmail.wire.row_pieces import DeltaTensor
 from gradientmail.wire.serialization import STORAGE_DTYPES, Schema, TensorBytes
 
 if TYPE_CHECKING:
@@ -46,9 +47,9 @@ class Contribution:
     """One learner's part in a round: its counters and its delta.
 
     `delta` maps each of the fragment's tensor names to anchor − θ as a float tensor
-    (F32, or F16/BF16; quantized deltas are dequantized by the caller). `steps` and
-    `tokens` count what it trained on this fragment since it last aligned; `final` marks
-    a flush on close.
+    (F32, or F16/BF16; quantized deltas are dequantized by the caller), whole or in the
+    `RowPieces` of a contribution made of parts. `steps` and `tokens` count what it
+    trained on this fragment since it last aligned; `final` marks a flush on close.
     """
 
     learner: str
@@ -56,7 +57,7 @@ class Contribution:
     steps: int
     tokens: int
     final: bool
-    delta: Mapping[str, TensorBytes]
+    delta: Mapping[str, DeltaTensor]
 
     def __post_init__(self) -> None:
         if not isinstance(self.learner, str) or not self.learner:

@@ -64,6 +64,7 @@ from gradientmail.errors import (
     SchemaMismatch,
 )
 from gradientmail.wire.records import Participant
+from gradientmail.wire.row_pieces import RowPieces
 from gradientmail.wire.serialization import Schema, TensorBytes, validate
 
 __all__ = [
@@ -586,8 +587,9 @@ def _check_deltas(contribs: list[Contribution], names: tuple[str, ...], schema: 
             t = c.delta.get(n)
             if t is None:
                 continue
-            if not isinstance(t, TensorBytes) or t.dtype not in ("F32", "F16", "BF16"):
-                got = t.dtype if isinstance(t, TensorBytes) else type(t).__name__
+            known = isinstance(t, TensorBytes | RowPieces)
+            if not known or t.dtype not in ("F32", "F16", "BF16"):
+                got = t.dtype if known else type(t).__name__
                 problems.append(f"{c.learner}: {n!r} is {got}, expected F32 (dequantize first)")
             elif t.shape != schema[n].shape:
                 problems.append(

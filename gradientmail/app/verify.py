@@ -46,8 +46,9 @@ from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import Replica, require_manifest, theta_digest
 from gradientmail.syncer.merging import merge_round, screen_round
 from gradientmail.wire import compression as codec
-from gradientmail.wire.parts import Part, assemble, rows_in
+from gradientmail.wire.parts import Part, pieces_of, rows_in
 from gradientmail.wire.records import Dropped, Manifest, PayloadRef, RoundRecord, SnapshotRecord
+from gradientmail.wire.row_pieces import DeltaTensor
 from gradientmail.wire.serialization import Schema, TensorBytes
 
 __all__ = [
@@ -376,9 +377,9 @@ async def _read_with_metadata(
 
 async def _read_parts(
     ex: Exchange, snap: SnapshotRecord, schema: Schema, names: list[str], bound: int
-) -> tuple[dict[str, TensorBytes] | None, str | None, int]:
+) -> tuple[dict[str, DeltaTensor] | None, str | None, int]:
     """`_read` of a delta made of parts: each part read, its problems joined, the rows
-    put together as a closer puts them (`parts.assemble`)."""
+    left in their pieces as a closer leaves them (`parts.pieces_of`)."""
     parts: list[Part] = []
     problems, total = [], 0
     for ref in snap.parts:
@@ -389,8 +390,7 @@ async def _read_parts(
         if problem is not None:
             problems.append(problem)
         parts.append((ref.key, tensors, rows_in(meta, ref.key)))
-    joined = assemble(parts, schema, names, snap.delta_format)
-    return joined, "; ".join(problems) or None, total
+    return pieces_of(parts, schema, names, snap.delta_format), "; ".join(problems) or None, total
 
 
 class Verifier:
@@ -503,12 +503,16 @@ class Verifier:
         nbytes = 0
         problems: dict[str, str] = {}
 
-        async def fetch(snap: SnapshotRecord) -> dict[str, TensorBytes] | None:
+        async def fetch(snap: SnapshotRecord) -> dict[str, DeltaTensor] | None:
             nonlocal nbytes
             bound = delta_bound(schema, names)
-            tensors, problem, n = (
-                await _read(self.ex, snap.payload, bound) if snap.payload is not None
-                else await _read_parts(self.ex, snap, schema, list(names), bound))
+            whole: dict[str, TensorBytes] | None = None
+            if snap.payload is not None:
+                whole, problem, n = await _read(self.ex, snap.payload, bound)
+                tensors: dict[str, DeltaTensor] | None = None if whole is None else dict(whole)
+            else:
+                tensors, problem, n = await _read_parts(self.ex, snap, schema, list(names),
+                                                        bound)
             nbytes += n
             if tensors is None:
                 if snap.learner in merged:
@@ -516,9 +520,9 @@ class Verifier:
                 return None
             if problem is not None:
                 problems[snap.learner] = problem
-            if snap.payload is None:
-                return tensors  # checked part by part as it was put together
-            return check_delta(tensors, snap, schema, names)
+            if whole is None:
+                return tensors  # checked part by part as its pieces were read
+            return dict(check_delta(whole, snap, schema, names))
 
         dropped: dict[str, str] = {}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gradientmail.backends.base import Backend, Value
-from gradientmail.backends.numpy_backend import NumpyBackend, NumpyValue
+from gradientmail.backends.numpy_backend import NumpyBackend, NumpyRows, NumpyValue
 
 if TYPE_CHECKING:
     from gradientmail.backends.torch_backend import TorchBackend, TorchValue
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Backend",
     "NumpyBackend",
+    "NumpyRows",
     "NumpyValue",
     "TorchBackend",
     "TorchValue",

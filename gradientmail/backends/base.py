@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+from gradientmail.wire.row_pieces import RowPieces
 from gradientmail.wire.serialization import TensorBytes
 
 __all__ = ["Backend", "Value"]
@@ -49,7 +50,10 @@ class Backend(Protocol):
 
     name: str
 
-    def load(self, tensor: TensorBytes) -> Value: ...
+    def load(self, tensor: TensorBytes | RowPieces) -> Value:
+        """A Value of `tensor` (F32, F16 or BF16); of a `RowPieces`, one the fused
+        helpers read where its pieces lie when the backend can (numpy), else joined."""
+        ...
 
     def zeros(self, shape: tuple[int, ...]) -> Value: ...
 

@@ -10,24 +10,31 @@ The fused helpers (`gram`, `lincomb`, `outer_step`) walk the tensors in cache-si
 on several threads, so that a merge reads each contribution from memory about twice
 instead of once per operation; they give exactly the bytes of the equivalent chain of
 Value operations.
+
+A contribution made of parts loads as a `NumpyRows` (`load` of a `RowPieces`): the fused
+helpers read each chunk of the logical tensor from the piece that covers it (a view),
+copying only a chunk that straddles two pieces, so the blocks and chunks, and therefore
+the float64 Gram and every output byte, are those of the same tensor loaded whole.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import numpy as np
 import numpy.typing as npt
 
 from gradientmail.backends.pool import DEFAULT_POOL_BYTES, BufferPool
 from gradientmail.errors import ConfigError
+from gradientmail.wire.row_pieces import RowPieces
 from gradientmail.wire.serialization import STORAGE_DTYPES, TensorBytes
 
-__all__ = ["NumpyBackend", "NumpyValue", "f32", "f32_to_bf16_bits"]
+__all__ = ["NumpyBackend", "NumpyRows", "NumpyValue", "f32", "f32_to_bf16_bits"]
 
 F32Array = npt.NDArray[np.float32]
 
@@ -111,6 +118,8 @@ class NumpyValue:
         return tuple(int(d) for d in self._a.shape)
 
     def _other(self, other: object) -> F32Array:
+        if isinstance(other, NumpyRows):
+            other = other.joined()
         if not isinstance(other, NumpyValue):
             raise ConfigError(
                 f"cannot combine a numpy Value with {type(other).__name__}; "
@@ -133,7 +142,7 @@ class NumpyValue:
     __rmul__ = __mul__
 
     def dot(self, other: Any) -> float:
-        return _gram([self._flat(), _flat(self._other(other))], _serial)[0][1]
+        return _gram(_arrays([self, other]), _serial)[0][1]
 
     def norm(self) -> float:
         return math.sqrt(_gram([self._flat()], _serial)[0][0])
@@ -182,13 +191,136 @@ def _flat(a: F32Array) -> F32Array:
     return np.ascontiguousarray(a).reshape(-1)
 
 
-def _arrays(values: Sequence[Any]) -> list[F32Array]:
+class _Rows:
+    """The flat float32 elements of a `RowPieces`, sliced as an array is: a slice inside
+    one F32 piece is a view of it; one across pieces, or of an F16/BF16 piece, is a new
+    array of that slice alone."""
+
+    __slots__ = ("_pieces", "_starts", "size")
+
+    def __init__(self, rows: RowPieces) -> None:
+        native = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}[rows.dtype]
+        self._pieces = [np.frombuffer(t.buffer, dtype=native) for _, t in rows.pieces]
+        self._starts = [0]
+        for a in self._pieces:
+            self._starts.append(self._starts[-1] + a.size)
+        self.size = self._starts[-1]
+
+    def __getitem__(self, window: slice) -> F32Array:
+        s, e = window.start, min(window.stop, self.size)
+        if e <= s:
+            return np.empty(0, dtype=np.float32)
+        i = bisect.bisect_right(self._starts, s) - 1
+        if e <= self._starts[i + 1]:
+            base = self._starts[i]
+            return _widened(self._pieces[i][s - base : e - base])
+        out = np.empty(max(e - s, 0), dtype=np.float32)
+        at = s
+        while at < e:
+            base, end = self._starts[i], self._starts[i + 1]
+            n = min(e, end) - at
+            out[at - s : at - s + n] = _widened(self._pieces[i][at - base : at - base + n])
+            at += n
+            i += 1
+        return out
+
+
+def _widened(a: npt.NDArray[Any]) -> F32Array:
+    """Float32 elements of F32 (as they are), F16 or BF16 bits (exactly widened)."""
+    if a.dtype == np.float32:
+        return a
+    if a.dtype == np.uint16:
+        return (a.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return a.astype(np.float32)
+
+
+class NumpyRows:
+    """A Value over a `RowPieces` (a contribution made of parts). The backend's fused
+    helpers and `dot`, `norm`, `isfinite` read it a chunk at a time, where it lies; the
+    other operations join it into one array first (a copy of the tensor)."""
+
+    __slots__ = ("_rows", "_tensor")
+
+    def __init__(self, tensor: RowPieces) -> None:
+        self._tensor = tensor
+        self._rows = _Rows(tensor)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._tensor.shape
+
+    def joined(self) -> NumpyValue:
+        """The Value as one array (a copy of every piece)."""
+        return _load(self._tensor.joined())
+
+    def __add__(self, other: Any) -> NumpyValue:
+        return self.joined().__add__(other)
+
+    def __sub__(self, other: Any) -> NumpyValue:
+        return self.joined().__sub__(other)
+
+    def __mul__(self, k: float) -> NumpyValue:
+        return self.joined() * k
+
+    __rmul__ = __mul__
+
+    def dot(self, other: Any) -> float:
+        return _gram(_arrays([self, other]), _serial)[0][1]
+
+    def norm(self) -> float:
+        return math.sqrt(_gram([self._rows], _serial)[0][0])
+
+    def isfinite(self) -> bool:
+        return all(_finite(self._rows, span) for span in _blocks(self._rows.size))
+
+    def to_bytes(self, dtype: str) -> TensorBytes:
+        return self.joined().to_bytes(dtype)
+
+    def __repr__(self) -> str:
+        return f"NumpyRows(shape={self.shape})"
+
+
+#: What the fused helpers read: a flat float32 array, or the pieces of one.
+_Flat = F32Array | _Rows
+
+
+def _reader(v: NumpyValue | NumpyRows) -> _Flat:
+    return v._rows if isinstance(v, NumpyRows) else v._flat()
+
+
+def _arrays(values: Sequence[Any]) -> list[_Flat]:
     if not values:
         raise ConfigError("need at least one Value")
     first = values[0]
-    if not isinstance(first, NumpyValue):
+    if not isinstance(first, NumpyValue | NumpyRows):
         raise ConfigError(f"the numpy backend cannot use a {type(first).__name__}")
-    return [first._flat()] + [_flat(first._other(v)) for v in values[1:]]
+    out = [_reader(first)]
+    for v in values[1:]:
+        if not isinstance(v, NumpyValue | NumpyRows):
+            raise ConfigError(
+                f"cannot combine a numpy Value with {type(v).__name__}; "
+                "load both tensors with the same backend"
+            )
+        if v.shape != first.shape:
+            raise ConfigError(f"shape {v.shape} does not match {first.shape}")
+        out.append(_reader(v))
+    return out
+
+
+def _load(tensor: TensorBytes) -> NumpyValue:
+    if tensor.dtype == "F32":
+        a = np.frombuffer(tensor.buffer, dtype="<f4").reshape(tensor.shape)
+        return NumpyValue(a, tensor.buffer)
+    if tensor.dtype == "F16":
+        a = np.frombuffer(tensor.buffer, dtype="<f2").astype(np.float32)
+    elif tensor.dtype == "BF16":
+        bits = np.frombuffer(tensor.buffer, dtype="<u2").astype(np.uint32) << np.uint32(16)
+        a = bits.view(np.float32)
+    else:
+        raise ConfigError(
+            f"cannot load a {tensor.dtype} tensor as a Value; dequantize it to F32 first"
+        )
+    return NumpyValue._of(a.reshape(tensor.shape))
 
 
 class NumpyBackend:
@@ -212,21 +344,21 @@ class NumpyBackend:
         self.buffers = BufferPool(pool_bytes)
         self._pool: ThreadPoolExecutor | None = None
 
-    def load(self, tensor: TensorBytes) -> NumpyValue:
-        """A Value from F32 (zero-copy, read-only), F16 or BF16 bytes (exactly widened)."""
-        if tensor.dtype == "F32":
-            a = np.frombuffer(tensor.buffer, dtype="<f4").reshape(tensor.shape)
-            return NumpyValue(a, tensor.buffer)
-        if tensor.dtype == "F16":
-            a = np.frombuffer(tensor.buffer, dtype="<f2").astype(np.float32)
-        elif tensor.dtype == "BF16":
-            bits = np.frombuffer(tensor.buffer, dtype="<u2").astype(np.uint32) << np.uint32(16)
-            a = bits.view(np.float32)
-        else:
-            raise ConfigError(
-                f"cannot load a {tensor.dtype} tensor as a Value; dequantize it to F32 first"
-            )
-        return NumpyValue._of(a.reshape(tensor.shape))
+    @overload
+    def load(self, tensor: TensorBytes) -> NumpyValue: ...
+
+    @overload
+    def load(self, tensor: RowPieces) -> NumpyRows: ...
+
+    @overload
+    def load(self, tensor: TensorBytes | RowPieces) -> NumpyValue | NumpyRows: ...
+
+    def load(self, tensor: TensorBytes | RowPieces) -> NumpyValue | NumpyRows:
+        """A Value from F32 (zero-copy, read-only), F16 or BF16 bytes (exactly widened);
+        from `RowPieces`, a `NumpyRows` reading them where they lie (nothing copied)."""
+        if isinstance(tensor, RowPieces):
+            return NumpyRows(tensor)
+        return _load(tensor)
 
     def zeros(self, shape: tuple[int, ...]) -> NumpyValue:
         return NumpyValue._of(np.zeros(shape, dtype=np.float32))
@@ -308,8 +440,9 @@ class NumpyBackend:
         """`value.isfinite()`, on the backend's threads (known without a pass for the
         theta of `outer_step`, which checks it while writing it)."""
         (a,) = _arrays([value])
-        if value._finite is not None:
-            return bool(value._finite)
+        known = getattr(value, "_finite", None)
+        if known is not None:
+            return bool(known)
         return all(self._map(lambda span: _finite(a, span), _blocks(a.size)))
 
 
@@ -323,11 +456,11 @@ def _chunks(span: tuple[int, int], step: int = CHUNK) -> Iterator[tuple[int, int
         yield s, min(step, end - s)
 
 
-def _finite(a: F32Array, span: tuple[int, int]) -> bool:
+def _finite(a: _Flat, span: tuple[int, int]) -> bool:
     return all(bool(np.isfinite(a[s : s + n]).all()) for s, n in _chunks(span))
 
 
-def _gram_block(arrays: list[F32Array], span: tuple[int, int]) -> npt.NDArray[np.float64]:
+def _gram_block(arrays: list[_Flat], span: tuple[int, int]) -> npt.NDArray[np.float64]:
     m = len(arrays)
     # Multiply in slices of k elements, small enough (m·m·k <= 2^17) that OpenBLAS runs
     # each product on the calling thread: above 2^18 it uses its own thread pool, which
@@ -365,7 +498,7 @@ def _gram_block(arrays: list[F32Array], span: tuple[int, int]) -> npt.NDArray[np
 
 
 def _gram(
-    arrays: list[F32Array],
+    arrays: list[_Flat],
     mapper: Callable[
         [Callable[[tuple[int, int]], npt.NDArray[np.float64]], list[tuple[int, int]]],
         list[npt.NDArray[np.float64]],
@@ -393,7 +526,7 @@ def _coeffs(coeffs: Sequence[float], m: int) -> list[np.float32]:
 
 
 def _lincomb_chunk(
-    arrays: list[F32Array], ks: list[np.float32], s: int, n: int, out: F32Array, tmp: F32Array
+    arrays: list[_Flat], ks: list[np.float32], s: int, n: int, out: F32Array, tmp: F32Array
 ) -> None:
     np.multiply(arrays[0][s : s + n], ks[0], out=out)
     for a, k in zip(arrays[1:], ks[1:], strict=True):

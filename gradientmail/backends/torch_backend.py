@@ -21,6 +21,7 @@ import torch
 from gradientmail.backends.numpy_backend import f32
 from gradientmail.backends.pool import DEFAULT_POOL_BYTES, BufferPool
 from gradientmail.errors import ConfigError
+from gradientmail.wire.row_pieces import RowPieces
 from gradientmail.wire.serialization import STORAGE_DTYPES, TensorBytes
 
 __all__ = ["TorchBackend", "TorchValue"]
@@ -195,9 +196,13 @@ class TorchBackend:
             return torch.empty_like(like)
         return torch.from_numpy(self.buffers.empty(like.numel()))
 
-    def load(self, tensor: TensorBytes) -> TorchValue:
+    def load(self, tensor: TensorBytes | RowPieces) -> TorchValue:
         """A Value from F32, F16 or BF16 bytes (exactly widened to float32; F32 bytes on
-        the CPU are viewed in place, read-only by the Value contract)."""
+        the CPU are viewed in place, read-only by the Value contract). `RowPieces` are
+        joined first: a torch closer copies a contribution onto its device whole anyway,
+        and its Gram does not sum in the numpy backend's windows."""
+        if isinstance(tensor, RowPieces):
+            tensor = tensor.joined()
         dt = _TORCH_DTYPES.get(tensor.dtype)
         if dt is None:
             raise ConfigError(

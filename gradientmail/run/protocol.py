@@ -68,7 +68,7 @@ from gradientmail.run.lease import LeaseTracker, lease_counters, lease_key
 from gradientmail.run.rollcall import Call
 from gradientmail.wire import compression as codec
 from gradientmail.wire.auth import HmacSeal, PlainSeal, Seal, open_manifest
-from gradientmail.wire.parts import Part, assemble, part_metadata, rows_in
+from gradientmail.wire.parts import Part, part_metadata, pieces_of, rows_in
 from gradientmail.wire.records import (
     CODECS,
     CreationClaim,
@@ -80,6 +80,7 @@ from gradientmail.wire.records import (
     SnapshotRecord,
     check_learner_id,
 )
+from gradientmail.wire.row_pieces import DeltaTensor
 from gradientmail.wire.serialization import Schema, TensorBytes
 
 __all__ = [
@@ -475,11 +476,11 @@ class Exchange:
 
     async def fetch_delta(
         self, snapshot: SnapshotRecord, schema: Schema, names: Iterable[str]
-    ) -> dict[str, TensorBytes] | None:
+    ) -> dict[str, DeltaTensor] | None:
         """A contribution's delta: verified, decoded, and checked to hold exactly `names` in
         the record's `delta_format` (plus `<name>.scale` entries of quantized formats).
-        A delta made of parts is each part checked and the rows put together
-        (`gradientmail.wire.parts.assemble`: quantized parts come back in F32).
+        A delta made of parts is each part checked, its rows left where they lie, never
+        joined (`wire.parts.pieces_of`: `RowPieces`; quantized parts come back in F32).
 
         None if the payload was swept. `CorruptPayload` for bad bytes; `SchemaMismatch`
         naming every missing, extra or mis-shaped tensor.
@@ -488,7 +489,8 @@ class Exchange:
         bound = delta_bound(schema, names)
         if snapshot.payload is not None:
             tensors = await self.fetch_tensors(snapshot.payload, bound)
-            return None if tensors is None else check_delta(tensors, snapshot, schema, names)
+            return None if tensors is None else dict(check_delta(tensors, snapshot, schema,
+                                                                 names))
         parts: list[Part] = []
         for ref in snapshot.parts:
             blob = await self.fetch_payload(ref, bound)
@@ -497,8 +499,7 @@ class Exchange:
             entries, meta = codec.decode_with_metadata(
                 blob, codec.compression_of(ref.key), key=ref.key, max_bytes=bound)
             parts.append((ref.key, entries, rows_in(meta, ref.key)))
-        # Assembled into full tensors for now; docs/sharded.md §3 merges them in windows.
-        return assemble(parts, schema, names, snapshot.delta_format)
+        return pieces_of(parts, schema, names, snapshot.delta_format)
 
     # -- closing rounds --------------------------------------------------------------
 

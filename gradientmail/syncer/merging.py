@@ -19,6 +19,7 @@ from gradientmail.errors import GradientmailError, NonFiniteError, SchemaMismatc
 from gradientmail.run.keyspace import screen_snapshot
 from gradientmail.syncer.screening import delta_norms, screen_delta
 from gradientmail.wire.records import SnapshotRecord
+from gradientmail.wire.row_pieces import DeltaTensor
 from gradientmail.wire.serialization import Schema, TensorBytes
 
 __all__ = [
@@ -30,7 +31,7 @@ __all__ = [
 
 #: `fetch(snapshot)`: the delta entries of a contribution, checked against its record
 #: (`protocol.check_delta`), or None when its payload is gone.
-Fetch = Callable[[SnapshotRecord], Awaitable[dict[str, TensorBytes] | None]]
+Fetch = Callable[[SnapshotRecord], Awaitable[dict[str, DeltaTensor] | None]]
 #: `drop(learner, key, reason)`: a contribution left out of the round.
 Drop = Callable[[str, str, str], None]
 

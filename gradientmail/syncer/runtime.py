@@ -66,6 +66,7 @@ from gradientmail.wire.records import (
     StepRef,
     UpdateRef,
 )
+from gradientmail.wire.row_pieces import DeltaTensor
 from gradientmail.wire.serialization import Schema, TensorBytes
 
 __all__ = ["Syncer", "theta_digest"]
@@ -575,15 +576,15 @@ class Syncer:
             out.append(Dropped(learner, reason[:500]))
 
     async def _delta(self, r: int, snap: SnapshotRecord, offer: _Offer | None, schema: Schema,
-                     names: Sequence[str]) -> dict[str, TensorBytes] | None:
+                     names: Sequence[str]) -> dict[str, DeltaTensor] | None:
         """The delta of `snap`: an offered one (never uploaded) or this learner's own from
         memory, else the stored payload (None if swept)."""
         own = self._own.get(r)
         if offer is not None and snap is offer.draft:
-            return check_delta(offer.tensors, snap, schema, names)
+            return dict(check_delta(offer.tensors, snap, schema, names))
         if own is not None and snap.learner == self.closer_id and snap.payload is not None \
                 and own[0] == snap.payload.sha256:
-            return check_delta(own[1], snap, schema, names)
+            return dict(check_delta(own[1], snap, schema, names))
         return await self.exchange.fetch_delta(snap, schema, names)
 
 

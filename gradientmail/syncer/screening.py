@@ -17,16 +17,21 @@ from gradientmail.backends.base import Backend
 from gradientmail.backends.numpy_backend import NumpyBackend
 from gradientmail.errors import GradientmailError
 from gradientmail.wire.quantization import dequantize
+from gradientmail.wire.row_pieces import DeltaTensor, RowPieces
 from gradientmail.wire.serialization import TensorBytes
 
 __all__ = ["delta_norms", "screen_delta"]
 
+#: Elements `_finite` checks at a time.
+_WINDOW = 1 << 16
+
 
 def screen_delta(
-    entries: Mapping[str, TensorBytes] | None, names: Sequence[str], delta_format: str | None
-) -> dict[str, TensorBytes] | str:
+    entries: Mapping[str, DeltaTensor] | None, names: Sequence[str], delta_format: str | None
+) -> dict[str, DeltaTensor] | str:
     """The delta of `names` a round merges from a contribution's checked payload
-    `entries` (dequantized to F32 unless stored as F32, F16 or BF16), or why it cannot:
+    `entries` (dequantized to F32 unless stored as F32, F16 or BF16; a tensor in
+    `RowPieces` stays in its pieces), or why it cannot:
     "payload swept" (no `entries`: the payload is gone), "unreadable: ..." (it does not
     dequantize), "non-finite values in [names]"."""
     if entries is None:
@@ -50,19 +55,30 @@ def delta_norms(contributions: Sequence[Contribution],
 
 
 def _dequantized(
-    entries: Mapping[str, TensorBytes], names: Sequence[str], fmt: str | None
-) -> dict[str, TensorBytes]:
+    entries: Mapping[str, DeltaTensor], names: Sequence[str], fmt: str | None
+) -> dict[str, DeltaTensor]:
     if fmt is None or (
         fmt in ("F32", "F16", "BF16") and all(entries[n].dtype == fmt for n in names)
     ):
         return {n: entries[n] for n in names}
     if all(entries[n].dtype == "F32" and f"{n}.scale" not in entries for n in names):
         # A quantized delta made of parts: each part was dequantized on its own
-        # (`wire.parts.assemble`), its scales with it.
+        # (`wire.parts.pieces_of`), its scales with it.
         return {n: entries[n] for n in names}
-    return {n: dequantize(entries, n, fmt) for n in names}
+    whole = {n: t for n, t in entries.items() if isinstance(t, TensorBytes)}
+    return {n: dequantize(whole, n, fmt) for n in names}
 
 
-def _finite(t: TensorBytes) -> bool:
-    arr: Any = t.to_numpy()
-    return bool(np.isfinite(arr.astype(np.float32)).all()) if arr.size else True
+def _finite(t: DeltaTensor) -> bool:
+    if isinstance(t, RowPieces):
+        # Piece by piece: a contribution of parts is never joined to be screened.
+        return all(_finite(piece) for _, piece in t.pieces)
+    arr: Any = t.to_numpy().reshape(-1)
+    # A window at a time: checking a tensor must not cost a float32 copy of it.
+    for s in range(0, arr.size, _WINDOW):
+        window = arr[s : s + _WINDOW]
+        if window.dtype != np.float32:
+            window = window.astype(np.float32)
+        if not np.isfinite(window).all():
+            return False
+    return True

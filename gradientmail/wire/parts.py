@@ -8,9 +8,10 @@ the rows it holds, with the metadata entry `gradientmail.rows`: the canonical JS
 F8 scale, F4 blocks counted from its first element), so a reader dequantizes each part
 before putting rows side by side.
 
-Pure functions: `part_metadata` for the writer; `rows_in` and `assemble` for the reader,
-which checks that the parts tile every tensor exactly once, each in the record's format,
-and builds the full tensors the merge reads.
+Pure functions: `part_metadata` for the writer; `rows_in`, `pieces_of` and `assemble` for
+the reader, which check that the parts tile every tensor exactly once, each in the
+record's format. `pieces_of` hands the merge each tensor's rows where they lie
+(`RowPieces`, read window by window); `assemble` builds full tensors.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from collections.abc import Mapping, Sequence
 
 from gradientmail.errors import CorruptPayload, SchemaMismatch
 from gradientmail.wire.quantization import dequantize
+from gradientmail.wire.row_pieces import DeltaTensor, RowPieces
 from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes, validate
 
-__all__ = ["ROWS_KEY", "Part", "assemble", "part_metadata", "rows_in"]
+__all__ = ["ROWS_KEY", "Part", "assemble", "part_metadata", "pieces_of", "rows_in"]
 
 #: The metadata entry naming the rows of each tensor a part holds.
 ROWS_KEY = "gradientmail.rows"
@@ -65,13 +67,22 @@ def rows_in(metadata: Mapping[str, str], key: str) -> dict[str, tuple[int, int]]
 
 def assemble(parts: Sequence[Part], schema: Schema, names: Sequence[str],
              fmt: str | None) -> dict[str, TensorBytes]:
-    """The full delta of `names` from `parts`: each part checked to hold its rows of its
-    tensors in `fmt` (plus `<name>.scale` entries of quantized formats) and nothing else,
-    the rows of all parts checked to tile every tensor exactly once. F32, F16 and BF16
-    rows are joined as they are; quantized ones are dequantized part by part and joined
-    in F32 (the values a merge reads either way). `SchemaMismatch` naming the part and
-    the tensor otherwise ("parts do not tile ..."). `fmt` None: each tensor in the
-    schema's own dtype (a model's parameters read by rows, rank by rank)."""
+    """`pieces_of`, each tensor joined into one buffer."""
+    return {name: t.joined() if isinstance(t, RowPieces) else t
+            for name, t in pieces_of(parts, schema, names, fmt).items()}
+
+
+def pieces_of(parts: Sequence[Part], schema: Schema, names: Sequence[str],
+              fmt: str | None) -> dict[str, DeltaTensor]:
+    """The full delta of `names` from `parts`, never joined: each part checked to hold
+    its rows of its tensors in `fmt` (plus `<name>.scale` entries of quantized formats)
+    and nothing else, the rows of all parts checked to tile every tensor exactly once.
+    F32, F16 and BF16 rows stay as they are; quantized ones are dequantized part by part
+    to F32 (the values a merge reads either way). A tensor held by one part is that
+    part's tensor; one held by several is a `RowPieces` of their rows, which the merge
+    reads where they lie. `SchemaMismatch` naming the part and the tensor otherwise
+    ("parts do not tile ..."). `fmt` None: each tensor in the schema's own dtype (a
+    model's parameters read by rows, rank by rank)."""
     wanted = set(names)
     pieces: dict[str, list[tuple[int, int, TensorBytes]]] = {n: [] for n in names}
     for key, entries, rows in parts:
@@ -96,15 +107,15 @@ def assemble(parts: Sequence[Part], schema: Schema, names: Sequence[str],
             raw = fmt is None or fmt in _RAW
             value = entries[name] if raw else dequantize(entries, name, str(fmt), key=key)
             pieces[name].append((a, b, value))
-    out = {}
+    out: dict[str, DeltaTensor] = {}
     for name in names:
-        out[name] = _joined(name, schema[name], sorted(pieces[name], key=lambda p: p[:2]),
-                            fmt)
+        out[name] = _tiled(name, schema[name], sorted(pieces[name], key=lambda p: p[:2]),
+                           fmt)
     return out
 
 
-def _joined(name: str, spec: ParameterSpec, pieces: list[tuple[int, int, TensorBytes]],
-            fmt: str | None) -> TensorBytes:
+def _tiled(name: str, spec: ParameterSpec, pieces: list[tuple[int, int, TensorBytes]],
+           fmt: str | None) -> DeltaTensor:
     rows = spec.shape[0] if spec.shape else 1
     # Empty pieces (a rank past the last chunk holds none of its rows) tile nothing.
     held = [p for p in pieces if p[1] > p[0]]
@@ -122,9 +133,6 @@ def _joined(name: str, spec: ParameterSpec, pieces: list[tuple[int, int, TensorB
         return TensorBytes(held[0][2].dtype, spec.shape, held[0][2].buffer)
     dtype = held[0][2].dtype if held else (
         spec.dtype if fmt is None else fmt if fmt in _RAW else "F32")
-    out = bytearray(sum(p[2].nbytes for p in held))
-    pos = 0
-    for _, _, t in held:
-        out[pos : pos + t.nbytes] = t.buffer
-        pos += t.nbytes
-    return TensorBytes(dtype, spec.shape, memoryview(out).toreadonly())
+    if not held:  # a tensor of no rows
+        return TensorBytes(dtype, spec.shape, b"")
+    return RowPieces(dtype, spec.shape, tuple((a, t) for a, _, t in held))
