@@ -223,8 +223,13 @@ class Mailman:
                 loop.call_soon_threadsafe(wake.set)
 
     def want_live(self, n: int) -> None:
-        """List the leases every poll until `n` learners hold one (0: every lease period)."""
+        """Look for `n` learners holding a lease, at the cadence of a wait for a commit,
+        until they do (0: list the leases every lease period)."""
         self._want_live = n
+        loop, wake = self._loop, self._wake
+        if n and loop is not None and wake is not None:
+            with contextlib.suppress(RuntimeError):  # its loop closed: nothing to wake
+                loop.call_soon_threadsafe(wake.set)
 
     def failed_rounds(self) -> list[int]:
         """The rounds whose publish is known not to have landed since the last call."""
@@ -442,7 +447,9 @@ class Mailman:
                 raise
             except Exception as exc:
                 self.on_event(PollFailed(self.learner_id, repr(exc)))
-            blocked = blocked + 1 if self._blocked else 0
+            # Waiting for a commit, or for learners to join (not a wait the closer sees).
+            short = len(self.observed.live) < self._want_live
+            blocked = blocked + 1 if self._blocked or short else 0
             # Woken early when the training thread starts waiting for a commit, or this
             # learner's contribution is in (its closer looks whether it completed the
             # set): neither waits out a poll interval begun before.

@@ -212,11 +212,10 @@ class Learner:
         Standard DiLoCo, whose rounds wait for every learner, starts all of them this way
         so that none runs ahead alone. `GradientmailError` after `timeout` seconds."""
         self._require_started()
-        # Looked for as for a commit (`Mailman.blocked`): learners that start together
-        # leave this wait within milliseconds of each other, not a poll interval apart,
-        # and a barrier's first round does not pay for the difference.
+        # The mailman looks for them as for a commit (`poll_delay`): learners that start
+        # together leave this wait within milliseconds of each other, not a poll interval
+        # apart, and a barrier's first round does not pay for the difference.
         self._mailman.want_live(n)
-        self._mailman.blocked(True)
         clock = self.clock
         try:
             with clock.busy():
@@ -232,7 +231,6 @@ class Learner:
                     with contextlib.suppress(queue.Empty):  # woken by any news of leases
                         clock.get(self._mailman.live_news, min(1.0, deadline - clock.now()))
         finally:
-            self._mailman.blocked(False)
             self._mailman.want_live(0)
         return self._mailman.observed.live
 
