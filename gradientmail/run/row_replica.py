@@ -238,8 +238,8 @@ class RowReplica:
         self.exchange = exchange
         self.rows = dict(rows)
         self.bytes_down = 0
-        #: Of `bytes_down`, those of compressed payloads read whole for a part of their
-        #: rows: what committing uncompressed would save, but for this rank's rows.
+        #: Bytes of compressed payloads downloaded whole for a part of their rows (no
+        #: range of a zstd frame decodes alone): uncompressed, this rank reads its rows.
         self.bytes_whole = 0
         self._warned = False
         self._states: dict[int, _State] = {}
