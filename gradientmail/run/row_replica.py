@@ -16,7 +16,9 @@ Memory: the state's rows are this rank's, held in writable buffers the steps upd
 place, a few rows at a time; what a replay allocates on top is one tensor's rows of the
 step (for an F4 step whose 32-element blocks cross this rank's first or last row, that
 tensor whole). A zstd payload cannot be
-read by ranges and is decoded whole: sharded runs should commit uncompressed.
+read by ranges and is decoded whole: sharded runs should commit uncompressed. A rank that
+reads one whole for a part of its rows logs a warning saying so, once, with the bytes it
+downloaded and those of its rows, and counts those bytes (`RowReplica.bytes_whole`).
 
 Not checked on rows: the record's `theta_sha256` (it covers the whole theta; a ranged
 reader cannot compute it, as with the SHA-256 of ranged payloads, §2).
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -52,6 +55,8 @@ CHUNK_BYTES = 1 << 16
 
 #: What `RowReplica.reach` calls with each tensor's theta rows, one tensor at a time.
 Each = Callable[[str, Rows], Awaitable[None]]
+
+_log = logging.getLogger("gradientmail.run")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +162,7 @@ class _Reader:
                  whole: Mapping[str, TensorBytes] | None) -> None:
         self._mailbox, self.key, self._spans, self._whole = mailbox, key, spans, whole
         self.bytes = 0
+        self.codec = compression_of(key)
 
     @classmethod
     async def open(cls, ex: Exchange, ref: PayloadRef) -> _Reader | None:
@@ -179,6 +185,11 @@ class _Reader:
     def ranged(self) -> bool:
         """Whether it reads by ranges (else it holds the decoded payload)."""
         return self._spans is not None
+
+    def decoded(self) -> Mapping[str, TensorBytes]:
+        """The decoded payload of a reader that is not `ranged`."""
+        assert self._whole is not None
+        return self._whole
 
     def shape(self, name: str) -> tuple[int, ...]:
         if name not in self.names:
@@ -227,6 +238,10 @@ class RowReplica:
         self.exchange = exchange
         self.rows = dict(rows)
         self.bytes_down = 0
+        #: Bytes of compressed payloads downloaded whole for a part of their rows (no
+        #: range of a zstd frame decodes alone): uncompressed, this rank reads its rows.
+        self.bytes_whole = 0
+        self._warned = False
         self._states: dict[int, _State] = {}
         self._backend = NumpyBackend(threads=1, pool_bytes=0)
 
@@ -245,6 +260,44 @@ class RowReplica:
             None if st.master is None else {n: b.view(0, b.rows) for n, b in st.master.items()},
             {n: b.view(0, b.rows) for n, b in st.momentum.items()})
 
+    async def _open(self, ref: PayloadRef) -> _Reader | None:
+        """A reader of the payload `ref`; one read whole for a part of its rows (its codec
+        cannot serve ranges) is counted in `bytes_whole`, and the first is reported."""
+        reader = await _Reader.open(self.exchange, ref)
+        if reader is None or reader.ranged:
+            return reader
+        tensors = reader.decoded()
+        decoded = sum(t.nbytes for t in tensors.values())
+        mine = self._rows_bytes(tensors)
+        if mine >= decoded:  # this rank holds every row (one rank, or a DDP learner)
+            return reader
+        self.bytes_whole += reader.bytes
+        if not self._warned and reader.bytes > mine:
+            self._warned = True
+            _log.warning(
+                "%s is %s-compressed, and no range of a %s frame decodes alone: this rank "
+                "downloaded all %s bytes of it (%s decoded) for %s bytes of its rows, and "
+                "every rank of this sharded learner reads every compressed payload whole. "
+                "Set compression: \"off\" on every learner of the run (their closers write "
+                "the commits; recipes/gpt2-xl.yaml does), so that each rank downloads its "
+                "rows alone (reported once; RowReplica.bytes_whole counts these bytes)",
+                reader.key, reader.codec, reader.codec, f"{reader.bytes:,}", f"{decoded:,}",
+                f"{mine:,}")
+        return reader
+
+    def _rows_bytes(self, tensors: Mapping[str, TensorBytes]) -> int:
+        """Bytes of this rank's rows of `tensors`: `momentum/w` and `master/w` by w's rows,
+        a tensor of no parameter's name (a scale) whole."""
+        total = 0
+        for name, t in tensors.items():
+            param = name.split("/", 1)[1] if name.startswith(("momentum/", "master/")) \
+                else name
+            held = self.rows.get(param)
+            rows = t.shape[0] if t.shape else 1
+            total += t.nbytes if held is None or not rows else \
+                t.nbytes * (held[1] - held[0]) // rows
+        return total
+
     async def reach(self, chain: RowChain, each: Each) -> bool:
         """Follow `chain`, then hand `each` this rank's theta rows of every tensor, one at a
         time. False when a payload was swept (a newer commit exists). The state is dropped
@@ -262,7 +315,7 @@ class RowReplica:
         alg = _algorithm(chain.algorithm)
         if not chain.replicated:
             assert chain.theta is not None
-            reader = await _Reader.open(self.exchange, chain.theta)
+            reader = await self._open(chain.theta)
             if reader is None:
                 return False
             try:
@@ -296,9 +349,8 @@ class RowReplica:
 
     async def _base(self, alg: Algorithm, chain: RowChain) -> _State | None:
         assert chain.theta is not None
-        theta_in = await _Reader.open(self.exchange, chain.theta)
-        outer_in = None if chain.outer is None else await _Reader.open(self.exchange,
-                                                                      chain.outer)
+        theta_in = await self._open(chain.theta)
+        outer_in = None if chain.outer is None else await self._open(chain.outer)
         if theta_in is None or (chain.outer is not None and outer_in is None):
             return None
         state = _State(chain.base_version, {}, None, {})
@@ -340,7 +392,7 @@ class RowReplica:
 
     async def _step(self, alg: Algorithm, fragment: int, state: _State, round_: int,
                     step: StepRef) -> bool:
-        reader = await _Reader.open(self.exchange, step.payload)
+        reader = await self._open(step.payload)
         if reader is None:
             return False
         try:
