@@ -24,7 +24,7 @@ from gradientmail.errors import ConfigError
 from gradientmail.syncer.screening import delta_norms, screen_delta
 from gradientmail.wire.parts import assemble, pieces_of
 from gradientmail.wire.payload_ranges import rows_of
-from gradientmail.wire.quantization import quantize
+from gradientmail.wire.quantization import Quantized, quantize
 from gradientmail.wire.row_pieces import DeltaTensor, RowPieces
 from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
 
@@ -87,7 +87,7 @@ def test_row_pieces_must_tile_the_tensor_in_order() -> None:
         RowPieces("F32", (4, 2), ((0, rows_of(t, 0, 1).tensor), (2, rows_of(t, 2, 4).tensor)))
     with pytest.raises(ConfigError, match="pieces hold 3 rows of a tensor of 4"):
         RowPieces("F32", (4, 2), ((0, rows_of(t, 0, 3).tensor),))
-    with pytest.raises(ConfigError, match="dequantize the parts first"):
+    with pytest.raises(ConfigError, match="in an F32 RowPieces as a `Quantized`"):
         RowPieces("F8_E4M3", (4, 2), ())
 
 
@@ -160,7 +160,12 @@ def test_parts_are_merged_from_their_pieces_to_the_bytes_of_assembled_parts(
             parts.append((f"part-{k}", entries, {"w": (a, b)}))
         joined.append(assemble(parts, schema, ["w"], fmt)["w"])
         pieces.append(pieces_of(parts, schema, ["w"], fmt)["w"])
-    assert [type(p) for p in pieces] == [RowPieces, RowPieces, TensorBytes]
+    quantized = fmt in ("F8_E4M3", "F4")
+    # A quantized part is never decoded whole, even one holding a tensor alone.
+    assert [type(p) for p in pieces] == [RowPieces, RowPieces,
+                                         RowPieces if quantized else TensorBytes]
+    if quantized:
+        assert all(isinstance(q, Quantized) for p in pieces for _, q in p.pieces)
     for merge in (WeightedMean(), Rda(direct_pattern=None)):
         assert close(merge, pieces) == close(merge, joined)
 

@@ -13,8 +13,9 @@ Value operations.
 
 A contribution made of parts loads as a `NumpyRows` (`load` of a `RowPieces`): the fused
 helpers read each chunk of the logical tensor from the piece that covers it (a view),
-copying only a chunk that straddles two pieces, so the blocks and chunks, and therefore
-the float64 Gram and every output byte, are those of the same tensor loaded whole.
+copying only a chunk that straddles two pieces (and decoding, chunk by chunk, pieces of
+quantized parts), so the blocks and chunks, and therefore the float64 Gram and every
+output byte, are those of the same tensor loaded whole.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy.typing as npt
 
 from gradientmail.backends.pool import DEFAULT_POOL_BYTES, BufferPool
 from gradientmail.errors import ConfigError
+from gradientmail.wire.quantization import Quantized
 from gradientmail.wire.row_pieces import RowPieces
 from gradientmail.wire.serialization import STORAGE_DTYPES, TensorBytes
 
@@ -193,18 +195,30 @@ def _flat(a: F32Array) -> F32Array:
 
 class _Rows:
     """The flat float32 elements of a `RowPieces`, sliced as an array is: a slice inside
-    one F32 piece is a view of it; one across pieces, or of an F16/BF16 piece, is a new
-    array of that slice alone."""
+    one F32 piece is a view of it; one across pieces, or of an F16/BF16 or `Quantized`
+    piece (widened or decoded), is a new array of that slice alone."""
 
     __slots__ = ("_pieces", "_starts", "size")
 
     def __init__(self, rows: RowPieces) -> None:
         native = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}[rows.dtype]
-        self._pieces = [np.frombuffer(t.buffer, dtype=native) for _, t in rows.pieces]
+        self._pieces = [t if isinstance(t, Quantized) else np.frombuffer(t.buffer, native)
+                        for _, t in rows.pieces]
         self._starts = [0]
         for a in self._pieces:
-            self._starts.append(self._starts[-1] + a.size)
+            self._starts.append(self._starts[-1] + a.size if isinstance(a, np.ndarray)
+                                else self._starts[-1] + a.numel)
         self.size = self._starts[-1]
+
+    def _read(self, i: int, s: int, e: int, out: F32Array | None = None) -> F32Array:
+        """Elements [s, e) of piece i."""
+        piece = self._pieces[i]
+        if isinstance(piece, Quantized):
+            return piece.read(s, e, out=out)
+        if out is None:
+            return _widened(piece[s:e])
+        np.copyto(out, _widened(piece[s:e]))
+        return out
 
     def __getitem__(self, window: slice) -> F32Array:
         s, e = window.start, min(window.stop, self.size)
@@ -213,13 +227,13 @@ class _Rows:
         i = bisect.bisect_right(self._starts, s) - 1
         if e <= self._starts[i + 1]:
             base = self._starts[i]
-            return _widened(self._pieces[i][s - base : e - base])
+            return self._read(i, s - base, e - base)
         out = np.empty(max(e - s, 0), dtype=np.float32)
         at = s
         while at < e:
             base, end = self._starts[i], self._starts[i + 1]
             n = min(e, end) - at
-            out[at - s : at - s + n] = _widened(self._pieces[i][at - base : at - base + n])
+            self._read(i, at - base, at - base + n, out[at - s : at - s + n])
             at += n
             i += 1
         return out
