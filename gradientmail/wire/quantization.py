@@ -66,6 +66,10 @@ TORCH_MIN_NUMEL = 1 << 16
 _F32 = np.float32
 _F32_MAX = float(np.finfo(np.float32).max)
 _CHUNK = 1 << 18  # elements per numpy pass: keeps temporaries in cache
+# Elements `Quantized` decodes at a time: its temporaries (a few bytes per element) stay
+# far below the window of F32 a closer's merge reads (the numpy backend's 64 Ki).
+_DECODE = 1 << 16
+_GATHER = 1 << 13  # codes per `take`: its int64 copy of them is 64 KiB
 # Elements per torch op: ATen's grain size, below which an op runs in the calling thread.
 # The learner quantizes on its communication thread while training runs torch on the
 # others; multi-threaded ops there meet at OpenMP barriers that stall whenever the cores
@@ -400,9 +404,9 @@ def dequantizing(
         raise ConfigError("dequantizing reads F8_E4M3 and F4 entries; BF16 is read as stored")
     where = f"{key}: " if key else ""
     q = _quantized(entries, name, fmt, _entry(entries, name, fmt, where), where)
-    buf = np.empty(min(_CHUNK, q.numel), _F32)
-    for i in range(0, q.numel, _CHUNK):
-        j = min(i + _CHUNK, q.numel)
+    buf = np.empty(min(_DECODE, q.numel), _F32)
+    for i in range(0, q.numel, _DECODE):
+        j = min(i + _DECODE, q.numel)
         if not np.isfinite(q.read(i, j, out=buf[: j - i])).all():
             raise _undecodable(name, fmt, where)
     return q
@@ -445,19 +449,19 @@ class Quantized:
     def read(self, start: int, stop: int,
              out: npt.NDArray[np.float32] | None = None) -> npt.NDArray[np.float32]:
         """Elements [start, stop) of the flat tensor as float32, into `out` when given
-        (stop − start elements); temporaries of at most a few times 256 Ki elements."""
+        (stop − start elements); temporaries of a few bytes per element of 64 Ki."""
         if not 0 <= start <= stop <= self.numel:
             raise ConfigError(f"window [{start}, {stop}) is not within {self.numel} elements")
         values = np.empty(stop - start, _F32) if out is None else out
         with np.errstate(over="ignore"):  # hostile scales overflow; checked by the maker
-            for i in range(start, stop, _CHUNK):
-                j = min(i + _CHUNK, stop)
+            for i in range(start, stop, _DECODE):
+                j = min(i + _DECODE, stop)
                 self._decode(i, j, values[i - start : j - start])
         return values
 
     def _decode(self, i: int, j: int, out: npt.NDArray[np.float32]) -> None:
         if self.dtype == "F8_E4M3":
-            np.take(_F8_VALUES, self._codes[i:j], out=out, mode="clip")
+            _gather(_F8_VALUES, self._codes[i:j], out)
             np.multiply(out, _F32(math.ldexp(1.0, int(self._k[0]))), out=out)
             return
         # Element e is nibble e % 2 of byte e // 2, scaled by block e // BLOCK's factor.
@@ -465,14 +469,29 @@ class Quantized:
         nibbles = np.empty(2 * packed.size, np.uint8)
         np.bitwise_and(packed, np.uint8(0x0F), out=nibbles[0::2])
         np.right_shift(packed, np.uint8(4), out=nibbles[1::2])
-        skip = i % 2
-        np.take(_F4_VALUES, nibbles[skip : skip + j - i], out=out, mode="clip")
-        k = self._k[i // BLOCK : -(-j // BLOCK)].astype(np.int32) - 127
-        head = i % BLOCK
-        np.multiply(out, np.repeat(_pow2(k), BLOCK)[head : head + j - i], out=out)
+        _gather(_F4_VALUES, nibbles[i % 2 : i % 2 + j - i], out)
+        factors = _pow2(self._k[i // BLOCK : -(-j // BLOCK)].astype(np.int32) - 127)
+        # The window's first block may start before i, its last end after j: scale the
+        # part of each that lies in the window, the whole blocks between as a matrix.
+        head = min(-i % BLOCK, j - i)
+        np.multiply(out[:head], factors[0], out=out[:head])
+        whole = (j - i - head) // BLOCK
+        body = out[head : head + whole * BLOCK].reshape(whole, BLOCK)
+        first = 1 if head else 0
+        np.multiply(body, factors[first : first + whole, None], out=body)
+        tail = out[head + whole * BLOCK :]
+        if tail.size:
+            np.multiply(tail, factors[-1], out=tail)
 
     def __repr__(self) -> str:
         return f"Quantized({self.dtype}{list(self.shape)})"
+
+
+def _gather(table: npt.NDArray[np.float32], codes: npt.NDArray[np.uint8],
+            out: npt.NDArray[np.float32]) -> None:
+    """out = table[codes], a slice at a time: `take` widens its indices to int64 first."""
+    for a in range(0, codes.size, _GATHER):
+        np.take(table, codes[a : a + _GATHER], out=out[a : a + _GATHER], mode="wrap")
 
 
 def _quantized(entries: Mapping[str, TensorBytes], name: str, fmt: str, codes: TensorBytes,
