@@ -10,15 +10,18 @@ them as F32, a window at a time, so no F32 copy of them is made either.
 
 from __future__ import annotations
 
+import bisect
 import math
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from gradientmail.errors import ConfigError
 from gradientmail.wire.quantization import Quantized
 from gradientmail.wire.tensor_bytes import TensorBytes
 
-__all__ = ["DeltaTensor", "Piece", "RowPieces"]
+__all__ = ["DeltaTensor", "FlatRows", "Piece", "RowPieces"]
 
 #: Dtypes whose pieces a merge reads as they are (quantized parts are `Quantized`, F32).
 _MERGEABLE = ("F32", "F16", "BF16")
@@ -94,3 +97,59 @@ class RowPieces:
 
 #: A delta tensor as a merge takes it: whole, or in row pieces.
 DeltaTensor = TensorBytes | RowPieces
+
+
+class FlatRows:
+    """The flat float32 elements of a `RowPieces`, sliced as an array is (`[s:e]`, step 1):
+    a slice inside one F32 piece is a view of it; one across pieces, or of an F16/BF16
+    piece (exactly widened) or a `Quantized` one (decoded), is a new array of that slice
+    alone. What a backend's merge reads, a window at a time."""
+
+    __slots__ = ("_pieces", "_starts", "size")
+
+    def __init__(self, rows: RowPieces) -> None:
+        native = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}[rows.dtype]
+        self._pieces = [t if isinstance(t, Quantized) else np.frombuffer(t.buffer, native)
+                        for _, t in rows.pieces]
+        self._starts = [0]
+        for _, t in rows.pieces:
+            self._starts.append(self._starts[-1] + t.numel)
+        self.size = self._starts[-1]
+
+    def _read(self, i: int, s: int, e: int,
+              out: npt.NDArray[np.float32] | None = None) -> npt.NDArray[np.float32]:
+        """Elements [s, e) of piece i."""
+        piece = self._pieces[i]
+        if isinstance(piece, Quantized):
+            return piece.read(s, e, out=out)
+        if out is None:
+            return _widened(piece[s:e])
+        np.copyto(out, _widened(piece[s:e]))
+        return out
+
+    def __getitem__(self, window: slice) -> npt.NDArray[np.float32]:
+        s, e = window.start, min(window.stop, self.size)
+        if e <= s:
+            return np.empty(0, dtype=np.float32)
+        i = bisect.bisect_right(self._starts, s) - 1
+        if e <= self._starts[i + 1]:
+            base = self._starts[i]
+            return self._read(i, s - base, e - base)
+        out = np.empty(e - s, dtype=np.float32)
+        at = s
+        while at < e:
+            base, end = self._starts[i], self._starts[i + 1]
+            n = min(e, end) - at
+            self._read(i, at - base, at - base + n, out[at - s : at - s + n])
+            at += n
+            i += 1
+        return out
+
+
+def _widened(a: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
+    """Float32 elements of F32 (as they are), F16 or BF16 bits (exactly widened)."""
+    if a.dtype == np.float32:
+        return a
+    if a.dtype == np.uint16:
+        return (a.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return a.astype(np.float32)
