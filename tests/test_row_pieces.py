@@ -10,6 +10,7 @@ extra memory is measured against the merge of deltas already whole.
 from __future__ import annotations
 
 import itertools
+import math
 import tracemalloc
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -170,17 +171,89 @@ def test_parts_are_merged_from_their_pieces_to_the_bytes_of_assembled_parts(
         assert close(merge, pieces) == close(merge, joined)
 
 
-def test_the_torch_backend_joins_pieces_to_the_bytes_of_the_tensor_whole() -> None:
+def parted_as(fmt: str, t: TensorBytes, rows: Sequence[int]) -> DeltaTensor:
+    """`t` cut at `rows` as the closer reads it: stored pieces, or quantized parts."""
+    if fmt in ("F32", "BF16"):
+        return cut(t if fmt == "F32" else NumpyBackend().load(t).to_bytes("BF16"), rows)
+    parts = [(f"part-{k}", quantize("w", rows_of(t, a, b).tensor, fmt), {"w": (a, b)})
+             for k, (a, b) in enumerate(itertools.pairwise(rows))]
+    return pieces_of(parts, Schema((ParameterSpec("w", "F32", t.shape),)), ["w"], fmt)["w"]
+
+
+@pytest.mark.parametrize("fmt", ["F32", "BF16", "F4"])
+def test_the_torch_backend_reads_pieces_where_they_lie_to_the_bytes_of_the_tensor_whole(
+        fmt: str) -> None:
+    """On the CPU the torch backend reads `RowPieces` a `CPU_CHUNK` window at a time
+    (cuts on either side of its 2^20-element boundary, windows across pieces): the same
+    Gram, `lincomb`, outer step and round bytes as the same tensors joined."""
     torch_backend = pytest.importorskip("gradientmail.backends.torch_backend")
     be = torch_backend.TorchBackend()
-    whole = values(3, shape=(300, 100))
-    parted = [cut(t, rows) for t, rows in zip(whole, [[0, 140, 300], [0, 1, 1, 299, 300],
-                                                     [0, 300]], strict=True)]
+    assert SHAPE[0] * SHAPE[1] > torch_backend.CPU_CHUNK
+    parted = [parted_as(fmt, t, rows) for t, rows in zip(values(3), CUTS, strict=True)]
+    whole = [t.joined() if isinstance(t, RowPieces) else t for t in parted]
     a = [be.load(t) for t in whole]
     b = [be.load(t) for t in parted]
+    assert [type(v).__name__ for v in b] == \
+        ["TorchRows", "TorchRows", "TorchRows" if fmt == "F4" else "TorchValue"]
     assert be.gram(b) == be.gram(a)
-    assert be.lincomb(b, [0.5, 0.25, -1.0]).to_bytes("F32") == \
-        be.lincomb(a, [0.5, 0.25, -1.0]).to_bytes("F32")
+    coeffs = [0.5, 0.25, -1.0]
+    assert be.lincomb(b, coeffs).to_bytes("F32") == be.lincomb(a, coeffs).to_bytes("F32")
+    theta, mom = be.load(values(1)[0]), be.zeros(SHAPE)
+    assert [v.to_bytes("F32") for v in be.outer_step(theta, mom, b, coeffs, 0.7, 0.9)] == \
+        [v.to_bytes("F32") for v in be.outer_step(theta, mom, a, coeffs, 0.7, 0.9)]
+    assert b[1].dot(b[0]) == a[1].dot(a[0]) and b[1].norm() == a[1].norm()
+    assert be.all_finite(b[1]) and b[1].isfinite()
+    assert (b[0] * 0.5 + b[1]).to_bytes("F32") == (a[0] * 0.5 + a[1]).to_bytes("F32")
+    assert (a[0] - b[1]).to_bytes("F32") == (a[0] - a[1]).to_bytes("F32")
+    for merge in (WeightedMean(), Rda(direct_pattern=None)):
+        cfg = DiLoCo(4, 1, in_flight=1, merge=merge)
+        schema = Schema((ParameterSpec("w", "F32", SHAPE),))
+        state = cfg.initial_state(0, {"w": values(1)[0]})
+        res = [cfg.aggregator(be).close_round(state, contributions(d), schema)
+               for d in (parted, whole)]
+        assert res[0].state.theta == res[1].state.theta
+        assert res[0].state.momentum == res[1].state.momentum
+
+
+def test_the_torch_backend_finds_a_non_finite_value_in_a_piece() -> None:
+    torch_backend = pytest.importorskip("gradientmail.backends.torch_backend")
+    a = np.zeros(SHAPE, np.float32)
+    a[1200, 3] = np.nan  # in the last CPU_CHUNK window, in the last piece
+    rows = torch_backend.TorchBackend().load(cut(TensorBytes.from_numpy(a), CUTS[1]))
+    assert not rows.isfinite() and not torch_backend.TorchBackend().all_finite(rows)
+    assert math.isnan(rows.norm())
+
+
+@pytest.mark.parametrize("fmt", ["F32", "F4"])
+def test_the_torch_backend_merges_pieces_without_a_tensor_per_contribution(
+        fmt: str) -> None:
+    """Measured with tests/workers/alloc_meter.py (torch storages and tracemalloc): a
+    merge of pieces costs the merge of the same tensors whole plus a window or two, where
+    joining them (what `load` did before) costs a tensor per contribution of pieces."""
+    torch_backend = pytest.importorskip("gradientmail.backends.torch_backend")
+    from workers.alloc_meter import AllocationMeter
+
+    be = torch_backend.TorchBackend()
+    parted = [parted_as(fmt, t, rows) for t, rows in zip(values(3), CUTS, strict=True)]
+    whole = [t.joined() if isinstance(t, RowPieces) else t for t in parted]
+    tensor = 4 * SHAPE[0] * SHAPE[1]
+
+    def merge(deltas: Callable[[], Sequence[DeltaTensor]]) -> int:
+        with AllocationMeter() as meter:
+            values_ = [be.load(d) for d in deltas()]
+            be.gram(values_)
+            be.lincomb(values_, [0.5, 0.25, -1.0])
+        return meter.peak
+
+    merge(lambda: whole)  # the pool and the meter's own first allocations
+    base, windowed = merge(lambda: whole), merge(lambda: parted)
+    joined = merge(lambda: [t.joined() if isinstance(t, RowPieces) else t for t in parted])
+    print(f"torch {fmt}: tensor {tensor}, merge of whole deltas {base}, "
+          f"pieces {windowed - base:+}, joined {joined - base:+}")
+    # One CPU_CHUNK window (4 MiB in F32) alive at a time, and its decoding's temporaries.
+    assert windowed - base <= 4 * torch_backend.CPU_CHUNK + (1 << 19), (windowed, base)
+    pieced = sum(isinstance(t, RowPieces) for t in parted)
+    assert joined - base >= pieced * tensor - (1 << 18), (joined, base)
 
 
 #: A tensor of odd rows (999 elements): part starts fall at odd elements and inside F4's
