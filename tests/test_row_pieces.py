@@ -224,6 +224,25 @@ def test_the_torch_backend_finds_a_non_finite_value_in_a_piece() -> None:
     assert math.isnan(rows.norm())
 
 
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", ["F32", "BF16", "F4"])
+def test_on_a_gpu_pieces_are_copied_to_the_device_to_the_bytes_of_the_tensor_whole(
+        fmt: str) -> None:
+    """On an accelerator the helpers read whole device tensors: pieces are copied onto
+    the device window by window, to the values (and merged bytes) of the tensor joined."""
+    torch_backend = pytest.importorskip("gradientmail.backends.torch_backend")
+    be = torch_backend.TorchBackend("cuda")
+    parted = [parted_as(fmt, t, rows) for t, rows in zip(values(3), CUTS, strict=True)]
+    whole = [t.joined() if isinstance(t, RowPieces) else t for t in parted]
+    a = [be.load(t) for t in whole]
+    b = [be.load(t) for t in parted]
+    assert all(isinstance(v, torch_backend.TorchValue) and v.tensor.is_cuda for v in b)
+    assert [v.to_bytes("F32") for v in b] == [v.to_bytes("F32") for v in a]
+    assert be.gram(b) == be.gram(a)
+    coeffs = [0.5, 0.25, -1.0]
+    assert be.lincomb(b, coeffs).to_bytes("F32") == be.lincomb(a, coeffs).to_bytes("F32")
+
+
 @pytest.mark.parametrize("fmt", ["F32", "F4"])
 def test_the_torch_backend_merges_pieces_without_a_tensor_per_contribution(
         fmt: str) -> None:
