@@ -1,7 +1,9 @@
 """Transfer formats for deltas and commits: BF16, F8_E4M3 and F4 (E2M1 in the MX layout).
 
 `quantize(name, tensor, fmt)` turns a storage tensor (F32, F16 or BF16) into the entries
-that travel in a payload; `dequantize(entries, name, fmt)` turns them back into F32. The
+that travel in a payload; `dequantize(entries, name, fmt)` turns them back into F32, and
+`dequantizing` (F8, F4) into a `Quantized` that reads any window of those F32 values
+from the codes and scales alone (a closer merges a quantized delta that way). The
 dequantized values are exactly the values the format represents (code value × 2^k, with
 no rounding in float32), so a tensor already representable round-trips bit for bit and
 `roundtrip(roundtrip(t)) == roundtrip(t)`.
