@@ -349,7 +349,7 @@ def test_dequantizing_refuses_what_dequantize_refuses_in_its_words(fmt: str) -> 
             dequantizing(broken, "w", fmt, key="part-1")
         assert str(windowed.value) == str(whole.value)
     # So a closer drops a part contribution for the reason it gave when it dequantized.
-    good = quantize("w", values(1, shape=(64, 3))[1], fmt)
+    good = quantize("w", values(2, shape=(64, 3))[1], fmt)
     parts = [("part-0", good, {"w": (0, 64)}), ("part-1", bad, {"w": (64, 128)})]
     with pytest.raises(CorruptPayload, match=f"^part-1: tensor 'w': {fmt} codes decode"):
         pieces_of(parts, Schema((ParameterSpec("w", "F32", (128, 3)),)), ["w"], fmt)
