@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
 from gradientmail.algorithms.base import Contribution
 from gradientmail.syncer.screening import delta_norms, screen_delta
-from gradientmail.wire.quantization import quantize
+from gradientmail.wire.quantization import dequantize, quantize
+from gradientmail.wire.row_pieces import RowPieces
 from gradientmail.wire.serialization import TensorBytes
 
 
@@ -22,12 +24,15 @@ def test_a_stored_delta_is_merged_as_it_is() -> None:
     assert screen_delta(entries, ["w"], None) == {"w": entries["w"]}
 
 
-def test_a_quantized_delta_is_dequantized() -> None:
-    entries = quantize("w", f32(1.0, -2.0, 0.5), "F8_E4M3")
-    delta = screen_delta(entries, ["w"], "F8_E4M3")
+@pytest.mark.parametrize("fmt", ["F8_E4M3", "F4"])
+def test_a_quantized_delta_is_read_as_its_dequantized_values(fmt: str) -> None:
+    entries = quantize("w", f32(1.0, -2.0, 0.5), fmt)
+    delta = screen_delta(entries, ["w"], fmt)
     assert isinstance(delta, dict) and set(delta) == {"w"}
-    assert delta["w"].dtype == "F32"
-    assert np.allclose(delta["w"].to_numpy(), [1.0, -2.0, 0.5], rtol=0.1)
+    # Kept quantized (the merge decodes it a window at a time), its values dequantize's.
+    assert isinstance(delta["w"], RowPieces) and delta["w"].dtype == "F32"
+    assert delta["w"].joined() == dequantize(entries, "w", fmt)
+    assert np.allclose(delta["w"].joined().to_numpy(), [1.0, -2.0, 0.5], rtol=0.1)
 
 
 def test_a_delta_is_dropped_swept_unreadable_or_non_finite() -> None:

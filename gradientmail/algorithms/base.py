@@ -47,8 +47,9 @@ class Contribution:
     """One learner's part in a round: its counters and its delta.
 
     `delta` maps each of the fragment's tensor names to anchor − θ as a float tensor
-    (F32, or F16/BF16; quantized deltas are dequantized by the caller), whole or in the
-    `RowPieces` of a contribution made of parts. `steps` and `tokens` count what it
+    (F32, or F16/BF16), whole or in the `RowPieces` of a contribution made of parts;
+    quantized deltas are read by the caller as F32 (`RowPieces` of `Quantized` pieces,
+    decoded by the merge a window at a time, or dequantized). `steps` and `tokens` count what it
     trained on this fragment since it last aligned; `final` marks a flush on close.
     """
 

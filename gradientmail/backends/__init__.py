@@ -14,7 +14,7 @@ from gradientmail.backends.base import Backend, Value
 from gradientmail.backends.numpy_backend import NumpyBackend, NumpyRows, NumpyValue
 
 if TYPE_CHECKING:
-    from gradientmail.backends.torch_backend import TorchBackend, TorchValue
+    from gradientmail.backends.torch_backend import TorchBackend, TorchRows, TorchValue
 
 __all__ = [
     "Backend",
@@ -22,6 +22,7 @@ __all__ = [
     "NumpyRows",
     "NumpyValue",
     "TorchBackend",
+    "TorchRows",
     "TorchValue",
     "Value",
     "default_backend",
@@ -29,7 +30,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("TorchBackend", "TorchValue"):
+    if name in ("TorchBackend", "TorchRows", "TorchValue"):
         from gradientmail.errors import MissingExtra
 
         try:

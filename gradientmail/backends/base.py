@@ -51,8 +51,9 @@ class Backend(Protocol):
     name: str
 
     def load(self, tensor: TensorBytes | RowPieces) -> Value:
-        """A Value of `tensor` (F32, F16 or BF16); of a `RowPieces`, one the fused
-        helpers read where its pieces lie when the backend can (numpy), else joined."""
+        """A Value of `tensor` (F32, F16 or BF16); of a `RowPieces` (raw or `Quantized`
+        pieces), one the fused helpers read where its pieces lie, a window at a time
+        (numpy; torch on the CPU), or a device tensor filled a window at a time."""
         ...
 
     def zeros(self, shape: tuple[int, ...]) -> Value: ...

@@ -13,13 +13,13 @@ Value operations.
 
 A contribution made of parts loads as a `NumpyRows` (`load` of a `RowPieces`): the fused
 helpers read each chunk of the logical tensor from the piece that covers it (a view),
-copying only a chunk that straddles two pieces, so the blocks and chunks, and therefore
-the float64 Gram and every output byte, are those of the same tensor loaded whole.
+copying only a chunk that straddles two pieces (and decoding, chunk by chunk, pieces of
+quantized parts), so the blocks and chunks, and therefore the float64 Gram and every
+output byte, are those of the same tensor loaded whole.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -31,7 +31,7 @@ import numpy.typing as npt
 
 from gradientmail.backends.pool import DEFAULT_POOL_BYTES, BufferPool
 from gradientmail.errors import ConfigError
-from gradientmail.wire.row_pieces import RowPieces
+from gradientmail.wire.row_pieces import FlatRows, RowPieces
 from gradientmail.wire.serialization import STORAGE_DTYPES, TensorBytes
 
 __all__ = ["NumpyBackend", "NumpyRows", "NumpyValue", "f32", "f32_to_bf16_bits"]
@@ -191,49 +191,6 @@ def _flat(a: F32Array) -> F32Array:
     return np.ascontiguousarray(a).reshape(-1)
 
 
-class _Rows:
-    """The flat float32 elements of a `RowPieces`, sliced as an array is: a slice inside
-    one F32 piece is a view of it; one across pieces, or of an F16/BF16 piece, is a new
-    array of that slice alone."""
-
-    __slots__ = ("_pieces", "_starts", "size")
-
-    def __init__(self, rows: RowPieces) -> None:
-        native = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}[rows.dtype]
-        self._pieces = [np.frombuffer(t.buffer, dtype=native) for _, t in rows.pieces]
-        self._starts = [0]
-        for a in self._pieces:
-            self._starts.append(self._starts[-1] + a.size)
-        self.size = self._starts[-1]
-
-    def __getitem__(self, window: slice) -> F32Array:
-        s, e = window.start, min(window.stop, self.size)
-        if e <= s:
-            return np.empty(0, dtype=np.float32)
-        i = bisect.bisect_right(self._starts, s) - 1
-        if e <= self._starts[i + 1]:
-            base = self._starts[i]
-            return _widened(self._pieces[i][s - base : e - base])
-        out = np.empty(max(e - s, 0), dtype=np.float32)
-        at = s
-        while at < e:
-            base, end = self._starts[i], self._starts[i + 1]
-            n = min(e, end) - at
-            out[at - s : at - s + n] = _widened(self._pieces[i][at - base : at - base + n])
-            at += n
-            i += 1
-        return out
-
-
-def _widened(a: npt.NDArray[Any]) -> F32Array:
-    """Float32 elements of F32 (as they are), F16 or BF16 bits (exactly widened)."""
-    if a.dtype == np.float32:
-        return a
-    if a.dtype == np.uint16:
-        return (a.astype(np.uint32) << np.uint32(16)).view(np.float32)
-    return a.astype(np.float32)
-
-
 class NumpyRows:
     """A Value over a `RowPieces` (a contribution made of parts). The backend's fused
     helpers and `dot`, `norm`, `isfinite` read it a chunk at a time, where it lies; the
@@ -243,7 +200,7 @@ class NumpyRows:
 
     def __init__(self, tensor: RowPieces) -> None:
         self._tensor = tensor
-        self._rows = _Rows(tensor)
+        self._rows = FlatRows(tensor)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -281,7 +238,7 @@ class NumpyRows:
 
 
 #: What the fused helpers read: a flat float32 array, or the pieces of one.
-_Flat = F32Array | _Rows
+_Flat = F32Array | FlatRows
 
 
 def _reader(v: NumpyValue | NumpyRows) -> _Flat:

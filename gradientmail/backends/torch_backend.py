@@ -7,6 +7,11 @@ Every elementwise operation is one float32 kernel (no `alpha=` adds or `addcmul`
 may fuse a multiply and an add into one rounding), and scalars are rounded to float32
 before they reach a kernel, so on CPU the bytes equal the numpy backend's. Reductions sum
 exact float64 products; only the summation order differs from numpy.
+
+A contribution made of parts (or a quantized one) loads as a `RowPieces`. On the CPU it
+becomes a `TorchRows`, which the fused helpers read a `CPU_CHUNK` window at a time where
+its pieces lie, as the numpy backend's `NumpyRows`; on an accelerator, whose helpers run
+unchunked, it is copied onto the device window by window, never joined on the host.
 """
 
 from __future__ import annotations
@@ -14,17 +19,17 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, overload
 
 import torch
 
 from gradientmail.backends.numpy_backend import f32
 from gradientmail.backends.pool import DEFAULT_POOL_BYTES, BufferPool
 from gradientmail.errors import ConfigError
-from gradientmail.wire.row_pieces import RowPieces
+from gradientmail.wire.row_pieces import FlatRows, RowPieces
 from gradientmail.wire.serialization import STORAGE_DTYPES, TensorBytes
 
-__all__ = ["TorchBackend", "TorchValue"]
+__all__ = ["TorchBackend", "TorchRows", "TorchValue"]
 
 #: Elements per chunk of the fused helpers on CPU: far larger than numpy's, because each
 #: torch call costs microseconds of dispatch and, on several threads, a barrier (on a busy
@@ -72,6 +77,8 @@ class TorchValue:
         return tuple(int(d) for d in self._t.shape)
 
     def _other(self, other: object) -> torch.Tensor:
+        if isinstance(other, TorchRows):
+            other = other.joined()
         if not isinstance(other, TorchValue):
             raise ConfigError(
                 f"cannot combine a torch Value with {type(other).__name__}; "
@@ -93,8 +100,7 @@ class TorchValue:
     __rmul__ = __mul__
 
     def dot(self, other: Any) -> float:
-        g = _gram([self._t.reshape(-1), self._other(other).reshape(-1)])
-        return float(g[0, 1])
+        return float(_gram(_tensors([self, other]))[0, 1])
 
     def norm(self) -> float:
         return math.sqrt(float(_gram([self._t.reshape(-1)])[0, 0]))
@@ -133,29 +139,126 @@ class TorchValue:
         return f"TorchValue(shape={self.shape}, device={self._t.device})"
 
 
-def _tensors(values: Sequence[Any]) -> list[torch.Tensor]:
+class _Flat:
+    """The flat float32 elements of a `RowPieces` as CPU tensors, a slice at a time."""
+
+    __slots__ = ("_rows", "device")
+
+    def __init__(self, rows: RowPieces) -> None:
+        self._rows = FlatRows(rows)
+        self.device = torch.device("cpu")
+
+    def numel(self) -> int:
+        return self._rows.size
+
+    def __getitem__(self, window: slice) -> torch.Tensor:
+        with warnings.catch_warnings():  # a view of read-only bytes, never written
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(self._rows[window])
+
+
+class TorchRows:
+    """A Value over a `RowPieces` on the CPU (a contribution made of parts, or a quantized
+    one). The fused helpers and `dot`, `norm`, `isfinite` read it a `CPU_CHUNK` window at
+    a time, where it lies: the windows, the Gram's float64 sums and every output byte are
+    those of the same tensor loaded whole. The other operations join it first (a copy)."""
+
+    __slots__ = ("_flat", "_tensor")
+
+    def __init__(self, tensor: RowPieces) -> None:
+        self._tensor = tensor
+        self._flat = _Flat(tensor)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._tensor.shape
+
+    def joined(self) -> TorchValue:
+        """The Value as one tensor (a copy of every piece)."""
+        out = torch.empty(self._flat.numel(), dtype=torch.float32)
+        _fill(out, self._tensor)
+        return TorchValue._of(out.reshape(self.shape))
+
+    def __add__(self, other: Any) -> TorchValue:
+        return self.joined().__add__(other)
+
+    def __sub__(self, other: Any) -> TorchValue:
+        return self.joined().__sub__(other)
+
+    def __mul__(self, k: float) -> TorchValue:
+        return self.joined() * k
+
+    __rmul__ = __mul__
+
+    def dot(self, other: Any) -> float:
+        return float(_gram(_tensors([self, other]))[0, 1])
+
+    def norm(self) -> float:
+        return math.sqrt(float(_gram([self._flat])[0, 0]))
+
+    def isfinite(self) -> bool:
+        return _all_finite(self._flat)
+
+    def to_bytes(self, dtype: str) -> TensorBytes:
+        return self.joined().to_bytes(dtype)
+
+    def __repr__(self) -> str:
+        return f"TorchRows(shape={self.shape})"
+
+
+#: What the helpers read: a flat float32 tensor, or the pieces of one on the CPU.
+_Flats = torch.Tensor | _Flat
+
+
+def _flat_of(v: object) -> _Flats:
+    if isinstance(v, TorchRows):
+        return v._flat
+    if isinstance(v, TorchValue):
+        return v._t.reshape(-1)
+    raise ConfigError(
+        f"cannot combine a torch Value with {type(v).__name__}; "
+        "load both tensors with the same backend"
+    )
+
+
+def _tensors(values: Sequence[Any]) -> list[_Flats]:
     if not values:
         raise ConfigError("need at least one Value")
     first = values[0]
-    if not isinstance(first, TorchValue):
+    if not isinstance(first, TorchValue | TorchRows):
         raise ConfigError(f"the torch backend cannot use a {type(first).__name__}")
-    return [first._t.reshape(-1)] + [first._other(v).reshape(-1) for v in values[1:]]
+    out = [_flat_of(first)]
+    for v in values[1:]:
+        out.append(_flat_of(v))
+        if v.shape != first.shape:
+            raise ConfigError(f"shape {v.shape} does not match {first.shape}")
+    return out
 
 
-def _all_finite(t: torch.Tensor) -> bool:
+def _fill(out: torch.Tensor, rows: RowPieces) -> None:
+    """Writes the elements of `rows` into flat float32 `out` (on any device), one
+    `CPU_CHUNK` window at a time: the host holds a window, never the whole tensor."""
+    flat = _Flat(rows)
+    for s in range(0, flat.numel(), CPU_CHUNK):
+        out[s : s + CPU_CHUNK].copy_(flat[s : s + CPU_CHUNK])
+
+
+def _all_finite(t: _Flats) -> bool:
     if t.numel() == 0:
         return True
+    if isinstance(t, _Flat):
+        return all(_all_finite(t[s : s + CPU_CHUNK]) for s in range(0, t.numel(), CPU_CHUNK))
     # One reduction pass and no boolean tensor of the input's size: NaN propagates through
     # min and max, and an infinity is the min or the max.
     lo, hi = torch.aminmax(t.reshape(-1))
     return math.isfinite(float(lo)) and math.isfinite(float(hi))
 
 
-def _chunk(t: torch.Tensor) -> int:
+def _chunk(t: _Flats) -> int:
     return CPU_CHUNK if t.device.type == "cpu" else max(t.numel(), 1)
 
 
-def _gram(flats: list[torch.Tensor]) -> torch.Tensor:
+def _gram(flats: Sequence[_Flats]) -> torch.Tensor:
     m, size = len(flats), flats[0].numel()
     step = _chunk(flats[0])
     g = torch.zeros((m, m), dtype=torch.float64, device=flats[0].device)
@@ -170,7 +273,7 @@ def _gram(flats: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _lincomb_chunk(
-    flats: list[torch.Tensor], ks: list[float], s: int, n: int, out: torch.Tensor,
+    flats: list[_Flats], ks: list[float], s: int, n: int, out: torch.Tensor,
     tmp: torch.Tensor,
 ) -> None:
     torch.mul(flats[0][s : s + n], ks[0], out=out)
@@ -191,18 +294,33 @@ class TorchBackend:
         # On the CPU, large outputs reuse memory of dropped states (see `BufferPool`).
         self.buffers = BufferPool(pool_bytes if self.device.type == "cpu" else 0)
 
-    def _empty(self, like: torch.Tensor) -> torch.Tensor:
+    def _empty(self, like: _Flats) -> torch.Tensor:
         if like.device.type != "cpu":
+            assert isinstance(like, torch.Tensor)  # pieces are read on the CPU only
             return torch.empty_like(like)
         return torch.from_numpy(self.buffers.empty(like.numel()))
 
-    def load(self, tensor: TensorBytes | RowPieces) -> TorchValue:
+    @overload
+    def load(self, tensor: TensorBytes) -> TorchValue: ...
+
+    @overload
+    def load(self, tensor: RowPieces) -> TorchValue | TorchRows: ...
+
+    @overload
+    def load(self, tensor: TensorBytes | RowPieces) -> TorchValue | TorchRows: ...
+
+    def load(self, tensor: TensorBytes | RowPieces) -> TorchValue | TorchRows:
         """A Value from F32, F16 or BF16 bytes (exactly widened to float32; F32 bytes on
-        the CPU are viewed in place, read-only by the Value contract). `RowPieces` are
-        joined first: a torch closer copies a contribution onto its device whole anyway,
-        and its Gram does not sum in the numpy backend's windows."""
+        the CPU are viewed in place, read-only by the Value contract). From `RowPieces`:
+        on the CPU a `TorchRows` reading them where they lie (nothing copied); on an
+        accelerator, whose helpers read whole tensors, one device tensor filled a window
+        at a time from the pieces (never joined on the host)."""
         if isinstance(tensor, RowPieces):
-            tensor = tensor.joined()
+            if self.device.type == "cpu":
+                return TorchRows(tensor)
+            out = torch.empty(tensor.numel, dtype=torch.float32, device=self.device)
+            _fill(out, tensor)
+            return TorchValue._of(out.reshape(tensor.shape))
         dt = _TORCH_DTYPES.get(tensor.dtype)
         if dt is None:
             raise ConfigError(

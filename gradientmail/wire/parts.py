@@ -5,8 +5,8 @@ A learner whose ranks each mail their own rows (docs/sharded.md §3) uploads one
 per rank. Each part is an ordinary payload whose tensors keep their full names, shaped as
 the rows it holds, with the metadata entry `gradientmail.rows`: the canonical JSON
 `{"name": [start, stop], ...}`. Quantized formats quantize each part on its own (its own
-F8 scale, F4 blocks counted from its first element), so a reader dequantizes each part
-before putting rows side by side.
+F8 scale, F4 blocks counted from its first element), so a reader decodes each part's
+rows with that part's scales (`quantization.Quantized`) before putting rows side by side.
 
 Pure functions: `part_metadata` for the writer; `rows_in`, `pieces_of` and `assemble` for
 the reader, which check that the parts tile every tensor exactly once, each in the
@@ -20,8 +20,8 @@ import json
 from collections.abc import Mapping, Sequence
 
 from gradientmail.errors import CorruptPayload, SchemaMismatch
-from gradientmail.wire.quantization import dequantize
-from gradientmail.wire.row_pieces import DeltaTensor, RowPieces
+from gradientmail.wire.quantization import Quantized, dequantizing
+from gradientmail.wire.row_pieces import DeltaTensor, Piece, RowPieces
 from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes, validate
 
 __all__ = ["ROWS_KEY", "Part", "assemble", "part_metadata", "pieces_of", "rows_in"]
@@ -29,7 +29,7 @@ __all__ = ["ROWS_KEY", "Part", "assemble", "part_metadata", "pieces_of", "rows_i
 #: The metadata entry naming the rows of each tensor a part holds.
 ROWS_KEY = "gradientmail.rows"
 
-#: Formats whose parts join byte for byte; the others are dequantized part by part.
+#: Formats whose parts join byte for byte; the others are read part by part (`Quantized`).
 _RAW = ("F32", "F16", "BF16")
 
 #: One part as read: its key (for messages), its entries, and the rows of each tensor.
@@ -77,14 +77,16 @@ def pieces_of(parts: Sequence[Part], schema: Schema, names: Sequence[str],
     """The full delta of `names` from `parts`, never joined: each part checked to hold
     its rows of its tensors in `fmt` (plus `<name>.scale` entries of quantized formats)
     and nothing else, the rows of all parts checked to tile every tensor exactly once.
-    F32, F16 and BF16 rows stay as they are; quantized ones are dequantized part by part
-    to F32 (the values a merge reads either way). A tensor held by one part is that
-    part's tensor; one held by several is a `RowPieces` of their rows, which the merge
-    reads where they lie. `SchemaMismatch` naming the part and the tensor otherwise
+    F32, F16 and BF16 rows stay as they are; quantized ones stay quantized, each part a
+    `Quantized` read as F32 with its own scales (`dequantizing`: checked as `dequantize`
+    checks them, with the same errors, but never decoded whole). A tensor held by one
+    raw part is that part's tensor; one held by several, or by a quantized part, is a
+    `RowPieces` (F32 for quantized parts) of their rows, which the merge reads where
+    they lie, a window at a time. `SchemaMismatch` naming the part and the tensor otherwise
     ("parts do not tile ..."). `fmt` None: each tensor in the schema's own dtype (a
     model's parameters read by rows, rank by rank)."""
     wanted = set(names)
-    pieces: dict[str, list[tuple[int, int, TensorBytes]]] = {n: [] for n in names}
+    pieces: dict[str, list[tuple[int, int, Piece]]] = {n: [] for n in names}
     for key, entries, rows in parts:
         stray = sorted(set(rows) - wanted)
         if stray:
@@ -105,7 +107,7 @@ def pieces_of(parts: Sequence[Part], schema: Schema, names: Sequence[str],
             raise SchemaMismatch(f"part {key!r}: {exc}") from exc
         for name, (a, b) in rows.items():
             raw = fmt is None or fmt in _RAW
-            value = entries[name] if raw else dequantize(entries, name, str(fmt), key=key)
+            value = entries[name] if raw else dequantizing(entries, name, str(fmt), key=key)
             pieces[name].append((a, b, value))
     out: dict[str, DeltaTensor] = {}
     for name in names:
@@ -114,7 +116,7 @@ def pieces_of(parts: Sequence[Part], schema: Schema, names: Sequence[str],
     return out
 
 
-def _tiled(name: str, spec: ParameterSpec, pieces: list[tuple[int, int, TensorBytes]],
+def _tiled(name: str, spec: ParameterSpec, pieces: list[tuple[int, int, Piece]],
            fmt: str | None) -> DeltaTensor:
     rows = spec.shape[0] if spec.shape else 1
     # Empty pieces (a rank past the last chunk holds none of its rows) tile nothing.
@@ -129,10 +131,13 @@ def _tiled(name: str, spec: ParameterSpec, pieces: list[tuple[int, int, TensorBy
     if at != rows:
         raise SchemaMismatch(f"parts do not tile {name!r}: rows {at}..{rows} are in no part "
                              f"(rows {[[p[0], p[1]] for p in held]})")
-    if len(held) == 1:
-        return TensorBytes(held[0][2].dtype, spec.shape, held[0][2].buffer)
-    dtype = held[0][2].dtype if held else (
-        spec.dtype if fmt is None else fmt if fmt in _RAW else "F32")
+    dtype = spec.dtype if fmt is None else fmt if fmt in _RAW else "F32"
     if not held:  # a tensor of no rows
         return TensorBytes(dtype, spec.shape, b"")
+    first = held[0][2]
+    if len(held) == 1 and isinstance(first, TensorBytes):
+        return TensorBytes(first.dtype, spec.shape, first.buffer)
+    if not spec.shape:  # a quantized scalar: one element, decoded
+        assert isinstance(first, Quantized)
+        return TensorBytes("F32", (), first.read(0, 1).tobytes())
     return RowPieces(dtype, spec.shape, tuple((a, t) for a, _, t in held))

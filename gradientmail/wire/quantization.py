@@ -1,7 +1,9 @@
 """Transfer formats for deltas and commits: BF16, F8_E4M3 and F4 (E2M1 in the MX layout).
 
 `quantize(name, tensor, fmt)` turns a storage tensor (F32, F16 or BF16) into the entries
-that travel in a payload; `dequantize(entries, name, fmt)` turns them back into F32. The
+that travel in a payload; `dequantize(entries, name, fmt)` turns them back into F32, and
+`dequantizing` (F8, F4) into a `Quantized` that reads any window of those F32 values
+from the codes and scales alone (a closer merges a quantized delta that way). The
 dequantized values are exactly the values the format represents (code value × 2^k, with
 no rounding in float32), so a tensor already representable round-trips bit for bit and
 `roundtrip(roundtrip(t)) == roundtrip(t)`.
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import ml_dtypes
@@ -46,9 +48,11 @@ __all__ = [
     "BLOCK",
     "FORMATS",
     "TORCH_MIN_NUMEL",
+    "Quantized",
     "bytes_per_element",
     "check_format",
     "dequantize",
+    "dequantizing",
     "quantize",
     "quantized_nbytes",
     "roundtrip",
@@ -64,6 +68,10 @@ TORCH_MIN_NUMEL = 1 << 16
 _F32 = np.float32
 _F32_MAX = float(np.finfo(np.float32).max)
 _CHUNK = 1 << 18  # elements per numpy pass: keeps temporaries in cache
+# Elements `Quantized` decodes at a time: its temporaries (a few bytes per element) stay
+# far below the window of F32 a closer's merge reads (the numpy backend's 64 Ki).
+_DECODE = 1 << 16
+_GATHER = 1 << 13  # codes per `take`: its int64 copy of them is 64 KiB
 # Elements per torch op: ATen's grain size, below which an op runs in the calling thread.
 # The learner quantizes on its communication thread while training runs torch on the
 # others; multi-threaded ops there meet at OpenMP barriers that stall whenever the cores
@@ -77,6 +85,10 @@ _F4_MAX_M, _F4_MAX_E, _F4_K = 0.75, 3, (-127, 127)  # 6 = 0.75 · 2^3
 # Code → value tables for decoding, built from ml_dtypes (a gather beats its cast 3×).
 _F8_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(_F32)
 _F4_VALUES = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(_F32)
+# Byte → the values of its two nibbles (low first) as one 8-byte word: one gather decodes
+# two elements, in their order in memory.
+_F4_PAIRS = np.stack([_F4_VALUES[np.arange(256) & 15], _F4_VALUES[np.arange(256) >> 4]],
+                     axis=1).reshape(-1).view(np.uint64)
 
 
 def check_format(fmt: str) -> str:
@@ -381,6 +393,121 @@ def dequantize(
                 f"{where}tensor {name!r}: BF16 values hold NaN or infinity; the payload is corrupt"
             )
         return TensorBytes("F32", codes.shape, handed_over(values))
+    q = _quantized(entries, name, fmt, codes, where)
+    values = q.read(0, q.numel)
+    if not np.isfinite(values).all():
+        raise _undecodable(name, fmt, where)
+    return TensorBytes("F32", codes.shape, handed_over(values))
+
+
+def dequantizing(
+    entries: Mapping[str, TensorBytes], name: str, fmt: str, *, key: str | None = None
+) -> Quantized:
+    """`dequantize` for F8_E4M3 and F4 without its F32 tensor: the same checks and errors
+    (the values decoded and checked a window at a time, then dropped), and a `Quantized`
+    that reads any window of those values later, from the codes and scales alone."""
+    if check_format(fmt) == "BF16":
+        raise ConfigError("dequantizing reads F8_E4M3 and F4 entries; BF16 is read as stored")
+    where = f"{key}: " if key else ""
+    q = _quantized(entries, name, fmt, _entry(entries, name, fmt, where), where)
+    buf = np.empty(min(_DECODE, q.numel), _F32)
+    for i in range(0, q.numel, _DECODE):
+        j = min(i + _DECODE, q.numel)
+        if not np.isfinite(q.read(i, j, out=buf[: j - i])).all():
+            raise _undecodable(name, fmt, where)
+    return q
+
+
+class Quantized:
+    """An F8_E4M3 or F4 tensor held as its codes and scales (views of the payload), read
+    as the F32 values it carries a window of flat elements at a time: `read(a, b)` is
+    byte for byte `dequantize(...)`'s elements [a, b), each decoded alone (its code's value
+    times its scale: its tensor's for F8, its 32-element block's for F4). Made by
+    `dequantizing`, which checked that every value is finite. Immutable."""
+
+    __slots__ = ("_codes", "_k", "dtype", "shape")
+
+    dtype: str
+    shape: tuple[int, ...]
+    _codes: npt.NDArray[np.uint8]
+    _k: npt.NDArray[np.int32] | npt.NDArray[np.uint8]
+
+    def __init__(self, fmt: str, shape: tuple[int, ...], codes: bytes | memoryview,
+                 k: npt.NDArray[np.int32] | npt.NDArray[np.uint8]) -> None:
+        # k: F8, the tensor's exponent (one int32); F4, the E8M0 byte of each block.
+        object.__setattr__(self, "dtype", fmt)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "_codes", np.frombuffer(codes, np.uint8))
+        object.__setattr__(self, "_k", k)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"Quantized is immutable; cannot set {name!r}")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes it holds: codes and scales."""
+        return int(self._codes.nbytes + self._k.nbytes)
+
+    def read(self, start: int, stop: int,
+             out: npt.NDArray[np.float32] | None = None) -> npt.NDArray[np.float32]:
+        """Elements [start, stop) of the flat tensor as float32, into `out` when given
+        (stop − start elements); temporaries of a few bytes per element of 64 Ki."""
+        if not 0 <= start <= stop <= self.numel:
+            raise ConfigError(f"window [{start}, {stop}) is not within {self.numel} elements")
+        values = np.empty(stop - start, _F32) if out is None else out
+        with np.errstate(over="ignore"):  # hostile scales overflow; checked by the maker
+            for i in range(start, stop, _DECODE):
+                j = min(i + _DECODE, stop)
+                self._decode(i, j, values[i - start : j - start])
+        return values
+
+    def _decode(self, i: int, j: int, out: npt.NDArray[np.float32]) -> None:
+        if self.dtype == "F8_E4M3":
+            _gather(_F8_VALUES, self._codes[i:j], out)
+            np.multiply(out, _F32(math.ldexp(1.0, int(self._k[0]))), out=out)
+            return
+        # Element e is nibble e % 2 of byte e // 2, scaled by block e // BLOCK's factor.
+        codes, e = self._codes, i
+        if e % 2 and e < j:  # the window starts at a high nibble
+            out[0] = _F4_VALUES[codes[e // 2] >> 4]
+            e += 1
+        pairs = (j - e) // 2
+        _gather(_F4_PAIRS, codes[e // 2 : e // 2 + pairs],
+                out[e - i : e - i + 2 * pairs].view(np.uint64))
+        e += 2 * pairs
+        if e < j:  # ... or ends at a low one
+            out[e - i] = _F4_VALUES[codes[e // 2] & 15]
+        factors = _pow2(self._k[i // BLOCK : -(-j // BLOCK)].astype(np.int32) - 127)
+        # The window's first block may start before i, its last end after j: scale the
+        # part of each that lies in the window, the whole blocks between as a matrix.
+        head = min(-i % BLOCK, j - i)
+        np.multiply(out[:head], factors[0], out=out[:head])
+        whole = (j - i - head) // BLOCK
+        body = out[head : head + whole * BLOCK].reshape(whole, BLOCK)
+        first = 1 if head else 0
+        np.multiply(body, factors[first : first + whole, None], out=body)
+        tail = out[head + whole * BLOCK :]
+        if tail.size:
+            np.multiply(tail, factors[-1], out=tail)
+
+    def __repr__(self) -> str:
+        return f"Quantized({self.dtype}{list(self.shape)})"
+
+
+def _gather(table: npt.NDArray[Any], codes: npt.NDArray[np.uint8],
+            out: npt.NDArray[Any]) -> None:
+    """out = table[codes], a slice at a time: `take` widens its indices to int64 first."""
+    for a in range(0, codes.size, _GATHER):
+        np.take(table, codes[a : a + _GATHER], out=out[a : a + _GATHER], mode="wrap")
+
+
+def _quantized(entries: Mapping[str, TensorBytes], name: str, fmt: str, codes: TensorBytes,
+               where: str) -> Quantized:
+    """`codes` of `name` with its scale entry, checked as `dequantize` checks them."""
     scale = _entry(entries, scale_name(name), "F32" if fmt == "F8_E4M3" else "F8_E8M0", where)
     if fmt == "F8_E4M3":
         if scale.shape != ():
@@ -394,30 +521,27 @@ def dequantize(
                 f"{where}tensor {name!r}: F8_E4M3 scale {s!r} is not a power of two 2^k with "
                 f"k in [{_F8_K[0]}, {_F8_K[1]}]; the payload is corrupt"
             )
-        k = np.full(1, e - 1, np.int32)
-        values = _decode(np.frombuffer(codes.buffer, np.uint8), _F8_VALUES, k, codes.numel)
-    else:
-        nblocks = -(-codes.numel // BLOCK)
-        if scale.shape != (nblocks,):
-            raise CorruptPayload(
-                f"{where}tensor {name!r}: F4 scale has shape {list(scale.shape)}; "
-                f"{codes.numel} elements need [{nblocks}] (one per block of {BLOCK})"
-            )
-        e8 = np.frombuffer(scale.buffer, np.uint8)
-        if (e8 == 0xFF).any():
-            raise CorruptPayload(
-                f"{where}tensor {name!r}: F4 scale block {int(np.argmax(e8 == 0xFF))} is NaN "
-                "(E8M0 0xFF); the payload is corrupt"
-            )
-        k = e8.astype(np.int32) - 127
-        nibbles = _unpack_pairs(codes.buffer, codes.numel)
-        values = _decode(nibbles, _F4_VALUES, k, codes.numel)
-    if not np.isfinite(values).all():
+        return Quantized(fmt, codes.shape, codes.buffer, np.full(1, e - 1, np.int32))
+    nblocks = -(-codes.numel // BLOCK)
+    if scale.shape != (nblocks,):
         raise CorruptPayload(
-            f"{where}tensor {name!r}: {fmt} codes decode to NaN or past float32's range; "
-            "the payload is corrupt"
+            f"{where}tensor {name!r}: F4 scale has shape {list(scale.shape)}; "
+            f"{codes.numel} elements need [{nblocks}] (one per block of {BLOCK})"
         )
-    return TensorBytes("F32", codes.shape, handed_over(values))
+    e8 = np.frombuffer(scale.buffer, np.uint8)
+    if (e8 == 0xFF).any():
+        raise CorruptPayload(
+            f"{where}tensor {name!r}: F4 scale block {int(np.argmax(e8 == 0xFF))} is NaN "
+            "(E8M0 0xFF); the payload is corrupt"
+        )
+    return Quantized(fmt, codes.shape, codes.buffer, e8)
+
+
+def _undecodable(name: str, fmt: str, where: str) -> CorruptPayload:
+    return CorruptPayload(
+        f"{where}tensor {name!r}: {fmt} codes decode to NaN or past float32's range; "
+        "the payload is corrupt"
+    )
 
 
 def _entry(entries: Mapping[str, TensorBytes], name: str, dtype: str, where: str) -> TensorBytes:
@@ -428,41 +552,3 @@ def _entry(entries: Mapping[str, TensorBytes], name: str, dtype: str, where: str
         got = entry.dtype if isinstance(entry, TensorBytes) else type(entry).__name__
         raise CorruptPayload(f"{where}tensor {name!r} is {got}; expected {dtype}")
     return entry
-
-
-def _unpack_pairs(data: bytes | memoryview, numel: int) -> npt.NDArray[np.uint8]:
-    packed = np.frombuffer(data, np.uint8)
-    out = np.empty(packed.size * 2, np.uint8)
-    out[0::2] = packed & np.uint8(0x0F)
-    out[1::2] = packed >> np.uint8(4)
-    return out[:numel]
-
-
-def _decode(
-    codes: npt.NDArray[np.uint8],
-    table: npt.NDArray[np.float32],
-    k: npt.NDArray[np.int32],
-    numel: int,
-) -> npt.NDArray[np.float32]:
-    """table[codes] · 2^k, k per tensor (size 1) or per block of `BLOCK` elements."""
-    values = np.empty(numel, _F32)
-    mul: Callable[[int, int], Any]
-    if k.size == 1:
-        factor = _F32(math.ldexp(1.0, int(k[0])))
-
-        def mul(i: int, j: int) -> Any:
-            return table[codes[i:j]] * factor
-
-    else:
-        factors = _pow2(k)
-
-        def mul(i: int, j: int) -> Any:
-            vals = table[codes[i:j]]
-            f = np.repeat(factors[i // BLOCK : -(-j // BLOCK)], BLOCK)[: j - i]
-            return vals * f
-
-    with np.errstate(over="ignore"):  # hostile scales overflow; the caller checks finiteness
-        for i in range(0, numel, _CHUNK):
-            j = min(i + _CHUNK, numel)
-            values[i:j] = mul(i, j)
-    return values
