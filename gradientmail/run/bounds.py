@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 from gradientmail.errors import LocalProtocolError
 from gradientmail.wire import compression as codec
+from gradientmail.wire.blocks import digest_room
 from gradientmail.wire.records import SnapshotRecord
 from gradientmail.wire.serialization import Schema, TensorBytes, validate
 
@@ -35,14 +36,14 @@ def delta_bound(schema: Schema, names: Iterable[str]) -> int:
 def payload_bound(schema: Schema, names: Iterable[str], kind: str) -> int:
     """A bound on the bytes of a commit's payload of `names`, refused above it: "theta"
     (Θ⁰ too) in the schema dtypes; "outer" (fp32 momentum and master) and "updates" as
-    two F32 entries per tensor; headers with escaped names and zstd's worst case on
-    incompressible data included."""
+    two F32 entries per tensor; headers with escaped names, block digests and zstd's
+    worst case on incompressible data included."""
     names = list(names)
     if kind == "theta":
         raw = codec.size_bound(schema, names)
     elif kind in ("outer", "updates", "steps"):
         raw = sum(8 * schema[n].numel + 2 * (6 * len(n.encode()) + 120 + 24 * len(schema[n].shape))
-                  for n in names) + 4096
+                  + 2 * digest_room(4 * schema[n].numel) for n in names) + 4096
     else:
         raise LocalProtocolError(
             f"payload kind {kind!r} must be 'theta', 'outer', 'updates' or 'steps'")

@@ -68,6 +68,7 @@ from gradientmail.run.lease import LeaseTracker, lease_counters, lease_key
 from gradientmail.run.rollcall import Call
 from gradientmail.wire import compression as codec
 from gradientmail.wire.auth import HmacSeal, PlainSeal, Seal, open_manifest
+from gradientmail.wire.blocks import BLOCK_BYTES
 from gradientmail.wire.parts import Part, part_metadata, pieces_of, rows_in
 from gradientmail.wire.records import (
     CODECS,
@@ -86,6 +87,7 @@ from gradientmail.wire.serialization import Schema, TensorBytes
 __all__ = [
     "CALL_KEY",
     "MANIFEST_KEY",
+    "RANGED_AREAS",
     "Contributions",
     "Exchange",
     "PlainSeal",
@@ -104,6 +106,12 @@ __all__ = [
 ]
 
 _R = TypeVar("_R", bound=Record)
+
+#: Payloads a sharded learner's ranks read by ranges (docs/sharded.md §2): Θ⁰, a commit's
+#: theta and outer state, a replicated commit's step. Written with block digests
+#: (`gradientmail.wire.blocks`) when uncompressed. Not contributions or their parts (the
+#: closer reads them whole and checks their SHA-256) nor updates (read whole).
+RANGED_AREAS = ("init/", "theta/", "outer/", "steps/")
 
 
 
@@ -160,18 +168,21 @@ class Exchange:
                           *, create: bool = False,
                           metadata: Mapping[str, str] | None = None) -> PayloadRef | None:
         """Encode `tensors` (and `metadata`) with this Exchange's codec and store them at
-        `key` + extension.
+        `key` + extension. A payload that sharded learners read by ranges (`RANGED_AREAS`)
+        is written, uncompressed, with block digests and its ref pins its header.
 
         With `create`, store only if absent and return None when the key exists.
         """
         key += codec.extension(self.compression)
-        blob = codec.encode(tensors, self.compression, metadata)
+        ranged = self.compression == "off" and key.startswith(RANGED_AREAS)
+        blob = codec.encode(tensors, self.compression, metadata,
+                            blocks=BLOCK_BYTES if ranged else None)
         if create:
             if not await self.mailbox.create(self.prefix + key, blob):
                 return None
         else:
             await self.mailbox.put(self.prefix + key, blob)
-        return PayloadRef.of(key, blob)
+        return PayloadRef.of(key, blob, header=ranged)
 
     async def fetch_payload(self, ref: PayloadRef, max_bytes: int | None = None) -> bytes | None:
         """The payload's bytes, checked against the ref's size and SHA-256; None if swept.

@@ -20,8 +20,11 @@ read by ranges and is decoded whole: sharded runs should commit uncompressed. A 
 reads one whole for a part of its rows logs a warning saying so, once, with the bytes it
 downloaded and those of its rows, and counts those bytes (`RowReplica.bytes_whole`).
 
-Not checked on rows: the record's `theta_sha256` (it covers the whole theta; a ranged
-reader cannot compute it, as with the SHA-256 of ranged payloads, §2).
+Checked on rows: the header of each payload against its ref's `header_sha256`, and every
+block of the rows read against the header's block digests (`gradientmail.wire.blocks`;
+a mismatch is a `CorruptPayload`, as for a whole payload whose SHA-256 differs), when the
+payload was written with them. Not checked: the record's `theta_sha256` (it covers the
+whole theta; the block digests of the step and of the base stand for it).
 """
 
 from __future__ import annotations
@@ -42,7 +45,15 @@ from gradientmail.errors import GradientmailError, RemoteProtocolError
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.run.protocol import Exchange
 from gradientmail.wire.compression import compression_of, decode
-from gradientmail.wire.payload_ranges import Rows, fetch_index, fetch_span_rows, rows_of
+from gradientmail.wire.payload_ranges import (
+    PayloadIndex,
+    Rows,
+    cover,
+    fetch_header,
+    fetch_span_rows,
+    row_range,
+    rows_of,
+)
 from gradientmail.wire.quantization import dequantize, scale_name
 from gradientmail.wire.records import Manifest, PayloadRef, RoundRecord, StepRef
 from gradientmail.wire.serialization import Span, TensorBytes
@@ -158,9 +169,11 @@ class _Reader:
     """One payload read tensor by tensor: by ranges when uncompressed; a zstd one is
     fetched and decoded once (no range of one frame decodes alone)."""
 
-    def __init__(self, mailbox: Mailbox, key: str, spans: Mapping[str, Span] | None,
+    def __init__(self, mailbox: Mailbox, key: str, index: PayloadIndex | None,
                  whole: Mapping[str, TensorBytes] | None) -> None:
-        self._mailbox, self.key, self._spans, self._whole = mailbox, key, spans, whole
+        self._mailbox, self.key, self._whole = mailbox, key, whole
+        self._spans: Mapping[str, Span] | None = None if index is None else index.spans
+        self._blocks = None if index is None else index.blocks
         self.bytes = 0
         self.codec = compression_of(key)
 
@@ -168,8 +181,9 @@ class _Reader:
     async def open(cls, ex: Exchange, ref: PayloadRef) -> _Reader | None:
         key = ex.prefix + ref.key
         if compression_of(key) == "off":
-            spans = await fetch_index(ex.mailbox, key, ref.size)
-            return None if spans is None else cls(ex.mailbox, key, spans, None)
+            index = await fetch_header(ex.mailbox, key, ref.size,
+                                       header_sha256=ref.header_sha256)
+            return None if index is None else cls(ex.mailbox, key, index, None)
         blob = await ex.fetch_payload(ref)
         if blob is None:
             return None
@@ -213,9 +227,10 @@ class _Reader:
         if self._whole is not None:
             return rows_of(self._whole[name], a, b)
         assert self._spans is not None
-        got = await fetch_span_rows(self._mailbox, self.key, self._spans[name], a, b)
-        if got is not None:
-            self.bytes += got.tensor.nbytes
+        span = self._spans[name]
+        got = await fetch_span_rows(self._mailbox, self.key, span, a, b, blocks=self._blocks)
+        if got is not None:  # the bytes fetched: the rows, rounded out to whole blocks
+            self.bytes += cover(span, row_range(span, a, b), self._blocks).size
         return got
 
     async def whole(self, name: str) -> TensorBytes | None:

@@ -28,6 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from gradientmail.errors import ConfigError, CorruptPayload, MissingExtra, RemoteProtocolError
+from gradientmail.wire.blocks import BLOCKS_KEY, blocks_entry, digest_room
 from gradientmail.wire.quantization import quantized_nbytes
 from gradientmail.wire.serialization import (
     Schema,
@@ -103,6 +104,7 @@ def size_bound(schema: Schema, names: Iterable[str] | None = None, fmt: str | No
         # Header room for up to three entries per parameter (codes, scale, F4 shape
         # metadata), each naming it, JSON-escaped at worst 6 bytes per byte.
         total += data + 3 * (6 * len(name.encode()) + 100 + 24 * len(spec.shape))
+        total += digest_room(data)  # a payload a ranged reader reads carries digests
     return total + 4096
 
 
@@ -159,8 +161,13 @@ def encode(
     tensors: Mapping[str, TensorBytes],
     compression: str = "off",
     metadata: Mapping[str, str] | None = None,
+    *,
+    blocks: int | None = None,
 ) -> bytes:
     """The payload bytes of `tensors` under `compression` (deterministic for equal input).
+
+    `blocks` (bytes per block; uncompressed payloads only) adds the block digests a
+    ranged reader checks (`gradientmail.wire.blocks`).
 
     Under ``zstd`` the decompressed frame is exactly ``pack`` of the shuffled tensors with
     the shuffle marker in the metadata, built in one buffer and compressed in one call
@@ -168,8 +175,15 @@ def encode(
     """
     check_compression(compression)
     meta = dict(metadata or {})
-    if SHUFFLE_KEY in meta:
-        raise ConfigError(f"payload metadata key {SHUFFLE_KEY!r} is reserved for the codec")
+    for reserved in (SHUFFLE_KEY, BLOCKS_KEY):
+        if reserved in meta:
+            raise ConfigError(f"payload metadata key {reserved!r} is reserved for the codec")
+    if blocks is not None:
+        if compression != "off":
+            raise ConfigError(f"blocks={blocks} with compression={compression!r}: block "
+                              "digests serve ranged reads, and no range of a zstd frame "
+                              "decodes alone; write the payload uncompressed")
+        meta[BLOCKS_KEY] = blocks_entry(tensors, blocks)
     if compression == "off":
         return pack(tensors, meta)
     zstandard = _zstd()

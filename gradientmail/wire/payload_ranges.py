@@ -15,8 +15,12 @@ Limits of this first version (docs/sharded.md says how they are to be lifted):
 - A `zstd` payload is one compressed frame: no range of it can be decoded alone, so
   `fetch_rows` downloads and decodes it whole, then slices.
 - Ranged bytes cannot be checked against the payload's SHA-256 (that covers the whole
-  blob); the header is checked for consistency with the declared size, and every range
-  for its exact length, but not for its content.
+  blob). A payload written for ranged readers carries block digests in its header, and
+  its ref the header's SHA-256 (`gradientmail.wire.blocks`): the header is checked
+  against the ref, each range is rounded out to whole blocks of its tensor and every
+  block checked (`CorruptPayload` naming the key, the tensor and the block). A payload
+  without them (written before) is checked as before: the header for consistency with
+  the declared size, every range for its exact length, nothing for content.
 - An F4 tensor's rows are a byte range only when they start and end on whole bytes (an
   even number of elements before `start` and before `stop`, or `stop` at the end).
 """
@@ -24,12 +28,14 @@ Limits of this first version (docs/sharded.md says how they are to be lifted):
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gradientmail.errors import ConfigError, CorruptPayload
 from gradientmail.mailbox.base import Mailbox
+from gradientmail.wire.blocks import BLOCKS_KEY, BlockIndex
 from gradientmail.wire.compression import compression_of, decode
 from gradientmail.wire.serialization import (
     MAX_HEADER_BYTES,
@@ -44,8 +50,11 @@ from gradientmail.wire.tensor_bytes import _numel
 __all__ = [
     "HEADER_PROBE",
     "ByteRange",
+    "PayloadIndex",
     "Rows",
     "coalesce",
+    "cover",
+    "fetch_header",
     "fetch_index",
     "fetch_rows",
     "fetch_span_rows",
@@ -58,6 +67,8 @@ __all__ = [
 #: Bytes `fetch_rows` asks for first: the length and, usually, the whole header (a
 #: fragment of a GPT-2 has a few hundred tensors, about 100 bytes of JSON each).
 HEADER_PROBE = 64 * 1024
+#: Ranges of more bytes than this are hashed off the event loop (hashlib releases the GIL).
+_HASH_INLINE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -166,12 +177,32 @@ def coalesce(ranges: Sequence[ByteRange], max_gap: int = 0) -> list[ByteRange]:
     return out
 
 
-async def fetch_index(
-    mailbox: Mailbox, key: str, size: int, *, probe: int = HEADER_PROBE
-) -> dict[str, Span] | None:
-    """Where each tensor of the uncompressed payload at `key` (of `size` bytes) lies, by
-    name, from its header alone (one ranged GET, a second when the header is larger than
-    `probe`); None when the payload is gone. Checked as `index_from_header` checks."""
+@dataclass(frozen=True)
+class PayloadIndex:
+    """What a ranged reader knows of a payload from its header: where each tensor lies,
+    and the block digests that check its data (None for a payload written without)."""
+
+    key: str
+    spans: Mapping[str, Span]
+    blocks: BlockIndex | None
+
+
+def cover(span: Span, want: ByteRange, blocks: BlockIndex | None) -> ByteRange:
+    """The bytes a reader fetches for `want`, bytes of the tensor at `span`: `want`
+    itself, or rounded out to whole blocks of the tensor when the payload has digests."""
+    if blocks is None:
+        return want
+    return ByteRange(*blocks.cover(span, want.start, want.stop))
+
+
+async def fetch_header(
+    mailbox: Mailbox, key: str, size: int, *, header_sha256: str | None = None,
+    probe: int = HEADER_PROBE,
+) -> PayloadIndex | None:
+    """The `PayloadIndex` of the uncompressed payload at `key` (of `size` bytes) from its
+    header alone (one ranged GET, a second when the header is larger than `probe`); None
+    when the payload is gone. Checked as `index_from_header` checks and, when the ref
+    pins it (`header_sha256`), against that digest before anything in it is believed."""
     head = await mailbox.get_range(key, 0, min(size, probe))
     if head is None:
         return None
@@ -183,25 +214,61 @@ async def fetch_index(
         if rest is None:
             return None
         head += rest
-    spans, _ = index_from_header(head, size, key=key)
-    return {s.name: s for s in spans}
+    if header_sha256 is not None:
+        digest = hashlib.sha256(memoryview(head)[:total]).hexdigest()
+        if digest != header_sha256:
+            raise CorruptPayload(
+                f"{key}: the header (bytes [0, {total})) has SHA-256 {digest[:16]}..., its "
+                f"record says {header_sha256[:16]}...; it was corrupted or replaced after "
+                "the record was written")
+    spans, meta = index_from_header(head, size, key=key)
+    entry = meta.get(BLOCKS_KEY)
+    blocks = None if entry is None else BlockIndex.parse(entry, spans, key=key)
+    return PayloadIndex(key, {s.name: s for s in spans}, blocks)
+
+
+async def fetch_index(
+    mailbox: Mailbox, key: str, size: int, *, header_sha256: str | None = None,
+    probe: int = HEADER_PROBE,
+) -> dict[str, Span] | None:
+    """Where each tensor of the uncompressed payload at `key` (of `size` bytes) lies, by
+    name: `fetch_header`'s spans."""
+    index = await fetch_header(mailbox, key, size, header_sha256=header_sha256, probe=probe)
+    return None if index is None else dict(index.spans)
+
+
+async def _check(blocks: BlockIndex | None, span: Span, start: int,
+                 data: bytes | memoryview) -> None:
+    if blocks is None:
+        return
+    if len(data) > _HASH_INLINE:
+        await asyncio.to_thread(blocks.check, span, start, data)
+    else:
+        blocks.check(span, start, data)
+
+
+def _short(key: str, r: ByteRange, got: int) -> CorruptPayload:
+    return CorruptPayload(
+        f"{key}: bytes [{r.start}, {r.stop}) came back as {got} bytes; the object is shorter "
+        "than its header says, or was replaced")
 
 
 async def fetch_span_rows(mailbox: Mailbox, key: str, span: Span, start: int,
-                          stop: int) -> Rows | None:
+                          stop: int, *, blocks: BlockIndex | None = None) -> Rows | None:
     """Rows [start, stop) of the tensor at `span` of the payload at `key` (one ranged GET,
-    none for no rows); None when the payload is gone."""
+    none for no rows; rounded out to whole blocks and checked when the payload has
+    `blocks`, `fetch_header`'s); None when the payload is gone."""
     want = row_range(span, start, stop)
-    data = b""
+    data: bytes | memoryview = b""
     if want.size:
-        got = await mailbox.get_range(key, want.start, want.stop)
+        r = cover(span, want, blocks)
+        got = await mailbox.get_range(key, r.start, r.stop)
         if got is None:
             return None
-        if len(got) != want.size:
-            raise CorruptPayload(
-                f"{key}: bytes [{want.start}, {want.stop}) came back as {len(got)} bytes; "
-                "the object is shorter than its header says, or was replaced")
-        data = got
+        if len(got) != r.size:
+            raise _short(key, r, len(got))
+        await _check(blocks, span, r.start, got)
+        data = got if r == want else memoryview(got)[want.start - r.start:want.stop - r.start]
     shape = (stop - start, *span.shape[1:]) if span.shape else ()
     return Rows(start, stop, TensorBytes(span.dtype, shape, data))
 
@@ -214,15 +281,19 @@ async def fetch_rows(
     *,
     max_gap: int = 0,
     probe: int = HEADER_PROBE,
+    header_sha256: str | None = None,
 ) -> dict[str, Rows] | None:
     """Rows [start, stop) of each named tensor of the payload at `key` (of `size` bytes,
     as its reference says), or None when the payload is gone (swept).
 
-    An uncompressed payload is read by ranges: the header, then each tensor's rows
-    (ranges closer than `max_gap` bytes fetched as one). A `zstd` payload is fetched
-    whole, decoded, and sliced. `CorruptPayload` names the key when the header is bad or
-    the store returns fewer bytes than the header promises; `ConfigError` when a name is
-    not in the payload or its rows are not a byte range.
+    An uncompressed payload is read by ranges: the header (checked against
+    `header_sha256`, the ref's, when given), then each tensor's rows (rounded out to
+    whole blocks of the tensor and every block checked, when the payload carries block
+    digests; ranges closer than `max_gap` bytes fetched as one). A `zstd` payload is
+    fetched whole, decoded, and sliced. `CorruptPayload` names the key when the header
+    or a block does not match its digest, the header is bad, or the store returns fewer
+    bytes than the header promises; `ConfigError` when a name is not in the payload or
+    its rows are not a byte range.
     """
     if compression_of(key) != "off":
         blob = await mailbox.get(key)
@@ -235,31 +306,32 @@ async def fetch_rows(
         if missing:
             raise ConfigError(f"{key}: tensors {missing} are not in the payload")
         return {n: rows_of(tensors[n], a, b) for n, (a, b) in rows.items()}
-    by_name = await fetch_index(mailbox, key, size, probe=probe)
-    if by_name is None:
+    index = await fetch_header(mailbox, key, size, header_sha256=header_sha256, probe=probe)
+    if index is None:
         return None
+    by_name, blocks = index.spans, index.blocks
     missing = sorted(set(rows) - set(by_name))
     if missing:
         raise ConfigError(f"{key}: tensors {missing} are not in the payload")
     wanted = {n: row_range(by_name[n], a, b) for n, (a, b) in rows.items()}
-    merged = coalesce([r for r in wanted.values() if r.size], max_gap)
+    fetched = {n: cover(by_name[n], r, blocks) for n, r in wanted.items()}
+    merged = coalesce([r for r in fetched.values() if r.size], max_gap)
     got = await asyncio.gather(*(mailbox.get_range(key, r.start, r.stop) for r in merged))
     pieces: list[tuple[ByteRange, memoryview]] = []
     for r, data in zip(merged, got, strict=True):
         if data is None:
             return None
         if len(data) != r.size:
-            raise CorruptPayload(
-                f"{key}: bytes [{r.start}, {r.stop}) came back as {len(data)} bytes; the "
-                "object is shorter than its header says, or was replaced"
-            )
+            raise _short(key, r, len(data))
         pieces.append((r, memoryview(data)))
     out: dict[str, Rows] = {}
     for name, (a, b) in rows.items():
-        span, want = by_name[name], wanted[name]
+        span, want, have = by_name[name], wanted[name], fetched[name]
         piece = memoryview(b"")
         for r, view in pieces:
-            if r.start <= want.start and want.stop <= r.stop:
+            if r.start <= have.start and have.stop <= r.stop:
+                await _check(blocks, span, have.start, view[have.start - r.start:
+                                                            have.stop - r.start])
                 piece = view[want.start - r.start : want.stop - r.start]
                 break
         shape = (b - a, *span.shape[1:]) if span.shape else ()

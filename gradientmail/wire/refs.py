@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import struct
 from typing import Any
 
 from gradientmail.errors import LocalProtocolError
@@ -29,30 +30,51 @@ __all__ = ["Arrival", "PayloadRef", "StepRef", "UpdateRef"]
 
 @dataclasses.dataclass(frozen=True)
 class PayloadRef:
-    """Where a payload lies (key relative to the run's prefix), its size and its SHA-256."""
+    """Where a payload lies (key relative to the run's prefix), its size and its SHA-256;
+    for a payload written for ranged readers, the SHA-256 of its header too
+    (`header_sha256`: the 8-byte length and the JSON, which holds the block digests of
+    the data; `gradientmail.wire.blocks`). Omitted from the JSON when None, so records
+    of payloads without it keep their bytes."""
 
     key: str
     size: int
     sha256: str
+    header_sha256: str | None = None
 
     def __post_init__(self) -> None:
         check_key(self.key)
         check_count("payload size", self.size)
         check_sha256("payload sha256", self.sha256)
+        if self.header_sha256 is not None:
+            check_sha256("payload header_sha256", self.header_sha256)
 
     @classmethod
-    def of(cls, key: str, data: bytes) -> PayloadRef:
-        """The reference to `data` stored at `key`."""
-        return cls(key, len(data), hashlib.sha256(data).hexdigest())
+    def of(cls, key: str, data: bytes, *, header: bool = False) -> PayloadRef:
+        """The reference to `data` stored at `key`; with `header`, pinning the header of
+        the uncompressed payload `data` as well."""
+        head = None
+        if header:
+            n = struct.unpack("<Q", bytes(data[:8]))[0] if len(data) >= 8 else len(data)
+            if 8 + n > len(data):
+                raise LocalProtocolError(f"{key}: {len(data)} bytes do not start with a "
+                                         "safetensors header; cannot pin it")
+            head = hashlib.sha256(memoryview(data)[: 8 + n]).hexdigest()
+        return cls(key, len(data), hashlib.sha256(data).hexdigest(), head)
 
     def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "sha256": self.sha256, "size": self.size}
+        out: dict[str, Any] = {"key": self.key, "sha256": self.sha256, "size": self.size}
+        if self.header_sha256 is not None:
+            out["header_sha256"] = self.header_sha256
+        return out
 
     @classmethod
     def from_json(cls, obj: Any, key: str, path: str = "payload") -> PayloadRef:
-        f = Fields(obj, key, path, ("key", "sha256", "size"))
+        optional = ("header_sha256",) if isinstance(obj, dict) and "header_sha256" in obj \
+            else ()
+        f = Fields(obj, key, path, ("key", "sha256", "size", *optional))
         return build_record(cls, key, path, key=f.get_str("key"), size=f.get_int("size"),
-                      sha256=f.get_str("sha256"))
+                            sha256=f.get_str("sha256"),
+                            header_sha256=f.get_str("header_sha256") if optional else None)
 
 
 @dataclasses.dataclass(frozen=True)

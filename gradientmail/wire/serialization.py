@@ -74,6 +74,7 @@ __all__ = [
     "unpack",
     "unpack_with_metadata",
     "validate",
+    "write_order",
 ]
 
 #: Default bounds for `unpack`: safetensors itself refuses headers over 100 MB.
@@ -270,6 +271,12 @@ def validate(
 _WRITE_RANK = {"F32": 0, "BF16": 1, "F16": 2, "F8_E8M0": 3, "F8_E4M3": 4, "F4": 5}
 
 
+def write_order(tensors: Mapping[str, TensorBytes | ParameterSpec]) -> list[str]:
+    """The order in which `pack` writes the data of `tensors` (dtype widest first, then
+    name): what a writer needs to know of the data section before the header exists."""
+    return sorted(tensors, key=lambda n: (_WRITE_RANK[tensors[n].dtype], n))
+
+
 def pack_header(
     tensors: Mapping[str, TensorBytes | ParameterSpec],
     metadata: Mapping[str, str] | None = None,
@@ -289,7 +296,7 @@ def pack_header(
             raise ConfigError(f"tensor name {name!r} is empty, not a string or reserved")
         if not isinstance(tensor, TensorBytes | ParameterSpec):
             raise ConfigError(f"tensor {name!r} must be TensorBytes, not {type(tensor).__name__}")
-    order = sorted(tensors, key=lambda n: (_WRITE_RANK[tensors[n].dtype], n))
+    order = write_order(tensors)
     entries: dict[str, Any] = {}
     offset = 0
     for name in order:
