@@ -200,10 +200,14 @@ class FaultPlan:
         self.rules.append(FaultRule("delay", op, pattern, nth, times, seconds=seconds, clock=clock))
         return self
 
-    def corrupt(self, pattern: str = "*", *, nth: int = 1, times: int | None = None) -> FaultPlan:
+    def corrupt(self, pattern: str = "*", *, nth: int = 1, times: int | None = None,
+                op: str = "get") -> FaultPlan:
         """Flip bits in the objects matching gets return (an empty object stays empty), or
-        in the range a matching ranged read returns."""
-        self.rules.append(FaultRule("corrupt", "get", pattern, nth, times))
+        in the range a matching ranged read returns; `op="get_range"` corrupts ranged
+        reads alone."""
+        if op not in ("get", "get_range"):
+            raise ConfigError(f"corrupt op={op!r} must be 'get' or 'get_range'")
+        self.rules.append(FaultRule("corrupt", op, pattern, nth, times))
         return self
 
     def truncate(
