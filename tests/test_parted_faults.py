@@ -1,7 +1,9 @@
 """A learner whose ranks read their rows of each commit by ranged GETs, with some of those
-reads failing (`FaultyMailbox`, op "get_range"), ends where it ends without faults: each
-failed read fails its commit's read on every rank, the commit is read again on a later
-poll, and every rank ends on the newest commits with the oracle's parameters.
+reads failing or coming back corrupted (`FaultyMailbox`, op "get_range"), ends where it
+ends without faults: each failed read, and each corrupted one (found by the payload's
+block digests or its header's digest, docs/sharded.md §2), fails its commit's read on
+every rank, the commit is read again on a later poll, and every rank ends on the newest
+commits with the oracle's parameters.
 
 Ranks are threads, as in tests/test_parted.py (its oracle and toy model).
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import secrets
 import threading
 from typing import Any
@@ -47,15 +50,20 @@ def learner(adapter: Any, mailbox: Mailbox | str, name: str, alg: dict[str, Any]
                    **kw)
 
 
+@pytest.mark.parametrize("fault", ["fail", "corrupt"])
 @pytest.mark.parametrize("alg", [{"checkpoint_every": 1}, {}], ids=["rows", "replicated"])
 def test_a_parted_learner_whose_ranged_reads_fail_ends_on_the_oracle(
-        alg: dict[str, Any]) -> None:
+        alg: dict[str, Any], fault: str) -> None:
     name = f"parted-faults-{secrets.token_hex(4)}"
     url = f"memory://{name}"
-    # Each rank's 2nd and 3rd ranged reads of a commit fail; the 2nd fails a commit's
-    # read (on both ranks: they read the same ranges, each holding the whole model and
-    # splitting its upload), and so does the 3rd, the first read of the retry.
-    plans = [FaultPlan().fail("get_range", COMMITS, nth=2, times=2) for _ in range(RANKS)]
+    # Each rank's 2nd and 3rd ranged reads of a commit fail (or come back with bytes
+    # flipped); the 2nd fails a commit's read (on both ranks: they read the same ranges,
+    # each holding the whole model and splitting its upload), and so does the 3rd, the
+    # first read of the retry. A flipped range is found by the payload's block digests
+    # (the 2nd read, a tensor's rows) or by the header's digest in the record (the 3rd).
+    plans = [FaultPlan().fail("get_range", COMMITS, nth=2, times=2) if fault == "fail" else
+             FaultPlan().corrupt(COMMITS, nth=2, times=2, op="get_range")
+             for _ in range(RANKS)]
     default = ThreadRanks.group(RANKS, timeout=TIMEOUT)
     side = ThreadRanks.group(RANKS, timeout=TIMEOUT)
     models = [make_model() for _ in range(RANKS + 1)]  # in turn: make_model seeds torch
@@ -105,8 +113,19 @@ def test_a_parted_learner_whose_ranged_reads_fail_ends_on_the_oracle(
         [[("get_range", 2)]] * RANKS
     failed = [e.error for e in events.of(ev.PollFailed)]
     assert len(failed) == 2, failed
-    for error in failed:
-        assert "rank 0: MailboxError: injected fault: get_range of '" in error, error
+    if fault == "fail":
+        for error in failed:
+            assert "rank 0: MailboxError: injected fault: get_range of '" in error, error
+    else:
+        # Refused as an unsharded learner refuses a payload whose SHA-256 differs (a
+        # CorruptPayload, the commit read again on the next poll), never applied.
+        assert re.search(r"rank 0: CorruptPayload: \w+/0/0000000001-000000\.safetensors: "
+                         r"block 0 of tensor '[\w.]+' \(bytes \[\d+, \d+\)\) has SHA-256 "
+                         r"\w+\.\.\., its header says \w+\.\.\.; it was corrupted or "
+                         r"replaced after it was written", failed[0]), failed[0]
+        assert re.search(r"rank 0: CorruptPayload: \w+/0/0000000001-000000\.safetensors: "
+                         r"the header \(bytes \[0, \d+\)\) has SHA-256 \w+\.\.\., its record "
+                         r"says \w+\.\.\.; it was corrupted", failed[1]), failed[1]
 
     # The same parameters as without faults: the oracle's, on every rank.
     want = oracle()
