@@ -153,7 +153,7 @@ def test_a_rank_reads_only_its_rows_and_a_wrong_held_version_is_refused() -> Non
             chain = await plan_chain(ex, manifest, 0, rec, follower.held(0))
             assert await follower.reach(chain, nothing)
         # Θ⁰ and two F32 steps, one row of each tensor rounded out to whole blocks of
-        # it: every tensor here is smaller than a 64 KiB block, so its rows cost it whole
+        # it: every tensor here is smaller than a 32 KiB block, so its rows cost it whole
         # (tests/test_sharded_blocks.py reads rows of tensors of many blocks).
         assert follower.bytes_down == 168 + 30 + 12 + 4 + 640 + 2 * (168 + 60 + 12 + 4 + 640)
         stale = await plan_chain(ex, manifest, 0, recs[0], 0)  # this rank holds 2

@@ -39,10 +39,12 @@ __all__ = [
 
 #: The metadata entry holding the block digests.
 BLOCKS_KEY = "gradientmail.blocks"
-#: The block size writers use: 64 KiB, 32 bytes of digest (43 of base64) per block, 0.07%
-#: of the data in the header; a reader's range grows by less than 2 blocks per tensor.
-#: docs/sharded.md §2 has the measurements behind the choice.
-BLOCK_BYTES = 1 << 16
+#: The block size writers use: 32 KiB, 32 bytes of digest (43 of base64) per block, 0.13%
+#: of the data in the header, which every rank reads whole; a rank's range of a tensor
+#: grows by less than 2 blocks. Smaller blocks grow the header, larger ones the ranges:
+#: for GPT-2 XL-shaped BF16 fragments at 2-16 ranks the sum is least at 16-32 KiB
+#: (benchmarks/blocks.py; docs/sharded.md §2 has the numbers).
+BLOCK_BYTES = 1 << 15
 #: Bound on the block size a reader accepts (a block is hashed as one buffer).
 MAX_BLOCK_BYTES = 1 << 30
 _DIGEST = 32
