@@ -1,7 +1,7 @@
 """What block digests cost a sharded learner's ranged reads (docs/sharded.md §2, issue #15).
 
     python benchmarks/blocks.py [--layers 4] [--embd 1600] [--dtype BF16] [--ranks 2 4 8 16]
-                                [--blocks 16 32 64 256 1024] [--no-append]
+                                [--blocks 16 32 64 256] [--no-append]
 
 A GPT-2-shaped fragment (`--layers` transformer blocks of width `--embd`, 1600 as GPT-2
 XL's, in Hugging Face's Conv1D layout: c_attn (d, 3d), c_proj (d, d), c_fc (d, 4d), the
@@ -154,14 +154,15 @@ def main() -> None:
     parser.add_argument("--embd", type=int, default=1600)
     parser.add_argument("--dtype", default="BF16", choices=("F32", "BF16"))
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16])
-    parser.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64, 256, 1024],
+    parser.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64, 256],
                         help="block sizes, KiB")
     parser.add_argument("--no-append", action="store_true", help="do not touch RESULTS.md")
     args = parser.parse_args()
     rows, about = measure(args)
     command = "python benchmarks/blocks.py" + "".join(
-        f" --{k} {v}" for k, v in (("layers", args.layers), ("embd", args.embd),
-                                   ("dtype", args.dtype)) if v != parser.get_default(k))
+        f" --{k} " + (" ".join(map(str, v)) if isinstance(v, list) else str(v))
+        for k, v in vars(args).items()
+        if k != "no_append" and v != parser.get_default(k))
     section = (
         f"## block digests: header growth and range overhead — "
         f"{datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d')}\n\n"
