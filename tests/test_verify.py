@@ -29,15 +29,18 @@ from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo, Rda, WeightedMean
 from gradientmail.app.cli import main
 from gradientmail.app.verify import Report, first_difference, format_report, verify_run
-from gradientmail.errors import RemoteProtocolError
+from gradientmail.errors import CorruptPayload, RemoteProtocolError
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import LocalMailbox, Mailbox, MemoryMailbox
 from gradientmail.mailbox.wrappers import FaultPlan, FaultyMailbox
 from gradientmail.run.keyspace import audit_floor, plan_sweep
 from gradientmail.run.protocol import Exchange, round_key
 from gradientmail.wire.auth import HmacSeal, key_fingerprint
+from gradientmail.wire.blocks import BLOCKS_KEY, blocks_entry
+from gradientmail.wire.payload_ranges import fetch_rows
 from gradientmail.wire.quantization import quantize
-from gradientmail.wire.records import Estimates, Manifest, RoundRecord
+from gradientmail.wire.records import Estimates, Manifest, PayloadRef, RoundRecord
+from gradientmail.wire.serialization import TensorBytes, pack, unpack
 
 KEY = "a-run-key-for-the-tests-0123456789"
 OTHER_KEY = "another-key-nobody-should-use-9876543210"
@@ -331,6 +334,38 @@ def test_one_changed_byte_fails_naming_round_and_tensor(
     assert "SHA-256" in first.detail and key in first.detail
     if kind != "contribution":
         assert "1 of" in first.detail and "elements differ" in first.detail
+
+
+@pytest.mark.parametrize("fault", ["blocks", "header"])
+def test_a_closer_that_wrote_wrong_digests_is_caught(mailbox: Mailbox, fault: str) -> None:
+    # A payload whose bytes are its record's, but whose block digests (or the record's
+    # header digest) are wrong: unsharded learners would accept it, every sharded one
+    # would refuse its ranges. Round 2 is fragment 0's checkpoint at version 2.
+    closed_run(mailbox, audited())
+    ex = Exchange(mailbox)
+    rec = run(ex.read_round(2))
+    assert rec.theta is not None and rec.theta.header_sha256 is not None
+    blob = run(mailbox.get(rec.theta.key))
+    tensors = unpack(blob)
+    if fault == "blocks":
+        other = {n: TensorBytes(t.dtype, t.shape, bytes(t.nbytes)) for n, t in tensors.items()}
+        blob = pack(tensors, {BLOCKS_KEY: blocks_entry(other)})
+        ref = PayloadRef.of(rec.theta.key, blob, header=True)
+        run(mailbox.put(rec.theta.key, blob))
+    else:
+        ref = dataclasses.replace(rec.theta, header_sha256="0" * 64)
+    run(mailbox.put(round_key(2), dataclasses.replace(rec, theta=ref).encode()))
+    with pytest.raises(CorruptPayload, match="block 0 of tensor 'w'" if fault == "blocks"
+                       else "its record says 0000000000000000"):
+        run(fetch_rows(mailbox, ref.key, ref.size, {"w": (0, 1)},
+                       header_sha256=ref.header_sha256))
+    report = verify(mailbox)
+    assert [v.round for v in report.rounds if v.status == "failed"] == [2]
+    first = report.first_mismatch
+    assert first is not None and (first.round, first.what) == (2, "theta")
+    assert ref.key in first.detail
+    assert ("block 0 of tensor 'w'" if fault == "blocks"
+            else "its record says 0000000000000000") in first.detail
 
 
 def test_a_record_resealed_with_another_key_fails(mailbox: Mailbox) -> None:

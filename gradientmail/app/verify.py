@@ -46,6 +46,7 @@ from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import Replica, require_manifest, theta_digest
 from gradientmail.syncer.merging import merge_round, screen_round
 from gradientmail.wire import compression as codec
+from gradientmail.wire.blocks import ranged_problem
 from gradientmail.wire.parts import Part, pieces_of, rows_in
 from gradientmail.wire.records import Dropped, Manifest, PayloadRef, RoundRecord, SnapshotRecord
 from gradientmail.wire.row_pieces import DeltaTensor
@@ -370,6 +371,10 @@ async def _read_with_metadata(
         problem = (f"payload {ref.key!r} is {len(blob)} bytes with SHA-256 {digest[:16]}…, "
                    f"its record says {ref.size} bytes, {ref.sha256[:16]}…: it was changed "
                    "after the record was written")
+    elif ref.header_sha256 is not None:
+        # The bytes are the record's; would a sharded learner's ranged reads accept them?
+        problem = await asyncio.to_thread(ranged_problem, blob, key=ref.key,
+                                          header_sha256=ref.header_sha256)
     tensors, meta = codec.decode_with_metadata(blob, codec.compression_of(ref.key),
                                                key=ref.key, max_bytes=max(bound, len(blob)))
     return tensors, meta, problem, len(blob)

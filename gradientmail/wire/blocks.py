@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gradientmail.errors import ConfigError, CorruptPayload
-from gradientmail.wire.serialization import Span, TensorBytes, write_order
+from gradientmail.wire.serialization import Span, TensorBytes, read_index, write_order
 
 __all__ = [
     "BLOCKS_KEY",
@@ -35,6 +35,7 @@ __all__ = [
     "BlockIndex",
     "blocks_entry",
     "digest_room",
+    "ranged_problem",
 ]
 
 #: The metadata entry holding the block digests.
@@ -157,3 +158,32 @@ class BlockIndex:
                     f"its header says {want.hex()[:16]}...; it was corrupted or replaced "
                     "after it was written")
 
+
+def ranged_problem(blob: bytes | memoryview, *, key: str,
+                   header_sha256: str | None) -> str | None:
+    """What a ranged reader would refuse in the whole uncompressed payload `blob` (whose
+    bytes its ref's SHA-256 vouches for): a header that differs from `header_sha256`, or
+    a block that differs from its digest; None when every range would read. A closer
+    that wrote wrong digests would have every sharded learner refuse its commit while
+    unsharded learners accept it: `gradientmail verify` asks this of every commit."""
+    view = memoryview(blob).cast("B")
+    try:
+        spans, meta = read_index(view, key=key)
+    except CorruptPayload as exc:
+        return str(exc)
+    head = spans[0].start if spans else len(view)
+    if header_sha256 is not None:
+        digest = hashlib.sha256(view[:head]).hexdigest()
+        if digest != header_sha256:
+            return (f"{key}: the header (bytes [0, {head})) has SHA-256 {digest[:16]}..., "
+                    f"its record says {header_sha256[:16]}...")
+    entry = meta.get(BLOCKS_KEY)
+    if entry is None:
+        return None
+    try:
+        index = BlockIndex.parse(entry, spans, key=key)
+        for span in spans:
+            index.check(span, span.start, view[span.start : span.end])
+    except CorruptPayload as exc:
+        return str(exc)
+    return None
