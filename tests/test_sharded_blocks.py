@@ -347,3 +347,23 @@ def test_a_row_replica_refuses_a_corrupted_range_and_reads_it_again() -> None:
         same_state(mine, await state_at(ex, 0, recs[-1], manifest), rows)
 
     asyncio.run(main())
+
+
+def test_a_zstd_payload_read_whole_is_checked_against_its_sha256() -> None:
+    tensors = fragment()
+    blob = encode(tensors, "zstd")
+    key = KEY + ".zst"
+    ref = PayloadRef.of(key, blob)
+
+    async def body(data: bytes) -> dict[str, Rows] | None:
+        box = MemoryMailbox()
+        await box.put(key, data)
+        return await fetch_rows(box, key, ref.size, {"wte": (0, 5)}, sha256=ref.sha256)
+
+    assert asyncio.run(body(blob)) == {"wte": rows_of(tensors["wte"], 0, 5)}
+    bad = flipped(blob, len(blob) // 2)
+    with pytest.raises(CorruptPayload) as info:
+        asyncio.run(body(bad))
+    assert str(info.value) == (
+        f"{key}: SHA-256 {hashlib.sha256(bad).hexdigest()[:16]}..., its record says "
+        f"{ref.sha256[:16]}...; it was corrupted or replaced after the record was written")

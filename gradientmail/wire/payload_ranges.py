@@ -282,6 +282,7 @@ async def fetch_rows(
     max_gap: int = 0,
     probe: int = HEADER_PROBE,
     header_sha256: str | None = None,
+    sha256: str | None = None,
 ) -> dict[str, Rows] | None:
     """Rows [start, stop) of each named tensor of the payload at `key` (of `size` bytes,
     as its reference says), or None when the payload is gone (swept).
@@ -290,10 +291,11 @@ async def fetch_rows(
     `header_sha256`, the ref's, when given), then each tensor's rows (rounded out to
     whole blocks of the tensor and every block checked, when the payload carries block
     digests; ranges closer than `max_gap` bytes fetched as one). A `zstd` payload is
-    fetched whole, decoded, and sliced. `CorruptPayload` names the key when the header
-    or a block does not match its digest, the header is bad, or the store returns fewer
-    bytes than the header promises; `ConfigError` when a name is not in the payload or
-    its rows are not a byte range.
+    fetched whole, checked against `sha256` (the ref's) when given, decoded, and sliced.
+    `CorruptPayload` names the key when the header, a block or a whole payload does not
+    match its digest, the header is bad, or the store returns fewer bytes than the header
+    promises; `ConfigError` when a name is not in the payload or its rows are not a byte
+    range.
     """
     if compression_of(key) != "off":
         blob = await mailbox.get(key)
@@ -301,6 +303,12 @@ async def fetch_rows(
             return None
         if len(blob) != size:
             raise CorruptPayload(f"{key}: {len(blob)} bytes, its reference says {size}")
+        if sha256 is not None:
+            digest = hashlib.sha256(blob).hexdigest()
+            if digest != sha256:
+                raise CorruptPayload(
+                    f"{key}: SHA-256 {digest[:16]}..., its record says {sha256[:16]}...; it "
+                    "was corrupted or replaced after the record was written")
         tensors = decode(blob, "zstd")
         missing = sorted(set(rows) - set(tensors))
         if missing:
