@@ -137,7 +137,7 @@ def test_each_fragment_has_one_payload_or_parts_never_both_nor_neither() -> None
         dataclasses.replace(PARTED, init=OLD.init)
     with pytest.raises(LocalProtocolError, match="init_parts has 1 lists"):
         dataclasses.replace(PARTED, init_parts=PARTED.init_parts[:1])
-    with pytest.raises(LocalProtocolError, match="need one per fragment .* and some part"):
+    with pytest.raises(LocalProtocolError, match=r"need one per fragment .* and some part"):
         dataclasses.replace(OLD, init_parts=((), ()))
     body = json.loads(PARTED.encode())
     # A null payload in a manifest without parts (what no creator writes).
