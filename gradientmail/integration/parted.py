@@ -360,16 +360,17 @@ class PartedRanks:
 
     async def _upload_init(self, ex: Exchange, fragment: int, names: Sequence[str],
                            attempt: int) -> PayloadRef:
-        """This rank's part of Θ⁰: its owned rows of `names`, in their storage dtypes.
-        Uncompressed, each tensor's rows are copied straight into the part's buffer (the
-        rank holds the part and one tensor's rows); a compressed part is encoded from the
-        rows read all at once."""
+        """This rank's part of Θ⁰: its owned rows of `names`, in their storage dtypes,
+        read a tensor at a time. Uncompressed, each tensor's rows are copied straight
+        into the part's buffer (the rank holds the part and one tensor's rows); a
+        compressed part is encoded once all its rows are read."""
         a = self.adapter
         rows = a.mailed(names)
         if ex.compression != "off":
-            got = await asyncio.to_thread(a.read, list(rows))
-            return await ex.put_init_part(fragment, self.rank, self.size,
-                                          {n: r.tensor for n, r in got.items()}, rows,
+            entries = {}
+            for name in rows:
+                entries[name] = (await asyncio.to_thread(a.read, [name]))[name].tensor
+            return await ex.put_init_part(fragment, self.rank, self.size, entries, rows,
                                           attempt=attempt)
         blob = PartBlob(a.part_schema(list(rows)).params, rows)
         for name in rows:
