@@ -26,6 +26,7 @@ from test_verify import audited, statuses, verify
 
 from gradientmail.adapters.sharded import chunk_rows
 from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.app.cli import read_status
 from gradientmail.clock import FakeClock
 from gradientmail.errors import LocalProtocolError, RemoteProtocolError, SchemaMismatch
 from gradientmail.mailbox import Mailbox, MemoryMailbox
@@ -34,6 +35,7 @@ from gradientmail.run.keyspace import init_key, init_part_key, plan_sweep
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
 from gradientmail.run.row_replica import RowReplica, plan_chain
+from gradientmail.wire.compression import decode_with_metadata
 from gradientmail.wire.parts import ROWS_KEY
 from gradientmail.wire.payload_ranges import Rows, rows_of
 from gradientmail.wire.records import Manifest, PayloadRef, RoundRecord
@@ -183,8 +185,6 @@ def test_a_whole_reader_joins_the_parts_to_theta0_and_refuses_parts_that_do_not_
             f"init/000000/0/{k}-of-3.safetensors" for k in range(3)]
         # Each part holds rank k's rows in the schema's dtypes, named in its metadata.
         blob = await ex.fetch_payload(m.init_parts[0][1])
-        from gradientmail.wire.compression import decode_with_metadata
-
         entries, meta = decode_with_metadata(blob, "off")
         assert json.loads(meta[ROWS_KEY]) == {n: list(r) for n, r in
                                               owned(SCHEMA, plan, 1, 3).items()}
@@ -259,6 +259,16 @@ def test_ranks_of_another_layout_read_their_rows_of_theta0_from_the_parts(
                 assert (mine is None) == (checkpoint_every == 1)
                 if mine is not None:
                     same_state(mine, whole, rows)
+        # Parts that leave rows out: refused by the rank that needs them, naming them.
+        async def nothing(name: str, r: Rows) -> None:
+            pass
+
+        for kept, needle in ((0, r"rows \[6, 7\) of 'emb' are in no part"),
+                             (1, r"init/000000/0/: the parts do not tile 'b': rows \[\[2, 3\]\]")):
+            one = dataclasses.replace(parted, init_parts=((parted.init_parts[0][kept],),))
+            chain = await plan_chain(ex, one, 0, None, None)
+            with pytest.raises(RemoteProtocolError, match=needle):
+                await RowReplica(ex, rank_rows(2)).reach(chain, nothing)
 
     run(main())
 
@@ -301,8 +311,10 @@ def test_the_closer_merges_from_theta0_in_parts_as_from_one_payload_and_verify_p
     assert a.tensors == b.tensors and a.versions == b.versions == (2, 2)
 
 
-def test_read_committed_before_any_commit_is_theta0_from_the_parts(
+def test_read_committed_and_status_before_any_commit_read_theta0_from_the_parts(
         boxes: tuple[Mailbox, Mailbox]) -> None:
+    """Fragment 0 in 2 parts, fragment 1 one payload: `read_committed` (and so `export`)
+    gives Θ⁰, `status` the bytes of each fragment's Θ⁰, every part counted."""
     async def main() -> None:
         r = Run(boxes[0], audited())
         init = init_tensors()
@@ -310,6 +322,10 @@ def test_read_committed_before_any_commit_is_theta0_from_the_parts(
         m = Manifest(SMALL, r.plan, r.alg.to_json(), "creator", refs, "off",
                      init_parts=parts)
         assert await r.ex.create_manifest(m)
+        status = await read_status(r.ex, "test-run")
+        assert refs[0] is None and refs[1] is not None
+        assert [f["theta_bytes"] for f in status["fragments"]] == [
+            sum(ref.size for ref in parts[0]), refs[1].size]
 
     run(main())
     got = read_committed(boxes[0])
