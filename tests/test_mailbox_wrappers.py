@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from gradientmail.clock import FakeClock
-from gradientmail.errors import ConfigError, MailboxError
+from gradientmail.errors import ConfigError, LocalProtocolError, MailboxError
 from gradientmail.mailbox import (
     CountingMailbox,
     FaultPlan,
@@ -172,8 +172,10 @@ def test_drop_create_condition_overwrites(any_mailbox: Mailbox) -> None:
 
 
 def test_plan_rules_validated() -> None:
-    with pytest.raises(ConfigError, match=r"fault op 'post' is not one of \('get', 'put'"):
+    with pytest.raises(ConfigError) as info:
         FaultPlan().fail("post")
+    assert str(info.value) == ("fault op 'post' is not one of ('get', 'get_range', 'put', "
+                               "'create', 'list', 'delete') or '*'")
     with pytest.raises(ConfigError, match=r"fault nth=0 and times=1 must be >= 1"):
         FaultPlan().fail("put", nth=0)
 
@@ -193,3 +195,96 @@ def test_a_ranged_read_is_counted_as_one_get_of_the_range_only() -> None:
         return data, c.get, c.bytes_down
 
     assert asyncio.run(go()) == (bytes(range(10, 20)), 1, 10)
+
+
+def test_a_ranged_read_is_a_get_to_a_plan_and_get_range_names_it_alone() -> None:
+    # "get" faults ranged and full reads alike, each ranged read one matching call (what
+    # plans saw when each ranged read was a full get); "get_range" faults ranged reads.
+    plan = (FaultPlan()
+            .fail("get", "theta/*", nth=2, times=2)
+            .fail("get_range", "steps/*", times=None))
+    inner = MemoryMailbox()
+    mailbox = FaultyMailbox(inner, plan)
+
+    async def body() -> list[str]:
+        for key in ("theta/a", "steps/a"):
+            await inner.put(key, bytes(range(10)))
+        outcomes = []
+        calls = [("range", "theta/a"), ("full", "theta/a"), ("range", "theta/a"),
+                 ("range", "theta/a"), ("full", "steps/a"), ("range", "steps/a"),
+                 ("range", "steps/a")]
+        for how, key in calls:
+            try:
+                got = await (mailbox.get_range(key, 2, 5) if how == "range"
+                             else mailbox.get(key))
+                outcomes.append(f"{how} {got!r}")
+            except MailboxError as exc:
+                outcomes.append(str(exc))
+        return outcomes
+
+    assert asyncio.run(body()) == [
+        "range b'\\x02\\x03\\x04'",
+        "injected fault: get of 'theta/a' (matching call #2)",
+        "injected fault: get_range of 'theta/a' bytes [2, 5) (matching call #3)",
+        "range b'\\x02\\x03\\x04'",
+        f"full {bytes(range(10))!r}",
+        "injected fault: get_range of 'steps/a' bytes [2, 5) (matching call #1)",
+        "injected fault: get_range of 'steps/a' bytes [2, 5) (matching call #2)",
+    ]
+    assert [(rule.matched, rule.fired) for rule in plan.rules] == [(4, 2), (2, 2)]
+
+
+def test_a_ranged_read_fails_after_its_read_and_misuse_is_refused_first() -> None:
+    plan = FaultPlan().fail("get_range", "k", after=True, error=TimeoutError)
+    counting = CountingMailbox(MemoryMailbox())
+    mailbox = FaultyMailbox(counting, plan)
+
+    async def body() -> None:
+        await mailbox.put("k", b"abcdef")
+        counting.reset()
+        with pytest.raises(LocalProtocolError, match=r"byte range \[3, 1\) of key 'k'"):
+            await mailbox.get_range("k", 3, 1)
+        assert plan.rules[0].matched == 0  # a misused call is no store call to fault
+        with pytest.raises(TimeoutError, match=r"get_range of 'k' bytes \[1, 4\)"):
+            await mailbox.get_range("k", 1, 4)
+        assert await mailbox.get_range("k", 1, 4) == b"bcd"
+
+    asyncio.run(body())
+    # The failed read happened (its answer was lost): two GETs of 3 bytes each.
+    assert (counting.snapshot().get, counting.snapshot().bytes_down) == (2, 6)
+
+
+def test_corrupt_truncate_and_delay_on_ranged_reads() -> None:
+    clock = FakeClock()
+    plan = (FaultPlan()
+            .corrupt("payloads/*")
+            .truncate("theta/*", 30)
+            .delay("get_range", "steps/*", 2.0, clock))
+    inner = MemoryMailbox()
+    mailbox = FaultyMailbox(inner, plan)
+    blob = bytes(range(100))
+
+    async def body() -> None:
+        for key in ("payloads/a", "theta/a", "steps/a"):
+            await inner.put(key, blob)
+        # Corrupt flips the first, middle and last bytes of the range returned.
+        got = await mailbox.get_range("payloads/a", 10, 20)
+        assert got is not None and len(got) == 10
+        assert [i for i in range(10) if got[i] != blob[10 + i]] == [0, 5, 9]
+        assert await mailbox.get_range("payloads/a", 100, 120) == b""
+        # Truncate cuts the object at 30 bytes: a range across the cut ends there, one
+        # after it is empty, one before it is whole. As a full get truncated, then sliced.
+        assert await mailbox.get_range("theta/a", 20, 40) == blob[20:30]
+        assert await mailbox.get_range("theta/a", 40, 50) == b""
+        assert await mailbox.get_range("theta/a", 0, 10) == blob[:10]
+        full = await mailbox.get("theta/a")
+        assert full is not None and full[20:40] == blob[20:30]
+        assert await mailbox.get_range("theta/gone", 0, 10) is None
+        # Delays a ranged read, not a full one.
+        assert await mailbox.get_range("steps/a", 0, 3) == blob[:3]
+        assert await mailbox.get("steps/a") == blob
+        assert clock.now() == 2.0
+        assert await inner.get("payloads/a") == blob  # the stored objects are intact
+        assert await inner.get("theta/a") == blob
+
+    asyncio.run(body())

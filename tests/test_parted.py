@@ -282,3 +282,74 @@ def test_a_two_rank_creator_uploads_theta0_by_parts_and_a_plain_learner_joins_on
         assert report.ok and [v.status for v in report.rounds] == ["verified"] * ROUNDS
 
     asyncio.run(check())
+
+
+class _Counted:
+    """A rank's default-group collectives, counting the broadcasts the training channel
+    makes."""
+
+    def __init__(self, inner: ThreadRanks) -> None:
+        self.inner = inner
+        self.ints = 0
+        self.objects = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def broadcast_ints(self, values: Any) -> list[int]:
+        self.ints += 1
+        return self.inner.broadcast_ints(values)
+
+    def broadcast_object(self, obj: Any) -> Any:
+        self.objects += 1
+        return self.inner.broadcast_object(obj)
+
+
+def test_an_op_is_one_broadcast_once_its_names_are_known_and_the_control_closes_them() -> None:
+    default = [_Counted(r) for r in ThreadRanks.group(RANKS, timeout=TIMEOUT)]
+    side = ThreadRanks.group(RANKS, timeout=TIMEOUT)
+    models = [make_model() for _ in range(RANKS)]
+    names = [n for n, _ in models[0].named_parameters()]
+    tail = [7, -1, 3]
+    seen: dict[int, Any] = {}
+
+    def rank(k: int) -> None:
+        adapter = ShardedAdapter(models[k], group_size=RANKS, group_rank=k)
+        parted = PartedRanks(adapter, default[k], side[k], k, "memory://ops", timeout=TIMEOUT)
+        ones = {n: torch.ones_like(adapter.local(n)) for n in names}
+        parted._keep(100, ones)  # loaded values, as a commit's would be on every rank
+        counts = []
+        if k == 0:
+            for step in range(3):
+                parted.ops_tail(len(tail))
+                if step < 2:
+                    parted.op("snapshot", 10 + step, names[:2])
+                else:
+                    parted.op("apply", 100, 0.3)
+                    for i in range(5):  # more releases than a message holds
+                        parted._drop(i)
+                    parted.op("release")
+                counts.append((default[k].ints, default[k].objects))
+                assert parted.end_ops(tail) == tail
+        else:
+            for _ in range(3):
+                assert parted.serve_ops([0, 0, 0]) == tail
+                counts.append((default[k].ints, default[k].objects))
+        seen[k] = counts, {i: parted._store.get(i) for i in (10, 11)}
+
+    before = {k: [p.detach().clone() for p in models[k].parameters()] for k in range(RANKS)}
+    in_threads(*(functools.partial(rank, k) for k in range(RANKS)), timeout=60)
+    # Counted on rank 0 after each step's ops (ints, objects): the first snapshot of a
+    # name list sends it (a header and an object), the second only its number (one
+    # message); the apply's mixing rides in the ints, exactly; more releases than fit go
+    # as an object. Each step's end message (carrying the tail) is one message more.
+    assert seen[0][0] == [(1, 1), (3, 1), (6, 2)], seen[0][0]
+    assert seen[1][0] == [(2, 1), (4, 1), (7, 2)], seen[1][0]
+    for k in range(RANKS):
+        snaps = seen[k][1]
+        for i in (10, 11):  # both snapshots taken, of the parameters before the apply
+            assert list(snaps[i]) == names[:2]
+            for n, was in zip(names[:2], before[k], strict=False):
+                assert torch.equal(snaps[i][n], was), (k, i, n)
+        for p, was in zip(models[k].parameters(), before[k], strict=True):
+            torch.testing.assert_close(p.detach(), 0.3 * was + 0.7, rtol=0, atol=1e-6)

@@ -8,6 +8,7 @@ a `Syncer`, as in tests/test_syncer.py.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Mapping
 
 import numpy as np
@@ -26,6 +27,7 @@ from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
 from gradientmail.run.row_replica import RowReplica, plan_chain
 from gradientmail.syncer.runtime import Syncer
+from gradientmail.wire.compression import decode
 from gradientmail.wire.payload_ranges import Rows, rows_of
 from gradientmail.wire.records import Manifest, RoundRecord
 from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
@@ -57,8 +59,9 @@ async def make_run(ex: Exchange, commit_dtype: str | None) -> tuple[Manifest, li
     ref = await ex.put_init(0, {n: init[n] for n in plan[0]}, attempt=0)
     manifest = Manifest(SCHEMA, plan, alg.to_json(), "creator", (ref,), "off")
     assert await ex.create_manifest(manifest)
+    # Closed through `ex`, so that its codec is the commits' too.
     syncer = Syncer(ex.mailbox, closer_id="closer", clock=ex.clock, on_event=lambda e: None,
-                    keep_versions=10, sweep=False)
+                    keep_versions=10, sweep=False, exchange=ex)
     for r in range(ROUNDS):
         delta = tensors(100 + r, 0.05, f32=True)
         await ex.publish(r, "a", delta, fragment=0, base_version=r, local_step=4 * (r + 1),
@@ -158,3 +161,54 @@ def test_a_rank_reads_only_its_rows_and_a_wrong_held_version_is_refused() -> Non
         assert follower.held(0) is None  # dropped: the next chain starts from a checkpoint
 
     asyncio.run(main())
+
+
+def test_a_rank_reading_zstd_payloads_whole_warns_once_naming_the_codec_and_the_fix(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # No range of a zstd frame decodes alone: a rank downloads each payload whole for its
+    # rows, and says so once; a rank holding every row (a DDP learner) reads no more than
+    # it needs, and says nothing.
+    mine = rank_rows(1)
+    every = {p.name: (0, p.shape[0] if p.shape else 1) for p in SCHEMA.params}
+
+    async def main() -> tuple[Manifest, list[RoundRecord], RowReplica, RowReplica,
+                              dict[str, TensorBytes]]:
+        ex = Exchange(MemoryMailbox("rows-zstd"), clock=FakeClock(100.0), compression="zstd")
+        manifest, recs = await make_run(ex, None)
+        follower, whole = RowReplica(ex, mine), RowReplica(ex, every)
+        for replica in (follower, whole):
+            for rec in [None, *recs]:
+                chain = await plan_chain(ex, manifest, 0, rec, replica.held(0))
+                assert await replica.reach(chain, nothing)
+        state = follower.state(0)
+        assert state is not None
+        same_state(state, await state_at(ex, 0, recs[-1], manifest), mine)
+        blob = await ex.fetch_payload(manifest.init[0])
+        assert blob is not None
+        return manifest, recs, follower, whole, decode(blob, "zstd")
+
+    async def nothing(name: str, r: Rows) -> None:
+        pass
+
+    with caplog.at_level(logging.WARNING, logger="gradientmail.run"):
+        manifest, recs, follower, whole, init = asyncio.run(main())
+    # Θ⁰ and each commit's step, every one read whole, by both.
+    keys = [manifest.init[0].key, *(r.step.payload.key for r in recs if r.step is not None)]
+    assert len(keys) == 1 + ROUNDS and all(k.endswith(".safetensors.zst") for k in keys)
+    read = manifest.init[0].size + sum(r.step.payload.size for r in recs if r.step)
+    assert follower.bytes_down == follower.bytes_whole == read
+    assert whole.bytes_down == read and whole.bytes_whole == 0
+    # Reported once, at the first payload (Θ⁰), with what the rank read and needed of it.
+    warnings = [r for r in caplog.records if r.name == "gradientmail.run"]
+    assert [r.levelno for r in warnings] == [logging.WARNING]
+    decoded = sum(t.nbytes for t in init.values())
+    rows = sum(rows_of(t, *mine[n]).tensor.nbytes for n, t in init.items())
+    assert rows < manifest.init[0].size and rows < decoded
+    assert warnings[0].getMessage() == (
+        f"{keys[0]} is zstd-compressed, and no range of a zstd frame decodes alone: this "
+        f"rank downloaded all {manifest.init[0].size:,} bytes of it ({decoded:,} decoded) "
+        f"for {rows:,} bytes of its rows, and every rank of this sharded learner reads "
+        "every compressed payload whole. Set compression: \"off\" on every learner of "
+        "the run (their closers write the commits; recipes/gpt2-xl.yaml does), so that "
+        "each rank downloads its rows alone (reported once; RowReplica.bytes_whole counts "
+        "these bytes)")

@@ -67,8 +67,23 @@ def test_get_range_refuses_a_non_range(any_mailbox: Mailbox, start: Any, stop: A
 
 
 def test_get_range_default_falls_back_to_a_full_get() -> None:
-    # FaultyMailbox does not override get_range: the base class's default serves it, with
-    # full GETs of the mailbox inside (counted there).
+    # A mailbox that does not override get_range is served by the base class's default:
+    # a full GET of the object, sliced.
+    counting = CountingMailbox(MemoryMailbox())
+
+    async def body() -> None:
+        await counting.put("k", b"abcdef")
+        counting.reset()
+        assert await Mailbox.get_range(counting, "k", 1, 3) == b"bc"
+        assert await Mailbox.get_range(counting, "gone", 1, 3) is None
+
+    asyncio.run(body())
+    counts = counting.snapshot()
+    assert (counts.get, counts.bytes_down) == (2, 6)
+
+
+def test_faulty_mailbox_passes_a_range_through() -> None:
+    # FaultyMailbox reads a range as a range: one GET of the range's bytes inside.
     counting = CountingMailbox(MemoryMailbox())
     box = FaultyMailbox(counting, FaultPlan())
 
@@ -80,7 +95,7 @@ def test_get_range_default_falls_back_to_a_full_get() -> None:
 
     asyncio.run(body())
     counts = counting.snapshot()
-    assert (counts.get, counts.bytes_down) == (2, 6)
+    assert (counts.get, counts.bytes_down) == (2, 2)
 
 
 def test_s3_get_range_sends_a_range_header(mailbox_factory: Any) -> None:

@@ -12,8 +12,9 @@ broadcast. With one process (`SingleRank`) no collective runs at all.
 With `parted` (`gradientmail.integration.parted.PartedRanks`: FSDP2 shards, or a DDP group
 splitting its upload) nothing is broadcast: every rank mails and reads its own rows, and
 applies them itself. Rank 0's learner then works on handles, and each thing it does to
-the model (snapshot, apply, rebase) is sent to the other ranks as it happens, before the
-control vector closes the collective (`PartedRanks.serve_ops`).
+the model (snapshot, apply, rebase) is sent to the other ranks as it happens, and the
+control vector closes that collective (`PartedRanks.serve_ops`): a step without ops costs
+the same two collectives as an unparted one, a due step one more.
 
 Both integrations drive this class from their hooks; `Ranks` carries the collectives out
 (`TorchRanks` for either framework's process group).
@@ -125,6 +126,9 @@ class RankSync:
         touched: tuple[int, ...] = ()
         failure: BaseException | None = None
         batch_size = self.batch_size
+        carried = self.parted is not None and world > 1  # the control closes the ops
+        if carried and self.parted is not None and self.ranks.is_main:
+            self.parted.ops_tail(3 + len(self.plan))
         if self.learner is not None:
             try:
                 touched = self.learner.step(total, loss)
@@ -132,12 +136,14 @@ class RankSync:
                 batch_size = self.learner.batch_size
             except BaseException as exc:
                 failure = exc
-        self._ops_done()
+        if not carried:
+            self._ops_done()
         if world == 1:
             if failure is not None:
                 raise failure
         else:
-            touched, batch_size = self._control(failure, touched, batch_size, "step")
+            touched, batch_size = self._control(failure, touched, batch_size, "step",
+                                                carried=carried)
             self._broadcast(touched)
         self._resized(batch_size)
         return touched
@@ -238,9 +244,12 @@ class RankSync:
         chosen: Sequence[int],
         batch_size: int | None,
         what: str,
+        *,
+        carried: bool = False,
     ) -> tuple[tuple[int, ...], int | None]:
         """Rank 0's status, rounds seen, batch share and chosen fragments on every rank;
-        returns the fragments and the share."""
+        returns the fragments and the share. `carried`: the vector closes the parted
+        ranks' ops (one collective for both)."""
         picked = set(chosen)
         flags = [1 if p in picked else 0 for p in range(len(self.plan))]
         head = [
@@ -248,7 +257,13 @@ class RankSync:
             self.rounds_seen,
             -1 if batch_size is None else batch_size,
         ]
-        got = self.ranks.broadcast_ints(head + flags)
+        if carried and self.parted is not None:
+            if self.ranks.is_main:
+                got = self.parted.end_ops(head + flags)
+            else:
+                got = self.parted.serve_ops(head + flags)
+        else:
+            got = self.ranks.broadcast_ints(head + flags)
         if got[0] != _OK:
             self._raise_for_rank0(failure, what)
         self.rounds_seen = got[1]

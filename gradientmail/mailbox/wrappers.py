@@ -13,6 +13,8 @@ the faults a real store produces, from a small plan:
     mailbox = FaultyMailbox(MemoryMailbox(), plan)
 
 Patterns are `fnmatch` globs over keys (over the prefix, for `list`); `*` crosses '/'.
+A ranged read (`get_range`) is a GET: a rule for "get" faults it as it faults a full read
+(so do `corrupt` and `truncate`), and a rule for "get_range" faults ranged reads alone.
 """
 
 from __future__ import annotations
@@ -24,13 +26,13 @@ import threading
 
 from gradientmail.clock import Clock, MonotonicClock
 from gradientmail.errors import ConfigError, MailboxError
-from gradientmail.mailbox.base import Mailbox
+from gradientmail.mailbox.base import Mailbox, check_range
 from gradientmail.traffic import RequestCounts
 
 __all__ = ["OPS", "CountingMailbox", "FaultPlan", "FaultRule", "FaultyMailbox", "RequestCounts"]
 
-#: The operations a rule may name ("*" names all of them).
-OPS = ("get", "put", "create", "list", "delete")
+#: The operations a rule may name ("*" names all of them; "get" names "get_range" too).
+OPS = ("get", "get_range", "put", "create", "list", "delete")
 _LIST_PAGE = 1000
 _FIELDS = tuple(f.name for f in dataclasses.fields(RequestCounts))
 
@@ -114,7 +116,9 @@ class FaultRule:
 
     A rule matches calls of `op` ("*" for any) whose key matches `pattern`; it fires on
     the `nth` matching call and the `times - 1` matching calls after it (`times=None`:
-    every matching call from the nth on).
+    every matching call from the nth on). A rule for "get" matches ranged reads too: S3
+    bills a ranged GET as a GET, and before `FaultyMailbox` served ranges itself each one
+    was a full `get`, which plans written then expect to fault.
     """
 
     kind: str  # "fail" | "delay" | "corrupt" | "truncate" | "drop_create_condition"
@@ -138,7 +142,8 @@ class FaultRule:
 
     def hit(self, op: str, key: str) -> bool:
         """Count a call; True when this rule fires on it. Callers hold the plan's lock."""
-        if not (self.op in ("*", op) and fnmatch.fnmatchcase(key, self.pattern)):
+        ops = ("*", op, "get") if op == "get_range" else ("*", op)
+        if not (self.op in ops and fnmatch.fnmatchcase(key, self.pattern)):
             return False
         self.matched += 1
         if self.matched < self.nth:
@@ -150,7 +155,17 @@ class FaultRule:
 
 
 class FaultPlan:
-    """A list of `FaultRule`s built by chaining; every builder method returns the plan."""
+    """A list of `FaultRule`s built by chaining; every builder method returns the plan.
+
+    Operations are the Mailbox's methods. A ranged read is "get_range", and a rule for
+    "get" matches it as well as full reads, counting each ranged read as one matching
+    call (what a plan written before ranged reads saw, as each was one full `get`): a
+    sharded learner's ranged reads of a commit fail under `fail("get", "theta/*")` as
+    a whole learner's full reads do. `fail("get_range", ...)` faults ranged reads alone.
+    On a ranged read, `corrupt` flips bits in the returned range (its first, middle and
+    last bytes), and `truncate` acts on the object: the range is cut at `length` bytes
+    from the object's start, as if the object itself were cut there.
+    """
 
     def __init__(self) -> None:
         self.rules: list[FaultRule] = []
@@ -186,14 +201,16 @@ class FaultPlan:
         return self
 
     def corrupt(self, pattern: str = "*", *, nth: int = 1, times: int | None = None) -> FaultPlan:
-        """Flip bits in the objects matching gets return (an empty object stays empty)."""
+        """Flip bits in the objects matching gets return (an empty object stays empty), or
+        in the range a matching ranged read returns."""
         self.rules.append(FaultRule("corrupt", "get", pattern, nth, times))
         return self
 
     def truncate(
         self, pattern: str, length: int, *, nth: int = 1, times: int | None = None
     ) -> FaultPlan:
-        """Matching gets return only the first `length` bytes."""
+        """Matching gets return only the first `length` bytes (a ranged read: the part of
+        its range before byte `length` of the object)."""
         self.rules.append(FaultRule("truncate", "get", pattern, nth, times, length=length))
         return self
 
@@ -226,21 +243,21 @@ class FaultyMailbox(Mailbox):
         self.url = inner.url
         self.metered = inner.metered
 
-    async def _before(self, op: str, key: str) -> list[FaultRule]:
+    async def _before(self, op: str, key: str, where: str = "") -> list[FaultRule]:
         rules = self.plan.firing(op, key)
         for rule in rules:
             if rule.kind == "delay":
                 await (rule.clock or MonotonicClock()).sleep(rule.seconds)
         for rule in rules:
             if rule.kind == "fail" and not rule.after:
-                raise _error(rule, op, key)
+                raise _error(rule, op, key, where)
         return rules
 
     @staticmethod
-    def _after(rules: list[FaultRule], op: str, key: str) -> None:
+    def _after(rules: list[FaultRule], op: str, key: str, where: str = "") -> None:
         for rule in rules:
             if rule.kind == "fail" and rule.after:
-                raise _error(rule, op, key)
+                raise _error(rule, op, key, where)
 
     async def get(self, key: str) -> bytes | None:
         rules = await self._before("get", key)
@@ -252,6 +269,20 @@ class FaultyMailbox(Mailbox):
                     data = _flip(data)
                 elif rule.kind == "truncate":
                     data = data[: rule.length]
+        return data
+
+    async def get_range(self, key: str, start: int, stop: int) -> bytes | None:
+        check_range(key, start, stop)  # a misused API is refused before any fault
+        where = f" bytes [{start}, {stop})"
+        rules = await self._before("get_range", key, where)
+        data = await self.inner.get_range(key, start, stop)
+        self._after(rules, "get_range", key, where)
+        if data is not None:
+            for rule in rules:
+                if rule.kind == "corrupt":
+                    data = _flip(data)
+                elif rule.kind == "truncate":
+                    data = data[: max(0, rule.length - start)]
         return data
 
     async def put(self, key: str, data: bytes) -> None:
@@ -284,7 +315,7 @@ class FaultyMailbox(Mailbox):
         await self.inner.close()
 
 
-def _error(rule: FaultRule, op: str, key: str) -> BaseException:
+def _error(rule: FaultRule, op: str, key: str, where: str = "") -> BaseException:
     if isinstance(rule.error, BaseException):
         return rule.error
-    return rule.error(f"injected fault: {op} of {key!r} (matching call #{rule.matched})")
+    return rule.error(f"injected fault: {op} of {key!r}{where} (matching call #{rule.matched})")

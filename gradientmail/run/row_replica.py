@@ -16,7 +16,9 @@ Memory: the state's rows are this rank's, held in writable buffers the steps upd
 place, a few rows at a time; what a replay allocates on top is one tensor's rows of the
 step (for an F4 step whose 32-element blocks cross this rank's first or last row, that
 tensor whole). A zstd payload cannot be
-read by ranges and is decoded whole: sharded runs should commit uncompressed.
+read by ranges and is decoded whole: sharded runs should commit uncompressed. A rank that
+reads one whole for a part of its rows logs a warning saying so, once, with the bytes it
+downloaded and those of its rows, and counts those bytes (`RowReplica.bytes_whole`).
 
 Not checked on rows: the record's `theta_sha256` (it covers the whole theta; a ranged
 reader cannot compute it, as with the SHA-256 of ranged payloads, §2).
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -39,7 +42,7 @@ from gradientmail.errors import GradientmailError, RemoteProtocolError
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.run.protocol import Exchange
 from gradientmail.wire.compression import compression_of, decode_with_metadata
-from gradientmail.wire.parts import rows_in
+from gradientmail.wire.parts import ROWS_KEY, rows_in
 from gradientmail.wire.payload_ranges import Rows, fetch_header, fetch_span_rows, rows_of
 from gradientmail.wire.quantization import dequantize, scale_name
 from gradientmail.wire.records import Manifest, PayloadRef, RoundRecord, StepRef
@@ -53,6 +56,8 @@ CHUNK_BYTES = 1 << 16
 
 #: What `RowReplica.reach` calls with each tensor's theta rows, one tensor at a time.
 Each = Callable[[str, Rows], Awaitable[None]]
+
+_log = logging.getLogger("gradientmail.run")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +175,7 @@ class _Reader:
         self._mailbox, self.key, self._spans, self._whole = mailbox, key, spans, whole
         self.metadata = dict(metadata or {})
         self.bytes = 0
+        self.codec = compression_of(key)
 
     @classmethod
     async def open(cls, ex: Exchange, ref: PayloadRef) -> _Reader | None:
@@ -193,6 +199,11 @@ class _Reader:
     def ranged(self) -> bool:
         """Whether it reads by ranges (else it holds the decoded payload)."""
         return self._spans is not None
+
+    def decoded(self) -> Mapping[str, TensorBytes]:
+        """The decoded payload of a reader that is not `ranged`."""
+        assert self._whole is not None
+        return self._whole
 
     def shape(self, name: str) -> tuple[int, ...]:
         if name not in self.names:
@@ -264,10 +275,12 @@ class _PartsReader:
                     f"{[[a, b] for a, b, _ in held]}")
 
     @classmethod
-    async def open(cls, ex: Exchange, refs: tuple[PayloadRef, ...]) -> _PartsReader | None:
+    async def open(cls, ex: Exchange, refs: tuple[PayloadRef, ...],
+                   opener: Callable[[PayloadRef], Awaitable[_Reader | None]]
+                   ) -> _PartsReader | None:
         readers = []
         for ref in refs:
-            r = await _Reader.open(ex, ref)
+            r = await opener(ref)
             if r is None:
                 return None
             readers.append(r)
@@ -325,13 +338,6 @@ class _PartsReader:
         return None if got is None else TensorBytes(got.tensor.dtype, shape, got.tensor.buffer)
 
 
-async def _open_base(ex: Exchange, chain: RowChain) -> _Reader | _PartsReader | None:
-    """The reader of the chain's base theta: one payload, or Θ⁰ in parts."""
-    if chain.theta is not None:
-        return await _Reader.open(ex, chain.theta)
-    return await _PartsReader.open(ex, chain.theta_parts)
-
-
 class RowReplica:
     """This rank's rows (`rows`: name -> [start, stop) of the full tensor) of each
     fragment's state, reached chain by chain (`reach`); `bytes_down` counts what it read.
@@ -341,6 +347,10 @@ class RowReplica:
         self.exchange = exchange
         self.rows = dict(rows)
         self.bytes_down = 0
+        #: Bytes of compressed payloads downloaded whole for a part of their rows (no
+        #: range of a zstd frame decodes alone): uncompressed, this rank reads its rows.
+        self.bytes_whole = 0
+        self._warned = False
         self._states: dict[int, _State] = {}
         self._backend = NumpyBackend(threads=1, pool_bytes=0)
 
@@ -359,6 +369,56 @@ class RowReplica:
             None if st.master is None else {n: b.view(0, b.rows) for n, b in st.master.items()},
             {n: b.view(0, b.rows) for n, b in st.momentum.items()})
 
+    async def _open_base(self, chain: RowChain) -> _Reader | _PartsReader | None:
+        """The reader of the chain's base theta: one payload, or Θ⁰ in parts."""
+        if chain.theta is not None:
+            return await self._open(chain.theta)
+        return await _PartsReader.open(self.exchange, chain.theta_parts, self._open)
+
+    async def _open(self, ref: PayloadRef) -> _Reader | None:
+        """A reader of the payload `ref`; one read whole for a part of its rows (its codec
+        cannot serve ranges) is counted in `bytes_whole`, and the first is reported."""
+        reader = await _Reader.open(self.exchange, ref)
+        if reader is None or reader.ranged:
+            return reader
+        tensors = reader.decoded()
+        decoded = sum(t.nbytes for t in tensors.values())
+        mine = self._rows_bytes(tensors, rows_in(reader.metadata, reader.key)
+                                if ROWS_KEY in reader.metadata else {})
+        if mine >= decoded:  # this rank holds every row (one rank, or a DDP learner)
+            return reader
+        self.bytes_whole += reader.bytes
+        if not self._warned and reader.bytes > mine:
+            self._warned = True
+            _log.warning(
+                "%s is %s-compressed, and no range of a %s frame decodes alone: this rank "
+                "downloaded all %s bytes of it (%s decoded) for %s bytes of its rows, and "
+                "every rank of this sharded learner reads every compressed payload whole. "
+                "Set compression: \"off\" on every learner of the run (their closers write "
+                "the commits; recipes/gpt2-xl.yaml does), so that each rank downloads its "
+                "rows alone (reported once; RowReplica.bytes_whole counts these bytes)",
+                reader.key, reader.codec, reader.codec, f"{reader.bytes:,}", f"{decoded:,}",
+                f"{mine:,}")
+        return reader
+
+    def _rows_bytes(self, tensors: Mapping[str, TensorBytes],
+                    parts: Mapping[str, tuple[int, int]]) -> int:
+        """Bytes of this rank's rows of `tensors`: `momentum/w` and `master/w` by w's rows,
+        a tensor of no parameter's name (a scale) whole; a part's tensor (`parts`: the
+        rows it holds) by the rows this rank shares with it."""
+        total = 0
+        for name, t in tensors.items():
+            param = name.split("/", 1)[1] if name.startswith(("momentum/", "master/")) \
+                else name
+            held = self.rows.get(param)
+            rows = t.shape[0] if t.shape else 1
+            if held is None or not rows:
+                total += t.nbytes
+                continue
+            a, b = parts.get(name, (0, rows))
+            total += t.nbytes * max(0, min(held[1], b) - max(held[0], a)) // rows
+        return total
+
     async def reach(self, chain: RowChain, each: Each) -> bool:
         """Follow `chain`, then hand `each` this rank's theta rows of every tensor, one at a
         time. False when a payload was swept (a newer commit exists). The state is dropped
@@ -376,7 +436,7 @@ class RowReplica:
         alg = _algorithm(chain.algorithm)
         if not chain.replicated:
             assert not chain.from_held
-            reader = await _open_base(self.exchange, chain)
+            reader = await self._open_base(chain)
             if reader is None:
                 return False
             try:
@@ -410,9 +470,8 @@ class RowReplica:
 
     async def _base(self, alg: Algorithm, chain: RowChain) -> _State | None:
         assert not chain.from_held
-        theta_in = await _open_base(self.exchange, chain)
-        outer_in = None if chain.outer is None else await _Reader.open(self.exchange,
-                                                                      chain.outer)
+        theta_in = await self._open_base(chain)
+        outer_in = None if chain.outer is None else await self._open(chain.outer)
         if theta_in is None or (chain.outer is not None and outer_in is None):
             return None
         state = _State(chain.base_version, {}, None, {})
@@ -454,7 +513,7 @@ class RowReplica:
 
     async def _step(self, alg: Algorithm, fragment: int, state: _State, round_: int,
                     step: StepRef) -> bool:
-        reader = await _Reader.open(self.exchange, step.payload)
+        reader = await self._open(step.payload)
         if reader is None:
             return False
         try:

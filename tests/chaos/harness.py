@@ -209,6 +209,16 @@ class KillSwitch(Mailbox):
             self._die("get", key)
         return data
 
+    async def get_range(self, key: str, start: int, stop: int) -> bytes | None:
+        # A range, not the base class's full read; "get" kill rules match it (FaultPlan).
+        before, after = self._firing("get_range", key)
+        if before:
+            self._die("get_range", key)
+        data = await self.inner.get_range(key, start, stop)
+        if after:
+            self._die("get_range", key)
+        return data
+
     async def put(self, key: str, data: bytes) -> None:
         before, after = self._firing("put", key)
         if before:

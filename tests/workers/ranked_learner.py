@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node N tests/workers/ranked_learner.py MAILBOX ID --worker W
         --out OUT.json [--fsdp] [--steps S] [--sync-every H] [--learners L]
-        [--checkpoint-every K]
+        [--checkpoint-every K] [--compression off|zstd]
 
 Every rank builds the toy model (the same seed), shards it with FSDP2 (`--fsdp`) or keeps
 it whole (a DDP group splitting its upload), and runs it through `RankSync` with
@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--learners", type=int, default=3)
     ap.add_argument("--checkpoint-every", type=int, default=20)
     ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--compression", default="off")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -64,11 +65,12 @@ def main() -> None:
         if isinstance(e, SnapshotPublished):
             published.append(e.round)
 
-    parted = PartedRanks.create(model, args.mailbox, timeout=300.0)
+    parted = PartedRanks.create(model, args.mailbox, timeout=300.0,
+                                compression=args.compression)
     sync = RankSync(TorchRanks("cpu"), model, parted=parted)
     sync.start(lambda: Learner(parted.learner_adapter(), alg, args.mailbox, args.learner_id,
                                poll_interval=0.01, lease_every=2.0, lease_timeout=30.0,
-                               on_event=on_event))
+                               on_event=on_event, compression=args.compression))
     assert sync.wait_for_learners(args.learners, timeout=240)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     for step in range(args.steps):
