@@ -432,17 +432,12 @@ class PartedRanks:
     async def _upload_init(self, ex: Exchange, fragment: int, names: Sequence[str],
                            attempt: int) -> PayloadRef:
         """This rank's part of Θ⁰: its owned rows of `names`, in their storage dtypes,
-        read a tensor at a time. Uncompressed, each tensor's rows are copied straight
-        into the part's buffer (the rank holds the part and one tensor's rows); a
-        compressed part is encoded once all its rows are read."""
+        each tensor's rows read and copied straight into the part's buffer (the rank
+        holds the part and one tensor's rows). Uncompressed whatever the learner's codec:
+        every rank of a sharded learner that joins at version 0 reads its rows of Θ⁰ by
+        ranges, which no zstd frame serves (and initial weights compress little)."""
         a = self.adapter
         rows = a.mailed(names)
-        if ex.compression != "off":
-            entries = {}
-            for name in rows:
-                entries[name] = (await asyncio.to_thread(a.read, [name]))[name].tensor
-            return await ex.put_init_part(fragment, self.rank, self.size, entries, rows,
-                                          attempt=attempt)
         blob = PartBlob(a.part_schema(list(rows)).params, rows)
         for name in rows:
             one = (await asyncio.to_thread(a.read, [name]))[name].tensor

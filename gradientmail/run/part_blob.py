@@ -71,11 +71,9 @@ async def put_part_blob(ex: Exchange, round_: int, learner: str, k: int, n: int,
 
 async def put_init_blob(ex: Exchange, fragment: int, k: int, n: int, blob: PartBlob, *,
                         attempt: int) -> PayloadRef:
-    """`Exchange.put_init_part` for a part written in place (an uncompressed exchange
-    only): overwritten, as the whole Θ⁰ payload is."""
-    if ex.compression != "off":
-        raise ConfigError(f"a part written in place is uncompressed; this exchange's codec "
-                          f"is {ex.compression!r} (use Exchange.put_init_part)")
+    """`Exchange.put_init_part` for a part written in place, uncompressed whatever the
+    exchange's codec (the key's extension says so): overwritten, as the whole Θ⁰
+    payload is."""
     key = init_part_key(attempt, fragment, k, n) + extension("off")
     data = blob.data
     await ex.mailbox.put(ex.prefix + key, data)  # type: ignore[arg-type]
