@@ -5,7 +5,8 @@ delta go straight into the payload's own buffer, one tensor at a time.
 delta and then the blob made of it: twice its shard. An uncompressed part's bytes are
 known in advance but for the data (`pack_header` over the shapes), so `PartBlob` lays
 the blob out, hands each tensor's slot to whoever computes it, and `put_part_blob`
-uploads it as `Exchange.put_part` would: the same key, the same bytes, the same rules.
+uploads it as `Exchange.put_part` would: the same key, the same bytes, the same rules
+(`put_init_blob`: as `Exchange.put_init_part`, for a creator's part of Θ⁰).
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from gradientmail.errors import AlreadyContributed, ConfigError
-from gradientmail.run.keyspace import part_key
+from gradientmail.run.keyspace import init_part_key, part_key
 from gradientmail.run.protocol import Exchange
 from gradientmail.wire.compression import extension
 from gradientmail.wire.parts import part_metadata
 from gradientmail.wire.records import PayloadRef, check_learner_id
 from gradientmail.wire.serialization import ParameterSpec, pack_header
 
-__all__ = ["PartBlob", "put_part_blob"]
+__all__ = ["PartBlob", "put_init_blob", "put_part_blob"]
 
 
 class PartBlob:
@@ -65,4 +66,15 @@ async def put_part_blob(ex: Exchange, round_: int, learner: str, k: int, n: int,
                 f"learner {learner!r} has already contributed to round {round_}; part "
                 f"{key!r} belongs to its record")
         await ex.mailbox.put(ex.prefix + key, data)  # type: ignore[arg-type]
+    return PayloadRef.of(key, data)  # type: ignore[arg-type]
+
+
+async def put_init_blob(ex: Exchange, fragment: int, k: int, n: int, blob: PartBlob, *,
+                        attempt: int) -> PayloadRef:
+    """`Exchange.put_init_part` for a part written in place, uncompressed whatever the
+    exchange's codec (the key's extension says so): overwritten, as the whole Θ⁰
+    payload is."""
+    key = init_part_key(attempt, fragment, k, n) + extension("off")
+    data = blob.data
+    await ex.mailbox.put(ex.prefix + key, data)  # type: ignore[arg-type]
     return PayloadRef.of(key, data)  # type: ignore[arg-type]

@@ -46,6 +46,7 @@ __all__ = [
     "ByteRange",
     "Rows",
     "coalesce",
+    "fetch_header",
     "fetch_index",
     "fetch_rows",
     "fetch_span_rows",
@@ -172,6 +173,14 @@ async def fetch_index(
     """Where each tensor of the uncompressed payload at `key` (of `size` bytes) lies, by
     name, from its header alone (one ranged GET, a second when the header is larger than
     `probe`); None when the payload is gone. Checked as `index_from_header` checks."""
+    got = await fetch_header(mailbox, key, size, probe=probe)
+    return None if got is None else got[0]
+
+
+async def fetch_header(
+    mailbox: Mailbox, key: str, size: int, *, probe: int = HEADER_PROBE
+) -> tuple[dict[str, Span], dict[str, str]] | None:
+    """`fetch_index`, and the payload's metadata (a part's rows, `wire.parts`)."""
     head = await mailbox.get_range(key, 0, min(size, probe))
     if head is None:
         return None
@@ -183,8 +192,8 @@ async def fetch_index(
         if rest is None:
             return None
         head += rest
-    spans, _ = index_from_header(head, size, key=key)
-    return {s.name: s for s in spans}
+    spans, metadata = index_from_header(head, size, key=key)
+    return {s.name: s for s in spans}, metadata
 
 
 async def fetch_span_rows(mailbox: Mailbox, key: str, span: Span, start: int,
