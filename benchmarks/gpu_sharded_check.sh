@@ -21,6 +21,10 @@
 #   to the committed theta) and committed at least 3 rounds; for Lightning every rank
 #   wrote its own part of every round (the worker's key log); for Accelerate,
 #   distributed_type was FSDP with FSDP2.
+#   4. bench       benchmarks/sharded.py --device cuda at 1, 2, 4 ranks (as many as the
+#                  GPUs allow): per-rank peaks of publish and apply on the device's
+#                  counters, bytes, the due step against a clone on the GPU, throughput
+#                  at the XL recipe's cadence. Tables: RESULTS-sharded.md. Log: bench.log.
 #   summary.txt: each stage's exit code, seconds and budget; env.txt: GPU, torch, tree.
 #   Exits 1 when a stage failed, ran out of time or was skipped.
 #
@@ -33,7 +37,8 @@
 # Stage budgets (each under `timeout`; rc 124 = timed out):
 #   setup 200 s (a fresh install downloads ~3 GB; a reused venv takes seconds),
 #   lightning 150 s, accelerate 150 s (each ~30 s of imports and CUDA start-up, then 12
-#   toy steps with a round every 2-4 steps): at most 500 s, expected ~2 min when reused.
+#   toy steps with a round every 2-4 steps), bench 240 s (three launches per rank count,
+#   ~20 s of start-up each): at most 740 s, expected ~4 min when reused.
 
 set -uo pipefail
 
@@ -88,6 +93,16 @@ stage_lightning() {
         "$OUT/lightning.end.json" "$RANKS" "$OUT/lightning-keys"
 }
 
+stage_bench() {
+    # benchmarks/sharded.py on NCCL: 1, 2, ... RANKS ranks (powers of two), a GPT-2-medium
+    # shape (24 blocks, width 1024: 1.4 GB in F32) so a shard's clone is not all overhead.
+    local ranks=1 list=""
+    while [ "$ranks" -le "$RANKS" ]; do list="$list $ranks"; ranks=$((ranks * 2)); done
+    # shellcheck disable=SC2086
+    "$PY" benchmarks/sharded.py --device cuda --ranks $list --layers 24 --embd 1024 \
+        --rounds 6 --steps 186 --results "$OUT/RESULTS-sharded.md"
+}
+
 stage_accelerate() {
     rm -rf "$WORK/accelerate-run"
     mkdir -p "$OUT/accelerate"
@@ -105,6 +120,7 @@ if [ "${1:-}" = _stage ]; then
         setup) stage_setup ;;
         lightning) stage_lightning ;;
         accelerate) stage_accelerate ;;
+        bench) stage_bench ;;
         *) echo "unknown stage $2" >&2; exit 2 ;;
     esac
     exit
@@ -150,6 +166,7 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "lightning",
     } >"$OUT/env.txt" 2>&1
     run_stage lightning "${GPU_CHECK_LIGHTNING_S:-150}" lightning
     run_stage accelerate "${GPU_CHECK_ACCELERATE_S:-150}" accelerate
+    run_stage bench "${GPU_CHECK_BENCH_S:-240}" bench
     grep -h '^verify' "$OUT/lightning.log" "$OUT/accelerate.log" >>"$SUMMARY"
 fi
 echo "total $((SECONDS - START)) s; $([ "$failed" = 0 ] && echo 'every stage passed' || echo 'a stage failed or was skipped')" >>"$SUMMARY"

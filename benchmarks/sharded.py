@@ -2,7 +2,8 @@
 
     python benchmarks/sharded.py [--ranks 1 2 4] [--modes memory time throughput]
                                  [--layers 12] [--embd 256] [--vocab 50257] [--rounds 6]
-                                 [--cadence 62] [--steps 256] [--no-append]
+                                 [--cadence 62] [--steps 256] [--device cpu|cuda]
+                                 [--results FILE] [--no-append]
 
 For a GPT-2-shaped model (GPT-2's 12 blocks and 50,257-token vocabulary at a narrower
 width, so that 4 ranks fit a 2-core CPU) sharded with FSDP2 over 1, 2 and 4 ranks (gloo on
@@ -24,7 +25,11 @@ CPU), three runs per rank count, each its own `torchrun`:
 - throughput: training steps without the learner, with it at the XL recipe's cadence (a
   round every `--cadence` steps, never waiting for a commit), and without it again
   (goal: ≥ 0.99× where measurable).
-Prints markdown tables and appends them to benchmarks/RESULTS.md (unless --no-append).
+With `--device cuda` each rank has a GPU of its own, the training collectives run on NCCL
+(the side group stays gloo), the peaks are the device's allocation counters and every
+timer waits for the device's queued work (benchmarks/gpu_sharded_check.sh runs it).
+Prints markdown tables and appends them to benchmarks/RESULTS.md (or `--results`; not
+with --no-append).
 Ranks run as `torchrun` processes of this file (`--rank-worker`).
 """
 
@@ -104,15 +109,71 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, int]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
     torch.manual_seed(0)
     cfg = GPT2Config(n_layer=args.layers, n_embd=args.embd, n_head=max(1, args.embd // 64),
                      vocab_size=args.vocab, n_positions=64, bos_token_id=0, eos_token_id=0)
-    model = GPT2LMHeadModel(cfg)
+    model = GPT2LMHeadModel(cfg).to(device(args))
     for block in model.transformer.h:
         fully_shard(block)
     fully_shard(model)
     return model, torch.optim.SGD(model.parameters(), lr=1e-3), dist.get_rank()
+
+
+def device(args: argparse.Namespace) -> Any:
+    import torch
+
+    if args.device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def settle(args: argparse.Namespace) -> None:
+    """Wait for the device's queued work (a CUDA clone returns before it copies)."""
+    if args.device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+class CudaMeter:
+    """`SharedMeter`'s windows on a CUDA device: the peak of the device's allocated
+    memory over what it held when the window opened (every thread's allocations: the
+    device's counters are global)."""
+
+    def __init__(self) -> None:
+        self.window: str | None = None
+        self.peaks: dict[str, list[tuple[int, int]]] = {}
+        self._base = 0
+
+    def install(self) -> None:
+        return None
+
+    def tap(self) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def begin(self, window: str) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+        self.window, self._base = window, torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+
+    def end(self, window: str) -> None:
+        import torch
+
+        if self.window != window:
+            return
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - self._base
+        self.peaks.setdefault(window, []).append((peak, 0))
+        self.window = None
 
 
 def train_step(model: Any, opt: Any, ids: Any) -> None:
@@ -121,9 +182,19 @@ def train_step(model: Any, opt: Any, ids: Any) -> None:
     opt.step()
 
 
+#: Set on a CUDA rank: a timer waits for the device's queued work first.
+_ON_CUDA: list[bool] = []
+
+
 def faults() -> tuple[float, int]:
-    """This thread's clock and minor page faults so far."""
+    """This thread's clock and minor page faults so far (on CUDA after the device's
+    queued work)."""
     import resource
+
+    if _ON_CUDA:
+        import torch
+
+        torch.cuda.synchronize()
 
     return time.perf_counter(), resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
 
@@ -137,9 +208,9 @@ def clone_times(a: Any, names: list[str], n: int) -> tuple[list[float], list[lis
     trim = ctypes.CDLL("libc.so.6").malloc_trim
     warm, cold = [], []
     for _ in range(n):
-        t0 = time.perf_counter()
+        t0, _f = faults()
         kept = [a.local(n).clone() for n in names]
-        warm.append(time.perf_counter() - t0)
+        warm.append(faults()[0] - t0)
         del kept
     for _ in range(n):
         trim(0)
@@ -162,7 +233,7 @@ def rank_worker(args: argparse.Namespace) -> None:
         from alloc_meter import SharedMeter
         from memory_learner import measure
 
-        meter = SharedMeter()
+        meter: Any = CudaMeter() if args.device == "cuda" else SharedMeter()
         meter.install()
         measure(meter, tap_snapshot=False)
     moved = count_payload_bytes()
@@ -175,8 +246,11 @@ def rank_worker(args: argparse.Namespace) -> None:
     from gradientmail.learner.runtime import Learner
 
     model, opt, rank = build(args)
+    if args.device == "cuda":
+        _ON_CUDA.append(True)
     alg = DiLoCo.standard(args.sync_every, 1)
-    parted = PartedRanks.create(model, args.mailbox, timeout=600.0)
+    ranks = TorchRanks(device(args))
+    parted = PartedRanks.create(model, args.mailbox, timeout=600.0, ranks=ranks)
     a = parted.adapter
     # The due step's own work: on rank 0 the learner's hand-over (its decision, the
     # snapshot op sent to the ranks and taken, the job posted), on the others the snapshot
@@ -202,14 +276,15 @@ def rank_worker(args: argparse.Namespace) -> None:
 
     PartedRanks._replay = timed_replay  # type: ignore[method-assign]
     Learner._hand_over = timed_hand_over  # type: ignore[method-assign]
-    sync = RankSync(TorchRanks("cpu"), model, parted=parted)
+    sync = RankSync(ranks, model, parted=parted)
     sync.start(lambda: Learner(parted.learner_adapter(), alg, args.mailbox, "sharded",
                                sync=False, poll_interval=0.02, lease_every=5.0,
                                lease_timeout=60.0))
     dist.barrier()
     joined = dict(moved)
     moved.update(up=0, down=0)
-    ids = torch.randint(0, args.vocab, (1, 32), generator=torch.Generator().manual_seed(rank))
+    ids = torch.randint(0, args.vocab, (1, 32),
+                        generator=torch.Generator().manual_seed(rank)).to(device(args))
     for _ in range(args.rounds * args.sync_every):
         train_step(model, opt, ids)
         sync.step(32)
@@ -243,7 +318,8 @@ def throughput_worker(args: argparse.Namespace) -> None:
     from gradientmail.learner.runtime import Learner
 
     model, opt, rank = build(args)
-    ids = torch.randint(0, args.vocab, (1, 32), generator=torch.Generator().manual_seed(rank))
+    ids = torch.randint(0, args.vocab, (1, 32),
+                        generator=torch.Generator().manual_seed(rank)).to(device(args))
     fragments = 4
     alg = DiLoCo(sync_every=args.cadence * fragments, fragments=fragments, in_flight=2,
                  overlap_steps=None, quorum_size=1, delta_dtype="F4", commit_dtype="BF16")
@@ -255,14 +331,16 @@ def throughput_worker(args: argparse.Namespace) -> None:
             train_step(model, opt, ids)
             if sync is not None:
                 sync.step(32)
+        settle(args)
         dist.barrier()
         return time.perf_counter() - t0
 
     for _ in range(4):  # warm-up
         train_step(model, opt, ids)
     before = phase(None)
-    parted = PartedRanks.create(model, args.mailbox, timeout=600.0)
-    sync = RankSync(TorchRanks("cpu"), model, parted=parted)
+    ranks = TorchRanks(device(args))
+    parted = PartedRanks.create(model, args.mailbox, timeout=600.0, ranks=ranks)
+    sync = RankSync(ranks, model, parted=parted)
     sync.start(lambda: Learner(parted.learner_adapter(), alg, args.mailbox, "sharded",
                                poll_interval=0.05, lease_every=5.0, lease_timeout=60.0))
     with_learner = phase(sync)
@@ -305,7 +383,7 @@ def run_ranks(n: int, mode: str, args: argparse.Namespace, tmp: Path) -> list[di
                str(out), "--mode", mode, "--layers", str(args.layers), "--embd",
                str(args.embd), "--vocab", str(args.vocab), "--rounds", str(args.rounds),
                "--sync-every", str(args.sync_every), "--cadence", str(args.cadence),
-               "--steps", str(args.steps)]
+               "--steps", str(args.steps), "--device", args.device]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, timeout=3600)
         if proc.returncode != 0:
@@ -318,6 +396,12 @@ def run_ranks(n: int, mode: str, args: argparse.Namespace, tmp: Path) -> list[di
             except subprocess.TimeoutExpired:
                 closer.kill()
     return [json.loads(Path(f"{out}.rank{k}.json").read_text()) for k in range(n)]
+
+
+def gpu_name() -> str:
+    import torch
+
+    return f"{torch.cuda.device_count()} × {torch.cuda.get_device_name(0)}"
 
 
 def mib(n: float) -> str:
@@ -417,6 +501,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cadence", type=int, default=62,
                     help="throughput: steps between rounds (the XL recipe: 500 / 8 fragments)")
     ap.add_argument("--steps", type=int, default=256, help="throughput: steps per phase")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: one GPU per rank, NCCL for the training collectives (the "
+                         "side group stays gloo), device memory counters for the peaks")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="the file appended to")
     ap.add_argument("--no-append", action="store_true")
     args = ap.parse_args(argv)
     if args.rank_worker:
@@ -441,7 +529,8 @@ def main(argv: list[str] | None = None) -> None:
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared), torch threads 1 "
         f"per rank. GPT-2-shaped: {args.layers} blocks, width {args.embd}, vocabulary "
-        f"{args.vocab} ({mib(model)} MiB F32), FSDP2 per block, gloo on CPU. memory and "
+        f"{args.vocab} ({mib(model)} MiB F32), FSDP2 per block, "
+        f"{'NCCL on ' + gpu_name() if args.device == 'cuda' else 'gloo on CPU'}. memory and "
         f"time: one learner (standard DiLoCo, replicated outer step) closed by a "
         f"`gradientmail sync` process, {args.rounds} rounds of {args.sync_every} steps; "
         f"memory under the allocation meter, time without it. throughput: {args.steps} "
@@ -457,7 +546,7 @@ def main(argv: list[str] | None = None) -> None:
     ])
     print(section)
     if not args.no_append:
-        with open(RESULTS, "a", encoding="utf-8") as f:
+        with open(args.results, "a", encoding="utf-8") as f:
             f.write("\n" + section)
 
 

@@ -78,6 +78,17 @@ def records(box: Path) -> list[Any]:
     return asyncio.run(go())
 
 
+def manifest_of(box: Path) -> Any:
+    async def go() -> Any:
+        ex = Exchange(LocalMailbox(box))
+        try:
+            return await ex.read_manifest()
+        finally:
+            await ex.mailbox.close()
+
+    return asyncio.run(go())
+
+
 def parts_written(log: Path, ranks: int, learner: str) -> list[dict[int, tuple[int, int]]]:
     """Per rank, {round: (k, n)} of the parts `learner`'s ranks wrote (their key logs);
     a whole payload written by any of them fails the test."""
@@ -146,6 +157,18 @@ def test_a_killed_fsdp2_learner_resumes_at_another_world_size_as_the_same_learne
     written = parts_written(Path(f"{keys}-first"), 2, learner_id)
     for r in recs:
         assert [w.get(r.round) for w in written] == [(0, 2), (1, 2)], (r.round, written)
+    # It created the run: each rank uploaded its own rows of every fragment's Θ⁰ as a
+    # part, and none of them a whole fragment.
+    manifest = manifest_of(box)
+    assert manifest is not None and manifest.creator == learner_id
+    fragments = len(manifest.plan)
+    assert manifest.init == (None,) * fragments
+    for rank in range(2):
+        logged = Path(f"{keys}-first.rank{rank}").read_text().split()
+        assert [k for k in logged if k.startswith("init/")] == [
+            f"init/000000/{p}/{rank}-of-2.safetensors" for p in range(fragments)], logged
+        assert [ref.key for ref in (refs[rank] for refs in manifest.init_parts)] == [
+            f"init/000000/{p}/{rank}-of-2.safetensors" for p in range(fragments)]
     before = len(recs)
 
     # 2. Meanwhile a plain learner moves the run on.

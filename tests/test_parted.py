@@ -40,9 +40,10 @@ def standard(**kw: Any) -> DiLoCo:
                   merge=WeightedMean(), quorum_size=2, **kw)
 
 
-def learner(adapter: Any, url: str, name: str, **kw: Any) -> Learner:
+def learner(adapter: Any, url: str, name: str, compression: str = "off",
+            **kw: Any) -> Learner:
     return Learner(adapter, standard(**kw), url, name, poll_interval=0.01, lease_every=5.0,
-                   lease_timeout=30.0)
+                   lease_timeout=30.0, compression=compression)
 
 
 # checkpoint_every=1: every commit carries its theta, which each rank reads by rows; the
@@ -152,6 +153,136 @@ def test_a_mesh_that_does_not_span_the_learner_is_refused() -> None:
         "parameter '0.weight' is sharded over a device mesh of 1 ranks (shape [1]), but the "
         "learner has 2: shard over all of its ranks"
     )
+
+
+class Recording(PartedRanks):
+    """A rank's `PartedRanks` that notes the kind of every side command it serves."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.served: list[str] = []
+
+    def _share(self, cmd: tuple[Any, ...]) -> Any:
+        self.served.append(cmd[0])
+        return super()._share(cmd)
+
+    async def _serve(self, cmd: tuple[Any, ...], ex: Exchange) -> Any:
+        self.served.append(cmd[0])
+        return await super()._serve(cmd, ex)
+
+
+class ReadLog(ShardedAdapter):
+    """A `ShardedAdapter` that notes the rows each `read` returned."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.reads: list[dict[str, tuple[int, int]]] = []
+
+    def read(self, names: Any = None) -> dict[str, Any]:
+        got = super().read(names)
+        self.reads.append({n: (r.start, r.stop) for n, r in got.items()})
+        return got
+
+
+@pytest.mark.parametrize(("alg", "compression"), [
+    ({"checkpoint_every": 1}, "off"), ({}, "off"), ({}, "zstd")],
+    ids=["rows", "replicated", "replicated-zstd"])
+def test_a_two_rank_creator_uploads_theta0_by_parts_and_a_plain_learner_joins_on_it(
+        alg: dict[str, Any], compression: str) -> None:
+    """The 2-rank learner creates the run: each rank uploads its owned rows of Θ⁰ as its
+    part (no rank gathers or joins them: no `read` command is ever served, and every
+    rank reads its own rows, a tensor at a time; uncompressed, whatever the learner's
+    codec); the manifest names the parts. A plain
+    learner built with other parameters joins at version 0 on exactly the creator's;
+    the rounds closed from that Θ⁰ equal the oracle, and verify re-derives every one."""
+    url = f"memory://parted-init-{secrets.token_hex(4)}"
+    default = ThreadRanks.group(RANKS, timeout=TIMEOUT)
+    side = ThreadRanks.group(RANKS, timeout=TIMEOUT)
+    models = [make_model() for _ in range(RANKS)] + [make_model(seed=3)]
+    theta0 = [p.detach().clone() for p in models[0].parameters()]
+    assert not all(torch.equal(a, b) for a, b in zip(theta0, models[RANKS].parameters(),
+                                                     strict=True))
+    created = threading.Event()
+    ready = threading.Barrier(RANKS + 1)
+    results: dict[str, list[torch.Tensor]] = {}
+    crews: dict[int, Recording] = {}
+    joined: list[torch.Tensor] = []
+    kw = dict(alg, keep_rounds=100)  # every contribution kept: verify re-derives them
+
+    def rank(k: int) -> None:
+        model = models[k]
+        adapter = ReadLog(model, group_size=RANKS, group_rank=k)
+        parted = crews[k] = Recording(adapter, default[k], side[k], k, url, timeout=TIMEOUT,
+                                      compression=compression)
+        sync = RankSync(default[k], model, parted=parted)
+        sync.start(lambda: learner(parted.learner_adapter(), url, "ranked",
+                                   compression=compression, **kw))
+        created.set()
+        ready.wait(timeout=TIMEOUT)
+        assert sync.wait_for_learners(2, timeout=TIMEOUT)
+        opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+        for step in range(ROUNDS * H):
+            inner_step(model, opt, 0, step)
+            sync.step(5)
+        sync.close()
+        results[f"rank{k}"] = [p.detach().clone() for p in model.parameters()]
+
+    def plain() -> None:
+        assert created.wait(timeout=TIMEOUT)
+        model = models[RANKS]
+        one = learner(TorchAdapter(model), url, "plain", **kw)
+        one.start()
+        joined.extend(p.detach().clone() for p in model.parameters())
+        ready.wait(timeout=TIMEOUT)
+        one.wait_for_learners(2, timeout=TIMEOUT)
+        opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+        for step in range(ROUNDS * H):
+            inner_step(model, opt, 1, step)
+            one.step(10)
+        one.close()
+        results["plain"] = [p.detach().clone() for p in model.parameters()]
+
+    in_threads(*(functools.partial(rank, k) for k in range(RANKS)), plain, timeout=240)
+    for got, want in zip(joined, theta0, strict=True):
+        assert torch.equal(got, want)  # the creator's Θ⁰, exactly
+    for who, got in results.items():
+        for g, w in zip(got, oracle(), strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-6, msg=who)
+    for k, crew in crews.items():
+        assert "init" in crew.served and "read" not in crew.served, (k, crew.served)
+        adapter = crew.adapter
+        assert isinstance(adapter, ReadLog)
+        # Its own rows, one tensor per read: no rank ever held more of Θ⁰ than that.
+        assert adapter.reads and all(len(r) == 1 for r in adapter.reads)
+        assert all(rows == adapter.mailed(list(rows)) for rows in adapter.reads)
+
+    async def check() -> None:
+        from gradientmail.app.verify import verify_run
+        from gradientmail.wire.compression import decode_with_metadata
+        from gradientmail.wire.parts import rows_in
+
+        box = MemoryMailbox(url.split("//")[1])
+        ex = Exchange(box)
+        manifest = await ex.read_manifest()
+        assert manifest is not None and manifest.creator == "ranked"
+        assert manifest.init == (None,) and manifest.codec == compression
+        # Uncompressed whatever the learner's codec: its ranks read their rows by ranges.
+        assert [ref.key for ref in manifest.init_parts[0]] == [
+            "init/000000/0/0-of-2.safetensors", "init/000000/0/1-of-2.safetensors"]
+        for k, ref in enumerate(manifest.init_parts[0]):
+            blob = await ex.fetch_payload(ref)
+            assert blob is not None
+            _, meta = decode_with_metadata(blob, "off")
+            assert rows_in(meta, ref.key) == crews[k].adapter.mailed(manifest.plan[0])
+        theta = await ex.fetch_init(manifest, 0)
+        assert theta is not None
+        names = list(manifest.plan[0])
+        for name, want in zip(names, theta0, strict=True):
+            assert bytes(theta[name].buffer) == want.numpy().tobytes()
+        report = await verify_run(ex, url)
+        assert report.ok and [v.status for v in report.rounds] == ["verified"] * ROUNDS
+
+    asyncio.run(check())
 
 
 class _Counted:

@@ -23,14 +23,16 @@ from test_row_replica import make_run, rank_rows, same_state
 from gradientmail.clock import FakeClock
 from gradientmail.errors import ConfigError, CorruptPayload, RemoteProtocolError
 from gradientmail.mailbox import FaultPlan, FaultyMailbox, MemoryMailbox
+from gradientmail.run.part_blob import PartBlob, put_init_blob
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
 from gradientmail.run.row_replica import RowReplica, plan_chain
 from gradientmail.wire.blocks import BLOCK_BYTES, BLOCKS_KEY, BlockIndex, blocks_entry
 from gradientmail.wire.compression import decode_with_metadata, encode
+from gradientmail.wire.parts import part_metadata
 from gradientmail.wire.payload_ranges import Rows, fetch_rows, header_length, rows_of
 from gradientmail.wire.records import Manifest, PayloadRef, RoundRecord
-from gradientmail.wire.serialization import TensorBytes, pack, read_index
+from gradientmail.wire.serialization import ParameterSpec, TensorBytes, pack, read_index
 
 KEY = "theta/0/0000000001-000000.safetensors"
 BLOCK = 64  # small blocks, so that every tensor here spans several
@@ -367,3 +369,26 @@ def test_a_zstd_payload_read_whole_is_checked_against_its_sha256() -> None:
     assert str(info.value) == (
         f"{key}: SHA-256 {hashlib.sha256(bad).hexdigest()[:16]}..., its record says "
         f"{ref.sha256[:16]}...; it was corrupted or replaced after the record was written")
+
+
+def test_a_part_written_in_place_carries_the_digests_encode_writes() -> None:
+    # A creator's rank writes its part of Θ⁰ in place (`PartBlob`): the header reserves
+    # the digests' room and `data` fills it, so the bytes are `encode`'s with blocks.
+    tensors = fragment()
+    rows = {"wte": (0, 50), "fc.weight": (0, 12), "fc.bias": (0, 12)}  # one rank: all
+    specs = [ParameterSpec(n, t.dtype, t.shape) for n, t in tensors.items()]
+    for blocks in (None, BLOCK):
+        blob = PartBlob(specs, rows, blocks=blocks)
+        for n, t in tensors.items():
+            blob.slot(n)[:] = t.buffer
+        assert bytes(blob.data) == encode(tensors, "off", part_metadata(rows), blocks=blocks)
+
+    async def main() -> None:
+        ex = Exchange(MemoryMailbox("blocks-init-part"))
+        ref = await put_init_blob(ex, 0, 0, 1, blob, attempt=0)
+        assert ref.header_sha256 is not None
+        got = await fetch_rows(ex.mailbox, ref.key, ref.size, {"wte": (0, 50)},
+                               header_sha256=ref.header_sha256)
+        assert got == {"wte": rows_of(tensors["wte"], 0, 50)}
+
+    asyncio.run(main())

@@ -73,6 +73,14 @@ def records(box: Path) -> list[Any]:
         recs = await ex.rounds_after(-1)
         snaps = {(r, who): await ex.contribution(r, who)
                  for r in range(len(recs)) for who in ("fsdp", "split", "plain")}
+        manifest = await ex.read_manifest()
+        assert manifest is not None
+        # Whoever won the creation election: a sharded learner's ranks upload Θ⁰ in
+        # parts, one per rank; the plain process one payload.
+        if manifest.creator == "plain":
+            assert manifest.init_parts == () and manifest.init[0] is not None
+        else:
+            assert manifest.init == (None,) and len(manifest.init_parts[0]) == 2
         return [recs, snaps]
 
     return asyncio.run(read())

@@ -38,7 +38,8 @@ def test_each_rank_of_an_fsdp2_learner_on_zstd_payloads_warns_once(tmp_path: Pat
     log = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, log[-4000:]
 
-    # Θ⁰ and ROUNDS commits were read by both ranks, every one whole: one warning a rank.
+    # ROUNDS commits were read by both ranks, every one whole: one warning a rank. (Θ⁰,
+    # which this learner created, is in uncompressed parts: each rank read its rows.)
     warned = [line for line in log.splitlines() if "no range of a zstd frame" in line]
     assert len(warned) == 2, log[-4000:]
     for line in warned:

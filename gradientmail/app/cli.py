@@ -142,7 +142,7 @@ async def read_status(ex: Exchange, url: str,
             "version": rec.version if rec is not None else 0,
             "round": rec.round if rec is not None else None,
             "tensors": len(names),
-            "theta_bytes": (manifest.init[p].size if rec is None
+            "theta_bytes": (manifest.init_size(p) if rec is None
                             else rec.theta.size if rec.theta is not None else None),
             "outer_bytes": rec.outer.size if rec is not None and rec.outer is not None
             else None,

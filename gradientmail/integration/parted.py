@@ -11,8 +11,9 @@ ranks' rows in step, each ordered by rank 0:
 - The side channel, on a gloo group of its own (so its collectives never interleave with
   FSDP's): what the communication thread does (upload a part; reach a fragment's
   version, joining or following commits, each rank reading its own rows and, with a
-  replicated outer step, replaying it on its rows of the state: `RowReplica`; read the
-  parameters a creator uploads). Rank 0 sends a command; every rank, rank 0 included,
+  replicated outer step, replaying it on its rows of the state: `RowReplica`; upload
+  its rows of Θ⁰ as its part when the learner creates the run). Rank 0 sends a command;
+  every rank, rank 0 included,
   carries out its share; the results are gathered. The other ranks serve it from a
   thread of their own (`begin`). No rank holds a fragment whole.
 
@@ -43,9 +44,10 @@ from gradientmail.errors import (
 from gradientmail.integration.ranks import Ranks, TorchRanks
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
-from gradientmail.run.part_blob import PartBlob, put_part_blob
+from gradientmail.run.part_blob import PartBlob, put_init_blob, put_part_blob
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.row_replica import RowChain, RowReplica, plan_chain
+from gradientmail.wire.blocks import BLOCK_BYTES
 from gradientmail.wire.parts import assemble
 from gradientmail.wire.payload_ranges import Rows
 from gradientmail.wire.quantization import quantize
@@ -333,8 +335,9 @@ class PartedRanks:
         return h
 
     def read(self, names: Sequence[str] | None) -> dict[str, TensorBytes]:
-        """Rank 0: the full parameters `names` (a creator's Θ⁰), each rank's owned rows
-        gathered and joined."""
+        """Rank 0: the full parameters `names`, each rank's owned rows gathered and joined
+        (the adapter's `read`; a creating learner no longer uses it: it uploads Θ⁰ by
+        parts, `upload_init`)."""
         wanted = list(self.adapter.schema.names if names is None else names)
         got: list[dict[str, Rows]] = self._side_command(("read", wanted))
         parts = [(f"rank {k}", {n: r.tensor for n, r in rows.items()},
@@ -346,6 +349,14 @@ class PartedRanks:
                      snapshot: Any, delta_format: str) -> list[PayloadRef]:
         """`Crew.upload`: every rank's part, in rank order."""
         cmd = ("upload", round_, learner, anchor.id, snapshot.id, delta_format)
+        refs: list[PayloadRef] = await self._side_command_async(cmd, exchange)
+        return refs
+
+    async def upload_init(self, exchange: Exchange, fragment: int, names: tuple[str, ...],
+                          attempt: int) -> list[PayloadRef]:
+        """`Crew.upload_init`: every rank's owned rows of Θ⁰ of `fragment` (tensors
+        `names`) uploaded as its part, in rank order. No rank gathers or joins them."""
+        cmd = ("init", fragment, list(names), attempt)
         refs: list[PayloadRef] = await self._side_command_async(cmd, exchange)
         return refs
 
@@ -414,7 +425,26 @@ class PartedRanks:
         if kind == "reach":
             i, chain = cmd[1:]
             return await self._reach(ex, i, chain)
+        if kind == "init":
+            fragment, names, attempt = cmd[1:]
+            return await self._upload_init(ex, fragment, names, attempt)
         raise ConfigError(f"unknown side command {kind!r}")
+
+    async def _upload_init(self, ex: Exchange, fragment: int, names: Sequence[str],
+                           attempt: int) -> PayloadRef:
+        """This rank's part of Θ⁰: its owned rows of `names`, in their storage dtypes,
+        each tensor's rows read and copied straight into the part's buffer (the rank
+        holds the part and one tensor's rows). Uncompressed whatever the learner's codec:
+        every rank of a sharded learner that joins at version 0 reads its rows of Θ⁰ by
+        ranges, which no zstd frame serves (and initial weights compress little)."""
+        a = self.adapter
+        rows = a.mailed(names)
+        blob = PartBlob(a.part_schema(list(rows)).params, rows, blocks=BLOCK_BYTES)
+        for name in rows:
+            one = (await asyncio.to_thread(a.read, [name]))[name].tensor
+            blob.slot(name)[:] = one.buffer
+            del one  # before the next tensor's rows
+        return await put_init_blob(ex, fragment, self.rank, self.size, blob, attempt=attempt)
 
     async def _upload(self, ex: Exchange, round_: int, learner: str, anchor: Any,
                       snapshot: Any, fmt: str) -> PayloadRef:

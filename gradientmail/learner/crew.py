@@ -5,7 +5,7 @@ A learner run by several ranks that each hold a shard (FSDP2), or that split the
 rank its own rows (docs/sharded.md §3). Rank 0 runs the `Learner`; its adapter then has a
 `crew`: the other ranks, reached over a side process group that the integration core
 (`gradientmail.integration.parted`) carries out. The mailman's poster and fetcher ask it
-for two things, and for nothing else:
+for three things, and for nothing else:
 
 - `upload`: every rank computes anchor − θ over the rows it owns and uploads it as its
   part of the round; the part references, in rank order (a failure on any rank raises).
@@ -14,6 +14,8 @@ for two things, and for nothing else:
   replays the commit's step on its own rows of the fragment's state. Rank 0's loaded
   values (what the training thread applies, which tells every rank to apply its own),
   and the bytes all ranks downloaded. No rank holds the fragment whole.
+- `upload_init`: when the learner creates the run, every rank uploads its own rows of a
+  fragment's Θ⁰ as its part; the part references, in rank order.
 
 `anchor` and `snapshot` are the adapter's handles, as the training thread made them.
 """
@@ -39,6 +41,12 @@ class Crew(Protocol):
     async def upload(self, exchange: Exchange, round_: int, learner: str, anchor: Any,
                      snapshot: Any, delta_format: str) -> list[PayloadRef]:
         """Every rank's part of `learner`'s contribution to `round_`, in rank order."""
+        ...
+
+    async def upload_init(self, exchange: Exchange, fragment: int, names: tuple[str, ...],
+                          attempt: int) -> list[PayloadRef]:
+        """Every rank's part of Θ⁰ of `fragment` (tensors `names`) for creation
+        `attempt`, in rank order."""
         ...
 
     async def load(self, exchange: Exchange, manifest: Manifest, fragment: int,

@@ -39,14 +39,14 @@ from gradientmail.learner.poster import Poster
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
 from gradientmail.mailbox.wrappers import CountingMailbox
-from gradientmail.run.join import JoinResult, Loader, join_run
+from gradientmail.run.join import InitUploader, JoinResult, Loader, join_run
 from gradientmail.run.lease import LeaseTracker
 from gradientmail.run.protocol import MANIFEST_KEY, Exchange
 from gradientmail.run.replica import Replica
 from gradientmail.run.rollcall import READ_EVERY, Call, reply
 from gradientmail.syncer.runtime import Syncer
 from gradientmail.wire.auth import HmacSeal
-from gradientmail.wire.records import Manifest, RoundRecord
+from gradientmail.wire.records import Manifest, PayloadRef, RoundRecord
 
 __all__ = ["BACKUP_EVERY", "MANIFEST_EVERY", "WAITING_POLL", "Mailman", "delta_format",
            "poll_delay"]
@@ -82,6 +82,13 @@ def _rows_loader(crew: Crew, ex: Exchange) -> Loader:
         return (await crew.load(ex, manifest, fragment, rec))[0]
 
     return load
+
+
+def _init_uploader(crew: Crew, ex: Exchange) -> InitUploader:
+    async def upload(fragment: int, names: tuple[str, ...], attempt: int) -> list[PayloadRef]:
+        return await crew.upload_init(ex, fragment, names, attempt)
+
+    return upload
 
 
 def poll_delay(poll_interval: float, blocked_polls: int, metered: bool = True) -> float:
@@ -287,6 +294,8 @@ class Mailman:
         crew = crew_of(self.adapter)
         # A learner of several ranks joins with each rank's own rows.
         load = None if crew is None else _rows_loader(crew, ex)
+        # ... and, creating the run, uploads Θ⁰ as each rank's own rows.
+        upload_init = None if crew is None else _init_uploader(crew, ex)
         try:
             result = await join_run(
                 ex,
@@ -296,6 +305,7 @@ class Mailman:
                 poll_interval=self.poll_interval,
                 on_event=self.on_event,
                 load=load,
+                upload_init=upload_init,
             )
         except BaseException as exc:
             joined.set_exception(exc)

@@ -1,6 +1,8 @@
 """Joining a run: the creation election, adoption checks, and the newest commits.
 
-The first creation claim elects the creator, which uploads Θ⁰ and writes the manifest;
+The first creation claim elects the creator, which uploads Θ⁰ (one payload per fragment,
+or, from a learner whose ranks each hold a shard, one part per rank) and writes the
+manifest;
 the others wait, and claim the next attempt when no manifest lands for max(30 polls,
 largest fragment at 1 MiB/s). Adopting requires the same schema, the same algorithm
 JSON and the same run key (the manifest names its fingerprint; `Exchange.read_manifest`
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from gradientmail.adapters.base import Adapter
@@ -28,10 +30,11 @@ from gradientmail.events import (
 from gradientmail.mailbox.selftest import verify_conditional_writes
 from gradientmail.run.protocol import Exchange, current_attempt
 from gradientmail.run.replica import Replica
-from gradientmail.wire.records import Manifest, RoundRecord
+from gradientmail.wire.records import Manifest, PayloadRef, RoundRecord
 from gradientmail.wire.serialization import Schema, TensorBytes
 
 __all__ = [
+    "InitUploader",
     "JoinResult",
     "Loader",
     "config_differences",
@@ -42,6 +45,10 @@ __all__ = [
 
 #: Another way to read a fragment's parameters at a commit (see `join_run`).
 Loader = Callable[[Manifest, int, RoundRecord | None], Awaitable[Any]]
+
+#: Another way to upload Θ⁰ of a fragment when creating the run (see `join_run`):
+#: (fragment, its names, creation attempt) -> the parts' refs, in k order.
+InitUploader = Callable[[int, tuple[str, ...], int], Awaitable[Sequence[PayloadRef]]]
 
 #: The bandwidth a creator is assumed to have at least, to size the takeover timeout.
 CREATOR_BYTES_PER_SECOND = 1024 * 1024
@@ -103,12 +110,16 @@ async def join_run(
     poll_interval: float,
     on_event: EventSink,
     load: Loader | None = None,
+    upload_init: InitUploader | None = None,
 ) -> JoinResult:
     """Join (or create) the run in `ex`, returning each fragment's newest parameters.
 
     `load` reads a fragment's parameters as a commit left them (Θ⁰ for None) another
     way than through this process's `Replica` (a learner whose ranks each read their own
-    rows); its results' host bytes are not kept (`JoinResult.thetas` holds empty ones)."""
+    rows); its results' host bytes are not kept (`JoinResult.thetas` holds empty ones).
+    `upload_init`, when this learner creates the run, uploads each fragment's Θ⁰ as
+    parts (a learner whose ranks each upload their own rows), instead of the adapter's
+    `read` uploaded as one payload."""
     await verify_conditional_writes(ex.mailbox, prefix=ex.prefix + "selftest/")
     schema = adapter.schema
     plan = algorithm.plan(schema)
@@ -134,7 +145,8 @@ async def join_run(
                 on_event(AwaitingCreator(learner, attempt))
         if mine is not None:
             on_event(CreatingRun(learner, mine))
-            manifest = await _create(ex, adapter, algorithm, learner, plan, mine)
+            manifest = await _create(ex, adapter, algorithm, learner, plan, mine,
+                                     upload_init)
             created = manifest.creator == learner
             break
         await ex.clock.sleep(poll_interval)
@@ -195,11 +207,19 @@ async def _create(
     learner: str,
     plan: tuple[tuple[str, ...], ...],
     attempt: int,
+    upload_init: InitUploader | None,
 ) -> Manifest:
-    refs = []
+    refs: list[PayloadRef | None] = []
+    parts: list[tuple[PayloadRef, ...]] = []
     for p, names in enumerate(plan):
+        if upload_init is not None:
+            # No process holds the fragment whole: each rank uploads its own rows.
+            refs.append(None)
+            parts.append(tuple(await upload_init(p, names, attempt)))
+            continue
         values = adapter.read(list(names))
         refs.append(await ex.put_init(p, values, attempt=attempt))
+        del values
     manifest = Manifest(
         schema=adapter.schema,
         plan=plan,
@@ -208,6 +228,7 @@ async def _create(
         init=tuple(refs),
         codec=ex.compression,
         key_fingerprint=ex.seal.fingerprint,
+        init_parts=tuple(parts),
     )
     if await ex.create_manifest(manifest):
         return manifest

@@ -26,6 +26,8 @@ __all__ = [
     "audit_floor",
     "current_attempt",
     "delta_keys_problem",
+    "init_key",
+    "init_part_key",
     "part_key",
     "plan_sweep",
     "round_key",
@@ -76,6 +78,23 @@ def part_key(round_: int, learner: str, k: int, n: int) -> str:
     if not 0 <= k < n:
         raise LocalProtocolError(f"part {k} of {n}: need 0 <= k < n")
     return f"{_round_dir('parts/', round_)}{learner}/{k}-of-{n}"
+
+
+def init_key(attempt: int, fragment: int) -> str:
+    """`init/<attempt>/<fragment>` (the codec's extension follows): Θ⁰ of `fragment`, as
+    creation `attempt` uploaded it. Never swept: every version-0 reader needs it."""
+    return (f"init/{_check_number('attempt', attempt, 10**6):06d}/"
+            f"{_check_number('fragment', fragment, 10**6)}")
+
+
+def init_part_key(attempt: int, fragment: int, k: int, n: int) -> str:
+    """`init/<attempt>/<fragment>/<k>-of-<n>` (the codec's extension follows): part k (the
+    rank) of Θ⁰ of `fragment` a creator's n ranks upload one each. Beside the whole
+    payload's key, never equal to it (`0/...` is not `0.safetensors`), and under `init/`,
+    which no sweep lists."""
+    if not 0 <= k < n:
+        raise LocalProtocolError(f"part {k} of {n}: need 0 <= k < n")
+    return f"{init_key(attempt, fragment)}/{k}-of-{n}"
 
 
 def delta_keys_problem(record: SnapshotRecord, round_: int, learner: str,

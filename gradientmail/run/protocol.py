@@ -6,6 +6,7 @@ order)::
     manifest.json                              the run (create-if-absent, written once)
     claims/create/<attempt>                    creation election
     init/<attempt>/<fragment><ext>             Θ⁰ of each fragment, by creation attempt
+    init/<attempt>/<fragment>/<k>-of-<n><ext>  or Θ⁰ of a fragment in parts, one per rank
     leases/<learner>/<counter>                 liveness: one key per learner, bumped
     rollcall.json                              the roll call: the open call, or its verdict
                                                (overwritten by each; see gradientmail.run.rollcall)
@@ -58,6 +59,8 @@ from gradientmail.run.keyspace import (
     artifact_key,
     current_attempt,
     delta_keys_problem,
+    init_key,
+    init_part_key,
     part_key,
     plan_sweep,
     round_key,
@@ -69,7 +72,7 @@ from gradientmail.run.rollcall import Call
 from gradientmail.wire import compression as codec
 from gradientmail.wire.auth import HmacSeal, PlainSeal, Seal, open_manifest
 from gradientmail.wire.blocks import BLOCK_BYTES
-from gradientmail.wire.parts import Part, part_metadata, pieces_of, rows_in
+from gradientmail.wire.parts import Part, assemble, part_metadata, pieces_of, rows_in
 from gradientmail.wire.records import (
     CODECS,
     CreationClaim,
@@ -97,6 +100,8 @@ __all__ = [
     "check_delta",
     "current_attempt",
     "delta_bound",
+    "init_key",
+    "init_part_key",
     "part_key",
     "payload_bound",
     "plan_sweep",
@@ -238,11 +243,41 @@ class Exchange:
     async def put_init(self, fragment: int, tensors: Mapping[str, TensorBytes],
                        *, attempt: int) -> PayloadRef:
         """Upload Θ⁰ of `fragment` for creation `attempt`; its ref goes into the manifest."""
-        key = f"init/{_check_number('attempt', attempt, 10**6):06d}/" \
-              f"{_check_number('fragment', fragment, 10**6)}"
-        ref = await self.put_payload(key, tensors)
+        ref = await self.put_payload(init_key(attempt, fragment), tensors)
         assert ref is not None
         return ref
+
+    async def put_init_part(self, fragment: int, k: int, n: int,
+                            tensors: Mapping[str, TensorBytes],
+                            rows: Mapping[str, tuple[int, int]], *, attempt: int) -> PayloadRef:
+        """Upload part `k` of `n` of Θ⁰ of `fragment` for creation `attempt`: `tensors`
+        hold rows `rows[name]` of each tensor, in its storage dtype (the format of a
+        contribution's part, `wire.parts`). Overwritten, as `put_init`: only the holder
+        of the attempt's claim writes under it. Its ref goes into `Manifest.init_parts`."""
+        ref = await self.put_payload(init_part_key(attempt, fragment, k, n), tensors,
+                                     metadata=part_metadata(rows))
+        assert ref is not None
+        return ref
+
+    async def fetch_init(self, manifest: Manifest, fragment: int
+                         ) -> dict[str, TensorBytes] | None:
+        """Θ⁰ of `fragment`, whole: its payload, or its parts checked (`wire.parts`: each
+        tensor's rows tile it once, in the schema's dtypes) and joined. Each payload is
+        verified against its ref and bounded by the fragment's size; None if one is gone."""
+        names = manifest.plan[fragment]
+        bound = payload_bound(manifest.schema, names, "theta")
+        ref = manifest.init[fragment]
+        if ref is not None:
+            return await self.fetch_tensors(ref, bound)
+        parts: list[Part] = []
+        for part in manifest.init_parts[fragment]:
+            blob = await self.fetch_payload(part, bound)
+            if blob is None:
+                return None
+            entries, meta = codec.decode_with_metadata(
+                blob, codec.compression_of(part.key), key=part.key, max_bytes=bound)
+            parts.append((part.key, entries, rows_in(meta, part.key)))
+        return assemble(parts, manifest.schema, names, None)
 
     async def create_manifest(self, manifest: Manifest) -> bool:
         """Write the manifest if there is none; False when another creator won."""

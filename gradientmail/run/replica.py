@@ -132,12 +132,13 @@ class Replica:
 
     async def _init(self, fragment: int) -> FragmentState | None:
         names = self.manifest.plan[fragment]
-        ref = self.manifest.init[fragment]
-        theta = await self.exchange.fetch_tensors(
-            ref, payload_bound(self.manifest.schema, names, "theta"))
+        # One payload, or the parts a sharded creator's ranks uploaded, joined.
+        theta = await self.exchange.fetch_init(self.manifest, fragment)
         if theta is None:
-            raise RemoteProtocolError(f"the init payload {ref.key!r} is gone")
-        self.bytes_down += ref.size
+            keys = [ref.key for ref in self.manifest.init_refs(fragment)]
+            raise RemoteProtocolError(f"an init payload of fragment {fragment} is gone "
+                                      f"({', '.join(map(repr, keys))})")
+        self.bytes_down += self.manifest.init_size(fragment)
         return self.algorithm.initial_state(fragment, {n: theta[n] for n in names})
 
     async def _checkpoint(self, rec: RoundRecord) -> FragmentState | None:

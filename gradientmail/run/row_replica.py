@@ -44,9 +44,10 @@ from gradientmail.backends.numpy_backend import NumpyBackend
 from gradientmail.errors import GradientmailError, RemoteProtocolError
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.run.protocol import Exchange
-from gradientmail.wire.compression import compression_of, decode
+from gradientmail.wire.blocks import BlockIndex
+from gradientmail.wire.compression import compression_of, decode_with_metadata
+from gradientmail.wire.parts import ROWS_KEY, rows_in
 from gradientmail.wire.payload_ranges import (
-    PayloadIndex,
     Rows,
     cover,
     fetch_header,
@@ -73,9 +74,11 @@ _log = logging.getLogger("gradientmail.run")
 @dataclasses.dataclass(frozen=True)
 class RowChain:
     """How to reach `version` of `fragment`: from the base (the state held at
-    `base_version` when `theta` is None; else `theta` and `outer`, the outer state, or
-    Θ⁰ when `outer` is None and `base_version` is 0), then each step in order. Without
-    `replicated`, theta alone is read (a run that uploads theta with every commit)."""
+    `base_version` when `theta` is None and there are no `theta_parts`; else `theta` and
+    `outer`, the outer state, or Θ⁰ when `outer` is None and `base_version` is 0), then
+    each step in order. Without `replicated`, theta alone is read (a run that uploads
+    theta with every commit). Θ⁰ a sharded creator uploaded in parts is `theta_parts`
+    (in k order), `theta` None."""
 
     fragment: int
     names: tuple[str, ...]
@@ -86,6 +89,12 @@ class RowChain:
     outer: PayloadRef | None
     steps: tuple[tuple[int, StepRef], ...]
     algorithm: Mapping[str, Any]
+    theta_parts: tuple[PayloadRef, ...] = ()
+
+    @property
+    def from_held(self) -> bool:
+        """Whether the base is the state the ranks hold (no payload to read)."""
+        return self.theta is None and not self.theta_parts
 
 
 async def plan_chain(ex: Exchange, manifest: Manifest, fragment: int,
@@ -96,9 +105,10 @@ async def plan_chain(ex: Exchange, manifest: Manifest, fragment: int,
     names = manifest.plan[fragment]
     alg = dict(manifest.algorithm)
     replicated = _algorithm(alg).replicated
+    init_parts = manifest.init_parts[fragment] if manifest.init[fragment] is None else ()
     if rec is None:
         return RowChain(fragment, names, 0, replicated, 0, manifest.init[fragment], None, (),
-                        alg)
+                        alg, init_parts)
     if not replicated:
         if rec.theta is None:
             raise RemoteProtocolError(f"round {rec.round}'s record carries no theta and this "
@@ -112,17 +122,18 @@ async def plan_chain(ex: Exchange, manifest: Manifest, fragment: int,
     while True:
         if held is not None and held == cur.version - 1 and cur.step is not None:
             steps.append((cur.round, cur.step))
-            base: tuple[int, PayloadRef | None, PayloadRef | None] = (held, None, None)
+            base: tuple[int, PayloadRef | None, PayloadRef | None, tuple[PayloadRef, ...]] \
+                = (held, None, None, ())
             break
         if cur.checkpoint:
-            base = (cur.version, cur.theta, cur.outer)
+            base = (cur.version, cur.theta, cur.outer, ())
             break
         if cur.step is None:
             raise RemoteProtocolError(f"round {cur.round} commits version {cur.version} of "
                                       f"fragment {fragment} with neither theta nor a step")
         steps.append((cur.round, cur.step))
         if cur.version == 1:
-            base = (0, manifest.init[fragment], None)
+            base = (0, manifest.init[fragment], None, init_parts)
             break
         prev_round = cur.round - len(manifest.plan)
         prev = await ex.read_round(prev_round) if prev_round >= 0 else None
@@ -134,7 +145,7 @@ async def plan_chain(ex: Exchange, manifest: Manifest, fragment: int,
             )
         cur = prev
     return RowChain(fragment, names, rec.version, True, base[0], base[1], base[2],
-                    tuple(reversed(steps)), alg)
+                    tuple(reversed(steps)), alg, base[3])
 
 
 class _Buf:
@@ -169,11 +180,13 @@ class _Reader:
     """One payload read tensor by tensor: by ranges when uncompressed; a zstd one is
     fetched and decoded once (no range of one frame decodes alone)."""
 
-    def __init__(self, mailbox: Mailbox, key: str, index: PayloadIndex | None,
-                 whole: Mapping[str, TensorBytes] | None) -> None:
-        self._mailbox, self.key, self._whole = mailbox, key, whole
-        self._spans: Mapping[str, Span] | None = None if index is None else index.spans
-        self._blocks = None if index is None else index.blocks
+    def __init__(self, mailbox: Mailbox, key: str, spans: Mapping[str, Span] | None,
+                 whole: Mapping[str, TensorBytes] | None,
+                 metadata: Mapping[str, str] | None = None,
+                 blocks: BlockIndex | None = None) -> None:
+        self._mailbox, self.key, self._spans, self._whole = mailbox, key, spans, whole
+        self.metadata = dict(metadata or {})
+        self._blocks = blocks
         self.bytes = 0
         self.codec = compression_of(key)
 
@@ -183,11 +196,13 @@ class _Reader:
         if compression_of(key) == "off":
             index = await fetch_header(ex.mailbox, key, ref.size,
                                        header_sha256=ref.header_sha256)
-            return None if index is None else cls(ex.mailbox, key, index, None)
+            return None if index is None else cls(ex.mailbox, key, index.spans, None,
+                                                  index.metadata, index.blocks)
         blob = await ex.fetch_payload(ref)
         if blob is None:
             return None
-        reader = cls(ex.mailbox, key, None, decode(blob, compression_of(key), key=key))
+        whole, metadata = decode_with_metadata(blob, compression_of(key), key=key)
+        reader = cls(ex.mailbox, key, None, whole, metadata)
         reader.bytes = ref.size
         return reader
 
@@ -244,6 +259,101 @@ class _Reader:
         return None if got is None else TensorBytes(span.dtype, span.shape, got.tensor.buffer)
 
 
+class _PartsReader:
+    """Θ⁰ of a fragment in parts (`wire.parts`), read as `_Reader` reads one payload:
+    each part's header once, and a tensor's rows from the parts that hold them, each
+    part's own rows by ranges. A rank whose rows lie in one part gets them without a
+    copy; rows across parts are joined (this rank's rows, nothing more)."""
+
+    def __init__(self, key: str, readers: list[_Reader]) -> None:
+        self.key = key
+        self._readers = readers
+        # name -> the parts holding rows of it: (first row, past the last row, reader)
+        self._pieces: dict[str, list[tuple[int, int, _Reader]]] = {}
+        for r in readers:
+            for name, (a, b) in rows_in(r.metadata, r.key).items():
+                if name not in r.names:
+                    raise RemoteProtocolError(f"{r.key}: metadata names rows of {name!r}, "
+                                              "which the part does not hold")
+                shape = r.shape(name)
+                if (shape[0] if shape else 1) != b - a:
+                    raise RemoteProtocolError(
+                        f"{r.key}: {name!r} is {list(shape)}, its metadata says rows "
+                        f"[{a}, {b})")
+                self._pieces.setdefault(name, []).append((a, b, r))
+        for name, pieces in self._pieces.items():
+            pieces.sort(key=lambda p: p[:2])
+            held = [p for p in pieces if p[1] > p[0]]
+            ends = [0] + [b for _, b, _ in held]
+            if any(a != end for (a, _, _), end in zip(held, ends, strict=False)):
+                raise RemoteProtocolError(
+                    f"{key}: the parts do not tile {name!r}: rows "
+                    f"{[[a, b] for a, b, _ in held]}")
+
+    @classmethod
+    async def open(cls, ex: Exchange, refs: tuple[PayloadRef, ...],
+                   opener: Callable[[PayloadRef], Awaitable[_Reader | None]]
+                   ) -> _PartsReader | None:
+        readers = []
+        for ref in refs:
+            r = await opener(ref)
+            if r is None:
+                return None
+            readers.append(r)
+        return cls(ex.prefix + refs[0].key.rsplit("/", 1)[0] + "/", readers)
+
+    @property
+    def bytes(self) -> int:
+        return sum(r.bytes for r in self._readers)
+
+    @property
+    def names(self) -> set[str]:
+        return set(self._pieces)
+
+    @property
+    def ranged(self) -> bool:
+        return all(r.ranged for r in self._readers)
+
+    def _of(self, name: str) -> list[tuple[int, int, _Reader]]:
+        if name not in self._pieces:
+            raise RemoteProtocolError(f"{self.key}: no part holds rows of {name!r}")
+        return self._pieces[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        pieces = self._of(name)
+        first = pieces[0][2].shape(name)
+        return (pieces[-1][1], *first[1:]) if first else ()
+
+    def dtype(self, name: str) -> str:
+        return self._of(name)[0][2].dtype(name)
+
+    async def rows(self, name: str, a: int, b: int) -> Rows | None:
+        got: list[TensorBytes] = []
+        at = a
+        for pa, pb, r in self._of(name):
+            lo, hi = max(a, pa), min(b, pb)
+            if lo >= hi:
+                continue
+            one = await r.rows(name, lo - pa, hi - pa)
+            if one is None:
+                return None
+            got.append(one.tensor)
+            at = hi
+        if at != b:
+            raise RemoteProtocolError(f"{self.key}: rows [{at}, {b}) of {name!r} are in no "
+                                      "part")
+        if len(got) == 1 and (got[0].shape[0] if got[0].shape else 1) == b - a:
+            return Rows(a, b, got[0])
+        trailing = self.shape(name)[1:]
+        data = b"".join(bytes(t.buffer) for t in got)
+        return Rows(a, b, TensorBytes(self.dtype(name), (b - a, *trailing), data))
+
+    async def whole(self, name: str) -> TensorBytes | None:
+        shape = self.shape(name)
+        got = await self.rows(name, 0, shape[0] if shape else 1)
+        return None if got is None else TensorBytes(got.tensor.dtype, shape, got.tensor.buffer)
+
+
 class RowReplica:
     """This rank's rows (`rows`: name -> [start, stop) of the full tensor) of each
     fragment's state, reached chain by chain (`reach`); `bytes_down` counts what it read.
@@ -275,6 +385,12 @@ class RowReplica:
             None if st.master is None else {n: b.view(0, b.rows) for n, b in st.master.items()},
             {n: b.view(0, b.rows) for n, b in st.momentum.items()})
 
+    async def _open_base(self, chain: RowChain) -> _Reader | _PartsReader | None:
+        """The reader of the chain's base theta: one payload, or Θ⁰ in parts."""
+        if chain.theta is not None:
+            return await self._open(chain.theta)
+        return await _PartsReader.open(self.exchange, chain.theta_parts, self._open)
+
     async def _open(self, ref: PayloadRef) -> _Reader | None:
         """A reader of the payload `ref`; one read whole for a part of its rows (its codec
         cannot serve ranges) is counted in `bytes_whole`, and the first is reported."""
@@ -283,7 +399,8 @@ class RowReplica:
             return reader
         tensors = reader.decoded()
         decoded = sum(t.nbytes for t in tensors.values())
-        mine = self._rows_bytes(tensors)
+        mine = self._rows_bytes(tensors, rows_in(reader.metadata, reader.key)
+                                if ROWS_KEY in reader.metadata else {})
         if mine >= decoded:  # this rank holds every row (one rank, or a DDP learner)
             return reader
         self.bytes_whole += reader.bytes
@@ -300,17 +417,22 @@ class RowReplica:
                 f"{mine:,}")
         return reader
 
-    def _rows_bytes(self, tensors: Mapping[str, TensorBytes]) -> int:
+    def _rows_bytes(self, tensors: Mapping[str, TensorBytes],
+                    parts: Mapping[str, tuple[int, int]]) -> int:
         """Bytes of this rank's rows of `tensors`: `momentum/w` and `master/w` by w's rows,
-        a tensor of no parameter's name (a scale) whole."""
+        a tensor of no parameter's name (a scale) whole; a part's tensor (`parts`: the
+        rows it holds) by the rows this rank shares with it."""
         total = 0
         for name, t in tensors.items():
             param = name.split("/", 1)[1] if name.startswith(("momentum/", "master/")) \
                 else name
             held = self.rows.get(param)
             rows = t.shape[0] if t.shape else 1
-            total += t.nbytes if held is None or not rows else \
-                t.nbytes * (held[1] - held[0]) // rows
+            if held is None or not rows:
+                total += t.nbytes
+                continue
+            a, b = parts.get(name, (0, rows))
+            total += t.nbytes * max(0, min(held[1], b) - max(held[0], a)) // rows
         return total
 
     async def reach(self, chain: RowChain, each: Each) -> bool:
@@ -329,8 +451,8 @@ class RowReplica:
     async def _reach(self, chain: RowChain, each: Each) -> bool:
         alg = _algorithm(chain.algorithm)
         if not chain.replicated:
-            assert chain.theta is not None
-            reader = await self._open(chain.theta)
+            assert not chain.from_held
+            reader = await self._open_base(chain)
             if reader is None:
                 return False
             try:
@@ -342,7 +464,7 @@ class RowReplica:
             finally:
                 self.bytes_down += reader.bytes
             return True
-        if chain.theta is None:
+        if chain.from_held:
             state = self._states.get(chain.fragment)
             if state is None or state.version != chain.base_version:
                 raise GradientmailError(
@@ -363,8 +485,8 @@ class RowReplica:
         return True
 
     async def _base(self, alg: Algorithm, chain: RowChain) -> _State | None:
-        assert chain.theta is not None
-        theta_in = await self._open(chain.theta)
+        assert not chain.from_held
+        theta_in = await self._open_base(chain)
         outer_in = None if chain.outer is None else await self._open(chain.outer)
         if theta_in is None or (chain.outer is not None and outer_in is None):
             return None

@@ -34,6 +34,7 @@ __all__ = [
     "MAX_BLOCK_BYTES",
     "BlockIndex",
     "blocks_entry",
+    "blocks_placeholder",
     "digest_room",
     "ranged_problem",
 ]
@@ -65,6 +66,17 @@ def blocks_entry(tensors: Mapping[str, TensorBytes], block: int = BLOCK_BYTES) -
                           f"(bytes per digested block; the default is {BLOCK_BYTES})")
     raw = b"".join(_digests(memoryview(tensors[n].buffer).cast("B"), block)
                    for n in write_order(tensors))
+    return _entry(raw, block)
+
+
+def blocks_placeholder(nbytes: Sequence[int], block: int = BLOCK_BYTES) -> str:
+    """An entry of exactly the length `blocks_entry` gives tensors of `nbytes` bytes each
+    (digests zero): what a writer that fills the data in place after the header reserves
+    (`gradientmail.run.part_blob.PartBlob`)."""
+    return _entry(bytes(_DIGEST * sum(_blocks_of(n, block) for n in nbytes)), block)
+
+
+def _entry(raw: bytes, block: int) -> str:
     return json.dumps({"block": block, "sha256": base64.b64encode(raw).decode("ascii")},
                       sort_keys=True, separators=(",", ":"))
 

@@ -180,10 +180,12 @@ def coalesce(ranges: Sequence[ByteRange], max_gap: int = 0) -> list[ByteRange]:
 @dataclass(frozen=True)
 class PayloadIndex:
     """What a ranged reader knows of a payload from its header: where each tensor lies,
-    and the block digests that check its data (None for a payload written without)."""
+    its metadata (a part's rows, `wire.parts`), and the block digests that check its data
+    (None for a payload written without)."""
 
     key: str
     spans: Mapping[str, Span]
+    metadata: Mapping[str, str]
     blocks: BlockIndex | None
 
 
@@ -224,7 +226,7 @@ async def fetch_header(
     spans, meta = index_from_header(head, size, key=key)
     entry = meta.get(BLOCKS_KEY)
     blocks = None if entry is None else BlockIndex.parse(entry, spans, key=key)
-    return PayloadIndex(key, {s.name: s for s in spans}, blocks)
+    return PayloadIndex(key, {s.name: s for s in spans}, meta, blocks)
 
 
 async def fetch_index(

@@ -144,6 +144,14 @@ class Manifest(Record):
     is the algorithm's own JSON, carried opaquely (a joiner compares it with its own);
     `codec` is the creator's payload codec (informational: every key's extension names
     its codec); `key_fingerprint` identifies the key of an authenticated run (None: none).
+
+    A creator whose ranks each hold a shard uploads Θ⁰ of a fragment as parts instead
+    (`init/<attempt>/<fragment>/<k>-of-<n><ext>`, in k order, each holding the rows of
+    `wire.parts`; docs/sharded.md §3): `init[p]` is then None and `init_parts[p]` lists
+    them. Each fragment has its payload or its parts, never both. `init_parts` is () when
+    no fragment has parts, and is then left out of the JSON, so manifests without parts
+    keep their bytes (and an older reader, strict, refuses a manifest with parts rather
+    than misread it). `init_refs(p)` is what a reader fetches either way.
     """
 
     MAX_BYTES: ClassVar[int] = MAX_MANIFEST_BYTES
@@ -152,9 +160,10 @@ class Manifest(Record):
     plan: tuple[tuple[str, ...], ...]
     algorithm: Mapping[str, Any]
     creator: str
-    init: tuple[PayloadRef, ...]
+    init: tuple[PayloadRef | None, ...]
     codec: str
     key_fingerprint: str | None = None
+    init_parts: tuple[tuple[PayloadRef, ...], ...] = ()
 
     def __post_init__(self) -> None:
         check_learner_id(self.creator)
@@ -165,6 +174,7 @@ class Manifest(Record):
         plan = tuple(tuple(fragment) for fragment in self.plan)
         object.__setattr__(self, "plan", plan)
         object.__setattr__(self, "init", tuple(self.init))
+        object.__setattr__(self, "init_parts", tuple(tuple(p) for p in self.init_parts))
         names = [name for fragment in plan for name in fragment]
         if not plan or not all(plan) or sorted(names) != sorted(self.schema.names):
             raise LocalProtocolError(
@@ -176,27 +186,56 @@ class Manifest(Record):
                 f"init has {len(self.init)} payload refs for {len(plan)} fragments; "
                 "need one per fragment"
             )
+        if self.init_parts and (len(self.init_parts) != len(plan) or not any(self.init_parts)):
+            raise LocalProtocolError(
+                f"init_parts has {len(self.init_parts)} lists, {sum(map(bool, self.init_parts))}"
+                f" of them not empty, for {len(plan)} fragments; need one per fragment (empty "
+                "where init has the payload) and some part, or none at all"
+            )
+        for p, ref in enumerate(self.init):
+            parts = self.init_parts[p] if self.init_parts else ()
+            if (ref is None) == (not parts):
+                raise LocalProtocolError(
+                    f"fragment {p}'s Θ⁰ must be one payload (init[{p}]) or parts "
+                    f"(init_parts[{p}]), never both and never neither (init[{p}]="
+                    f"{ref!r:.80}, {len(parts)} parts)"
+                )
+            if not all(isinstance(r, PayloadRef) for r in (ref, *parts) if r is not None):
+                raise LocalProtocolError(f"init[{p}] and init_parts[{p}] must be PayloadRefs")
         if self.codec not in CODECS:
             raise LocalProtocolError(f"codec={self.codec!r} must be one of {CODECS}")
         if self.key_fingerprint is not None:
             check_sha256("key_fingerprint", self.key_fingerprint)
 
+    def init_refs(self, fragment: int) -> tuple[PayloadRef, ...]:
+        """The payloads holding Θ⁰ of `fragment`: the one payload, or its parts in k order."""
+        ref = self.init[fragment]
+        return (ref,) if ref is not None else self.init_parts[fragment]
+
+    def init_size(self, fragment: int) -> int:
+        """Bytes of Θ⁰ of `fragment` as uploaded, every part counted."""
+        return sum(ref.size for ref in self.init_refs(fragment))
+
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "algorithm": self.algorithm,
             "codec": self.codec,
             "creator": self.creator,
-            "init": [ref.to_json() for ref in self.init],
+            "init": [None if ref is None else ref.to_json() for ref in self.init],
             "key_fingerprint": self.key_fingerprint,
             "plan": [list(fragment) for fragment in self.plan],
             "schema": self.schema.to_dict(),
             "v": FORMAT_VERSION,
         }
+        if self.init_parts:
+            out["init_parts"] = [[ref.to_json() for ref in parts] for parts in self.init_parts]
+        return out
 
     @classmethod
     def from_json(cls, obj: Any, key: str) -> Self:
+        parted = ("init_parts",) if isinstance(obj, dict) and "init_parts" in obj else ()
         f = Fields(obj, key, "", ("algorithm", "codec", "creator", "init", "key_fingerprint",
-                                   "plan", "schema", "v"))
+                                   "plan", "schema", "v", *parted))
         plan = []
         for p, fragment in enumerate(f.get_list("plan")):
             if not isinstance(fragment, list):
@@ -211,12 +250,21 @@ class Manifest(Record):
             schema = Schema.from_dict(f.obj["schema"])
         except RemoteProtocolError as exc:
             raise RemoteProtocolError(f"record {key!r}: field 'schema': {exc} ({HINT})") from exc
-        init = tuple(PayloadRef.from_json(r, key, f"init[{p}]")
+        init_parts: list[tuple[PayloadRef, ...]] = []
+        for p, refs in enumerate(f.get_list("init_parts") if parted else []):
+            if not isinstance(refs, list):
+                f.fail(f"init_parts[{p}]", "must be an array of payload refs", refs)
+            init_parts.append(tuple(PayloadRef.from_json(r, key, f"init_parts[{p}][{k}]")
+                                    for k, r in enumerate(refs)))
+        # A fragment given by parts has no payload: null, allowed only in a manifest
+        # with parts (an older one names a payload for every fragment).
+        init = tuple(None if r is None and parted else PayloadRef.from_json(r, key, f"init[{p}]")
                      for p, r in enumerate(f.get_list("init")))
         return build_record(
             cls, key, "", schema=schema, plan=tuple(plan), algorithm=f.obj["algorithm"],
             creator=f.get_str("creator"), init=init, codec=f.get_str("codec"),
             key_fingerprint=f.get_str("key_fingerprint", null=True),
+            init_parts=tuple(init_parts),
         )
 
 
