@@ -13,8 +13,13 @@ import asyncio
 import base64
 import dataclasses
 import hashlib
+import importlib.util
 import json
+import os
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,12 +32,24 @@ from gradientmail.run.part_blob import PartBlob, put_init_blob
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
 from gradientmail.run.row_replica import RowReplica, plan_chain
-from gradientmail.wire.blocks import BLOCK_BYTES, BLOCKS_KEY, BlockIndex, blocks_entry
+from gradientmail.wire.blocks import (
+    BLOCK_BYTES,
+    BLOCKS_KEY,
+    BlockIndex,
+    blocks_entry,
+    blocks_placeholder,
+)
 from gradientmail.wire.compression import decode_with_metadata, encode
 from gradientmail.wire.parts import part_metadata
 from gradientmail.wire.payload_ranges import Rows, fetch_rows, header_length, rows_of
 from gradientmail.wire.records import Manifest, PayloadRef, RoundRecord
-from gradientmail.wire.serialization import ParameterSpec, TensorBytes, pack, read_index
+from gradientmail.wire.serialization import (
+    ParameterSpec,
+    TensorBytes,
+    pack,
+    pack_header,
+    read_index,
+)
 
 KEY = "theta/0/0000000001-000000.safetensors"
 BLOCK = 64  # small blocks, so that every tensor here spans several
@@ -392,3 +409,39 @@ def test_a_part_written_in_place_carries_the_digests_encode_writes() -> None:
         assert got == {"wte": rows_of(tensors["wte"], 0, 50)}
 
     asyncio.run(main())
+
+
+def test_the_benchmark_counts_the_bytes_a_rank_reads_beyond_its_rows() -> None:
+    # benchmarks/blocks.py on a small shape: one layer of width 64 in BF16, 2 ranks,
+    # blocks of 1 KiB. Without digests a rank reads its rows exactly; with them the header
+    # grows by the entry (one digest per block) and each range by its rounding, less than
+    # two blocks per tensor.
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "blocks.py"), "--layers", "1", "--embd",
+         "64", "--ranks", "2", "--blocks", "1", "--no-append"],
+        capture_output=True, text=True, timeout=300, check=True,
+        env={**os.environ, "PYTHONPATH": str(root)})
+    table = [[c.strip() for c in line.split("|")[1:-1]] for line in proc.stdout.splitlines()
+             if line.startswith("| ") and line[2:3] != "b"]
+    assert [row[:2] for row in table] == [["none", "2"], ["1 KiB", "2"]]
+    none, one = table
+    assert none[2].endswith("(+0)") and none[4:] == ["0 KiB (0 KiB)", "0 KiB", "0.00%"]
+    # The entry for the benchmark's shapes (c_attn 24 KiB, c_proj 8 KiB, c_fc and the
+    # MLP's c_proj 32 KiB each, 8 vectors of one block each: 104 blocks), as pack_header
+    # writes it, padding and all.
+    spec = importlib.util.spec_from_file_location("blocks_bench", root / "benchmarks" /
+                                                  "blocks.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    specs = {n: ParameterSpec(n, "BF16", sh) for n, sh in bench.gpt2_blocks(1, 64).items()}
+    assert sum(-(-p.nbytes // 1024) for p in specs.values()) == 104
+    entry = blocks_placeholder([p.nbytes for p in specs.values()], 1024)
+    want = len(pack_header(specs, {BLOCKS_KEY: entry})[0]) - len(pack_header(specs)[0])
+    assert one[2].endswith(f"(+{want:,})"), (one[2], want)
+    mean, worst = (float(x.strip("()").replace(",", "")) for x in
+                   one[4].replace(" KiB", "").split())
+    assert 0 < mean <= worst < 2 * len(specs)  # KiB: under two 1 KiB blocks per tensor
+    assert "Command: `python benchmarks/blocks.py --layers 1 --embd 64 --ranks 2 " \
+           "--blocks 1`" in proc.stdout
