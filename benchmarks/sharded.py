@@ -22,9 +22,9 @@ CPU), three runs per rank count, each its own `torchrun`:
   the barrier, which is not the learner's cost) and counts its minor page faults, against
   a `clone()` of the same rows taken right after it on the same thread while the
   snapshot lives (goal: ≤ 1.5×), and a warm `clone()` loop after the run.
-- throughput: training steps without the learner, with it at the XL recipe's cadence (a
-  round every `--cadence` steps, never waiting for a commit), and without it again
-  (goal: ≥ 0.99× where measurable).
+- throughput: training steps in alternating blocks of `--cadence` steps without the
+  learner and with it at the XL recipe's cadence (a round every `--cadence` steps, never
+  waiting for a commit), the slowest rank's total (goal: ≥ 0.99× where measurable).
 With `--device cuda` each rank has a GPU of its own, the training collectives run on NCCL
 (the side group stays gloo), the peaks are the device's allocation counters and every
 timer waits for the device's queued work (benchmarks/gpu_sharded_check.sh runs it).
@@ -306,9 +306,12 @@ def rank_worker(args: argparse.Namespace) -> None:
 
 
 def throughput_worker(args: argparse.Namespace) -> None:
-    """Training steps without the learner, with it (the XL recipe's cadence: a round of
-    one fragment every `--cadence` steps, never waiting for a commit, F4 deltas, BF16
-    commits, the closer embedded in the learner), and without it again."""
+    """Training steps with the learner (the XL recipe's cadence: a round of one fragment
+    every `--cadence` steps, never waiting for a commit, F4 deltas, BF16 commits, the
+    closer embedded, the recipe's 2 s poll) and without it, in alternating blocks of
+    `--cadence` steps after a warm-up, so the machine's drift falls on both alike. In a
+    block without it `sync.step` is not called: the learner sees no steps, and its
+    threads only poll (every 2 s) and renew the lease."""
     import torch
     import torch.distributed as dist
 
@@ -323,32 +326,33 @@ def throughput_worker(args: argparse.Namespace) -> None:
     fragments = 4
     alg = DiLoCo(sync_every=args.cadence * fragments, fragments=fragments, in_flight=2,
                  overlap_steps=None, quorum_size=1, delta_dtype="F4", commit_dtype="BF16")
+    ranks = TorchRanks(device(args))
+    parted = PartedRanks.create(model, args.mailbox, timeout=600.0, ranks=ranks)
+    sync = RankSync(ranks, model, parted=parted)
+    sync.start(lambda: Learner(parted.learner_adapter(), alg, args.mailbox, "sharded",
+                               poll_interval=2.0, lease_every=30.0, lease_timeout=90.0))
 
-    def phase(sync: Any) -> float:
+    def block(steps: int, synced: bool) -> float:
+        settle(args)
         dist.barrier()
         t0 = time.perf_counter()
-        for _ in range(args.steps):
+        for _ in range(steps):
             train_step(model, opt, ids)
-            if sync is not None:
+            if synced:
                 sync.step(32)
         settle(args)
         dist.barrier()
         return time.perf_counter() - t0
 
-    for _ in range(4):  # warm-up
-        train_step(model, opt, ids)
-    before = phase(None)
-    ranks = TorchRanks(device(args))
-    parted = PartedRanks.create(model, args.mailbox, timeout=600.0, ranks=ranks)
-    sync = RankSync(ranks, model, parted=parted)
-    sync.start(lambda: Learner(parted.learner_adapter(), alg, args.mailbox, "sharded",
-                               poll_interval=0.05, lease_every=5.0, lease_timeout=60.0))
-    with_learner = phase(sync)
+    block(args.cadence // 2, False)  # warm-up
+    plain, learner = [], []
+    for _ in range(max(1, args.steps // args.cadence)):
+        plain.append(block(args.cadence, False))
+        learner.append(block(args.cadence, True))
     sync.close()
-    after = phase(None)
     Path(f"{args.out}.rank{rank}.json").write_text(json.dumps({
         "rank": rank, "world": dist.get_world_size(), "rounds_seen": sync.rounds_seen,
-        "plain": [before, after], "learner": with_learner, "steps": args.steps,
+        "plain": plain, "learner": learner, "steps": args.cadence * len(plain),
     }))
     dist.barrier()
     dist.destroy_process_group()
@@ -469,18 +473,21 @@ def due_table(results: dict[int, list[dict[str, Any]]]) -> tuple[str, list[str]]
 
 
 def throughput_table(results: dict[int, list[dict[str, Any]]]) -> tuple[str, list[str]]:
-    rows = ["| ranks | steps | without ms/step (before, after) | with the learner ms/step | "
-            "throughput (×) | rounds |", "|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| ranks | steps each | without ms/step (blocks) | with the learner ms/step "
+            "(blocks) | throughput (×) | rounds |", "|---:|---:|---:|---:|---:|---:|"]
     worst = math.inf
     for n, reports in results.items():
-        r = max(reports, key=lambda x: x["learner"])  # the slowest rank sets the pace
-        steps = r["steps"]
-        plain = statistics.mean(r["plain"])
-        ratio = plain / r["learner"]
+        r = max(reports, key=lambda x: sum(x["learner"]))  # the slowest rank sets the pace
+        steps, per = r["steps"], r["steps"] / len(r["plain"])
+        plain, learner = sum(r["plain"]), sum(r["learner"])
+        ratio = plain / learner
         worst = min(worst, ratio)
-        before, after = (1e3 * t / steps for t in r["plain"])
-        rows.append(f"| {n} | {steps} | {1e3 * plain / steps:.1f} ({before:.1f}, {after:.1f})"
-                    f" | {1e3 * r['learner'] / steps:.1f} | {ratio:.3f} | "
+
+        def each(blocks: list[float], per: float = per) -> str:
+            return ", ".join(f"{1e3 * t / per:.0f}" for t in blocks)
+
+        rows.append(f"| {n} | {steps} | {1e3 * plain / steps:.1f} ({each(r['plain'])}) | "
+                    f"{1e3 * learner / steps:.1f} ({each(r['learner'])}) | {ratio:.3f} | "
                     f"{r['rounds_seen'] + 1} |")
     return "\n".join(rows), [f"throughput with the learner ≥ 0.99×: worst {worst:.3f}× "
                              f"({verdict(worst >= 0.99)})"]
@@ -533,10 +540,11 @@ def main(argv: list[str] | None = None) -> None:
         f"{'NCCL on ' + gpu_name() if args.device == 'cuda' else 'gloo on CPU'}. memory and "
         f"time: one learner (standard DiLoCo, replicated outer step) closed by a "
         f"`gradientmail sync` process, {args.rounds} rounds of {args.sync_every} steps; "
-        f"memory under the allocation meter, time without it. throughput: {args.steps} "
-        f"steps without the learner, with it (a round every {args.cadence} steps, 4 "
-        f"fragments, never waiting, F4 deltas, BF16 commits, closer embedded), and "
-        f"without again. {time.time() - started:.0f} s.",
+        f"memory under the allocation meter, time without it. throughput: blocks of "
+        f"{args.cadence} steps without the learner and with it, alternating ({args.steps} "
+        f"steps each; with it a round every {args.cadence} steps, 4 fragments, never "
+        f"waiting, F4 deltas, BF16 commits, closer embedded, 2 s poll). "
+        f"{time.time() - started:.0f} s.",
         f"Command: `{cmd.strip()}`",
         "",
         "Ratios (×): memory and bytes against the rank's shard + the largest tensor (F32); "

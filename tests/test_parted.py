@@ -50,8 +50,22 @@ def learner(adapter: Any, url: str, name: str, compression: str = "off",
 # default replicates the outer step, and rank 0 hands each rank its rows of the state.
 @pytest.mark.parametrize("alg", [{"checkpoint_every": 1}, {}], ids=["rows", "replicated"])
 def test_a_two_rank_learner_mailing_parts_and_a_plain_one_equal_the_oracle(
-        alg: dict[str, Any]) -> None:
+        alg: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     url = f"memory://parted-{secrets.token_hex(4)}"
+    # How many earlier snapshots each rank still holds as it takes one: none (standard
+    # DiLoCo, one round in flight), so a fragment's snapshot never coexists with the last.
+    snapshots: dict[int, set[int]] = {k: set() for k in range(RANKS)}
+    overlapping: dict[int, list[int]] = {k: [] for k in range(RANKS)}
+    replay = PartedRanks._replay
+
+    def counted(self: PartedRanks, kind: str, args: Any, released: Any) -> None:
+        if kind == "snapshot":
+            live = snapshots[self.rank] & (set(self._store) - set(released))
+            overlapping[self.rank].append(len(live))
+            snapshots[self.rank].add(args[0])
+        replay(self, kind, args, released)
+
+    monkeypatch.setattr(PartedRanks, "_replay", counted)
     default = ThreadRanks.group(RANKS, timeout=TIMEOUT)
     side = ThreadRanks.group(RANKS, timeout=TIMEOUT)
     # Built one after the other: make_model seeds torch's global generator.
@@ -94,6 +108,7 @@ def test_a_two_rank_learner_mailing_parts_and_a_plain_one_equal_the_oracle(
         results["plain"] = [p.detach().clone() for p in model.parameters()]
 
     in_threads(*(functools.partial(rank, k) for k in range(RANKS)), plain, timeout=240)
+    assert overlapping == {k: [0] * ROUNDS for k in range(RANKS)}, overlapping
     want = oracle()
     for who, got in results.items():
         for g, w in zip(got, want, strict=True):

@@ -258,6 +258,11 @@ class PartedRanks:
         return kind, (), released
 
     def _replay(self, kind: str, args: tuple[Any, ...], released: Sequence[int]) -> None:
+        # Released first: rank 0 dropped them before this op, which names only handles it
+        # holds, and what they free is then there for the op's own buffers.
+        with self._changed:
+            for i in released:
+                self._store.pop(i, None)
         a = self.adapter
         if kind == "snapshot":
             self._keep(args[0], a.snapshot(args[1]))
@@ -265,9 +270,6 @@ class PartedRanks:
             a.apply(self._get(args[0]), args[1])
         elif kind == "rebase":
             a.rebase(self._get(args[0]), self._get(args[1]))
-        with self._changed:
-            for i in released:
-                self._store.pop(i, None)
 
     def _keep(self, i: int, value: Any) -> None:
         with self._changed:

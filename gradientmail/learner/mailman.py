@@ -624,4 +624,7 @@ class Mailman:
             try:
                 await self._poster.post(job)
             finally:
+                # Not held while waiting for the next job: its snapshot (a fragment's
+                # worth, per rank of a sharded learner) is freed before the next is taken.
+                del job
                 self._see(finished=self.observed.finished + 1)
