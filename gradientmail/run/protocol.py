@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from gradientmail.clock import Clock, MonotonicClock
@@ -269,15 +269,8 @@ class Exchange:
         ref = manifest.init[fragment]
         if ref is not None:
             return await self.fetch_tensors(ref, bound)
-        parts: list[Part] = []
-        for part in manifest.init_parts[fragment]:
-            blob = await self.fetch_payload(part, bound)
-            if blob is None:
-                return None
-            entries, meta = codec.decode_with_metadata(
-                blob, codec.compression_of(part.key), key=part.key, max_bytes=bound)
-            parts.append((part.key, entries, rows_in(meta, part.key)))
-        return assemble(parts, manifest.schema, names, None)
+        parts = await self._fetch_parts(manifest.init_parts[fragment], bound)
+        return None if parts is None else assemble(parts, manifest.schema, names, None)
 
     async def create_manifest(self, manifest: Manifest) -> bool:
         """Write the manifest if there is none; False when another creator won."""
@@ -537,15 +530,21 @@ class Exchange:
             tensors = await self.fetch_tensors(snapshot.payload, bound)
             return None if tensors is None else dict(check_delta(tensors, snapshot, schema,
                                                                  names))
+        parts = await self._fetch_parts(snapshot.parts, bound)
+        return None if parts is None else pieces_of(parts, schema, names, snapshot.delta_format)
+
+    async def _fetch_parts(self, refs: Sequence[PayloadRef], bound: int) -> list[Part] | None:
+        """The parts `refs` name, each checked and decoded with the rows it holds; None
+        when one is gone (swept)."""
         parts: list[Part] = []
-        for ref in snapshot.parts:
+        for ref in refs:
             blob = await self.fetch_payload(ref, bound)
             if blob is None:
                 return None
             entries, meta = codec.decode_with_metadata(
                 blob, codec.compression_of(ref.key), key=ref.key, max_bytes=bound)
             parts.append((ref.key, entries, rows_in(meta, ref.key)))
-        return pieces_of(parts, schema, names, snapshot.delta_format)
+        return parts
 
     # -- closing rounds --------------------------------------------------------------
 
