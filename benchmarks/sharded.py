@@ -330,7 +330,8 @@ def throughput_worker(args: argparse.Namespace) -> None:
     parted = PartedRanks.create(model, args.mailbox, timeout=600.0, ranks=ranks)
     sync = RankSync(ranks, model, parted=parted)
     sync.start(lambda: Learner(parted.learner_adapter(), alg, args.mailbox, "sharded",
-                               poll_interval=2.0, lease_every=30.0, lease_timeout=90.0))
+                               sync=args.closer == "embedded", poll_interval=2.0,
+                               lease_every=30.0, lease_timeout=90.0))
 
     def block(steps: int, synced: bool) -> float:
         settle(args)
@@ -375,7 +376,7 @@ def run_ranks(n: int, mode: str, args: argparse.Namespace, tmp: Path) -> list[di
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     closer = None
-    if mode != "throughput":  # standard DiLoCo closed by a process of its own
+    if mode != "throughput" or args.closer == "process":  # a closer process of its own
         closer = subprocess.Popen(
             [sys.executable, "-m", "gradientmail.app.cli", "sync", str(box), "--poll-interval",
              "0.02", "--closer-id", "closer", "--quiet"], cwd=ROOT, env=env,
@@ -387,7 +388,7 @@ def run_ranks(n: int, mode: str, args: argparse.Namespace, tmp: Path) -> list[di
                str(out), "--mode", mode, "--layers", str(args.layers), "--embd",
                str(args.embd), "--vocab", str(args.vocab), "--rounds", str(args.rounds),
                "--sync-every", str(args.sync_every), "--cadence", str(args.cadence),
-               "--steps", str(args.steps), "--device", args.device]
+               "--steps", str(args.steps), "--device", args.device, "--closer", args.closer]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, timeout=3600)
         if proc.returncode != 0:
@@ -508,6 +509,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cadence", type=int, default=62,
                     help="throughput: steps between rounds (the XL recipe: 500 / 8 fragments)")
     ap.add_argument("--steps", type=int, default=256, help="throughput: steps per phase")
+    ap.add_argument("--closer", choices=["embedded", "process"], default="embedded",
+                    help="throughput: the learner closes its rounds itself (the recipe), or "
+                         "a `gradientmail sync` process does")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: one GPU per rank, NCCL for the training collectives (the "
                          "side group stays gloo), device memory counters for the peaks")
@@ -543,7 +547,7 @@ def main(argv: list[str] | None = None) -> None:
         f"memory under the allocation meter, time without it. throughput: blocks of "
         f"{args.cadence} steps without the learner and with it, alternating ({args.steps} "
         f"steps each; with it a round every {args.cadence} steps, 4 fragments, never "
-        f"waiting, F4 deltas, BF16 commits, closer embedded, 2 s poll). "
+        f"waiting, F4 deltas, BF16 commits, closer {args.closer}, 2 s poll). "
         f"{time.time() - started:.0f} s.",
         f"Command: `{cmd.strip()}`",
         "",
