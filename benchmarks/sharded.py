@@ -333,19 +333,26 @@ def throughput_worker(args: argparse.Namespace) -> None:
                                sync=args.closer == "embedded", poll_interval=2.0,
                                lease_every=30.0, lease_timeout=90.0))
 
+    cpu: dict[str, list[tuple[float, float]]] = {"plain": [], "learner": []}
+
     def block(steps: int, synced: bool) -> float:
         settle(args)
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, own0, all0 = time.perf_counter(), time.thread_time(), time.process_time()
         for _ in range(steps):
             train_step(model, opt, ids)
             if synced:
                 sync.step(32)
         settle(args)
+        # CPU seconds of the training thread and of the whole process (its background
+        # threads too): a slower block that costs the training thread no more CPU waited.
+        cpu["learner" if synced else "plain"].append(
+            (time.thread_time() - own0, time.process_time() - all0))
         dist.barrier()
         return time.perf_counter() - t0
 
     block(args.cadence // 2, False)  # warm-up
+    cpu["plain"].clear()
     plain, learner = [], []
     for _ in range(max(1, args.steps // args.cadence)):
         plain.append(block(args.cadence, False))
@@ -353,7 +360,7 @@ def throughput_worker(args: argparse.Namespace) -> None:
     sync.close()
     Path(f"{args.out}.rank{rank}.json").write_text(json.dumps({
         "rank": rank, "world": dist.get_world_size(), "rounds_seen": sync.rounds_seen,
-        "plain": plain, "learner": learner, "steps": args.cadence * len(plain),
+        "plain": plain, "learner": learner, "steps": args.cadence * len(plain), "cpu": cpu,
     }))
     dist.barrier()
     dist.destroy_process_group()
@@ -475,7 +482,8 @@ def due_table(results: dict[int, list[dict[str, Any]]]) -> tuple[str, list[str]]
 
 def throughput_table(results: dict[int, list[dict[str, Any]]]) -> tuple[str, list[str]]:
     rows = ["| ranks | steps each | without ms/step (blocks) | with the learner ms/step "
-            "(blocks) | throughput (×) | rounds |", "|---:|---:|---:|---:|---:|---:|"]
+            "(blocks) | throughput (×) | rounds | training thread CPU ms/step without, with "
+            "| process CPU ms/step without, with |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     worst = math.inf
     for n, reports in results.items():
         r = max(reports, key=lambda x: sum(x["learner"]))  # the slowest rank sets the pace
@@ -487,9 +495,12 @@ def throughput_table(results: dict[int, list[dict[str, Any]]]) -> tuple[str, lis
         def each(blocks: list[float], per: float = per) -> str:
             return ", ".join(f"{1e3 * t / per:.0f}" for t in blocks)
 
+        own = {k: 1e3 * sum(t for t, _ in v) / steps for k, v in r["cpu"].items()}
+        whole = {k: 1e3 * sum(p for _, p in v) / steps for k, v in r["cpu"].items()}
         rows.append(f"| {n} | {steps} | {1e3 * plain / steps:.1f} ({each(r['plain'])}) | "
                     f"{1e3 * learner / steps:.1f} ({each(r['learner'])}) | {ratio:.3f} | "
-                    f"{r['rounds_seen'] + 1} |")
+                    f"{r['rounds_seen'] + 1} | {own['plain']:.1f}, {own['learner']:.1f} | "
+                    f"{whole['plain']:.1f}, {whole['learner']:.1f} |")
     return "\n".join(rows), [f"throughput with the learner ≥ 0.99×: worst {worst:.3f}× "
                              f"({verdict(worst >= 0.99)})"]
 
