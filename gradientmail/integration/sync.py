@@ -39,6 +39,8 @@ from gradientmail.learner.runtime import Learner
 __all__ = ["RankSync"]
 
 _OK, _FAILED = 0, 1
+#: The control vector: [status, rounds_seen, batch_size], then one flag per fragment.
+_CONTROL_HEAD = 3
 _log = logging.getLogger("gradientmail.integration")
 
 
@@ -128,7 +130,7 @@ class RankSync:
         batch_size = self.batch_size
         carried = self.parted is not None and world > 1  # the control closes the ops
         if carried and self.parted is not None and self.ranks.is_main:
-            self.parted.ops_tail(3 + len(self.plan))
+            self.parted.ops_tail(_CONTROL_HEAD + len(self.plan))
         if self.learner is not None:
             try:
                 touched = self.learner.step(total, loss)
@@ -267,7 +269,8 @@ class RankSync:
         if got[0] != _OK:
             self._raise_for_rank0(failure, what)
         self.rounds_seen = got[1]
-        return tuple(p for p, bit in enumerate(got[3:]) if bit), None if got[2] < 0 else got[2]
+        flags = got[_CONTROL_HEAD:]
+        return tuple(p for p, bit in enumerate(flags) if bit), None if got[2] < 0 else got[2]
 
     def _resized(self, batch_size: int | None) -> None:
         changed = batch_size != self.batch_size
