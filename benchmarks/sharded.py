@@ -2,7 +2,8 @@
 
     python benchmarks/sharded.py [--ranks 1 2 4] [--modes memory time throughput]
                                  [--layers 12] [--embd 256] [--vocab 50257] [--rounds 6]
-                                 [--cadence 62] [--steps 256] [--device cpu|cuda]
+                                 [--cadence 62] [--steps 256] [--tokens fixed|counted]
+                                 [--closer embedded|process] [--device cpu|cuda]
                                  [--results FILE] [--no-append]
 
 For a GPT-2-shaped model (GPT-2's 12 blocks and 50,257-token vocabulary at a narrower
@@ -21,10 +22,13 @@ CPU), three runs per rank count, each its own `torchrun`:
   others the snapshot they replay; a standard DiLoCo due step then waits for its commit,
   the barrier, which is not the learner's cost) and counts its minor page faults, against
   a `clone()` of the same rows taken right after it on the same thread while the
-  snapshot lives (goal: ≤ 1.5×), and a warm `clone()` loop after the run.
+  snapshot lives (goal: ≤ 1.5×), and, after the run, a warm `clone()` loop (each into
+  the pages the last one freed) and a cold one (after `malloc_trim`).
 - throughput: training steps in alternating blocks of `--cadence` steps without the
   learner and with it at the XL recipe's cadence (a round every `--cadence` steps, never
-  waiting for a commit), the slowest rank's total (goal: ≥ 0.99× where measurable).
+  waiting for a commit; `--tokens fixed`, the XL recipe's `tokens_per_step`, needs no
+  collective for the token count), the slowest rank's total (goal: ≥ 0.99× where
+  measurable).
 With `--device cuda` each rank has a GPU of its own, the training collectives run on NCCL
 (the side group stays gloo), the peaks are the device's allocation counters and every
 timer waits for the device's queued work (benchmarks/gpu_sharded_check.sh runs it).
@@ -258,8 +262,18 @@ def rank_worker(args: argparse.Namespace) -> None:
     # the learner's cost.) Its minor page faults are counted: on the CPU a snapshot's
     # buffer is memory the allocator maps afresh (and the kernel zeroes) more often than
     # not, which a `clone()` loop over pages it just freed never pays.
+    # Right after it, on the same thread and while the snapshot lives, a `clone()` of the
+    # same rows: the plain copy at that moment, under the allocator's state of the moment.
     due: list[tuple[float, int]] = []
+    beside: list[tuple[float, int]] = []
     replay, hand_over = PartedRanks._replay, Learner._hand_over
+
+    def clone_beside() -> None:
+        t0, f0 = faults()
+        kept = [a.local(n).clone() for n in a.schema.names]
+        t1, f1 = faults()
+        beside.append((t1 - t0, f1 - f0))
+        del kept
 
     def timed_replay(self: PartedRanks, kind: str, *rest: Any) -> None:
         t0, f0 = faults()
@@ -267,12 +281,14 @@ def rank_worker(args: argparse.Namespace) -> None:
         t1, f1 = faults()
         if kind == "snapshot" and self.rank != 0:
             due.append((t1 - t0, f1 - f0))
+            clone_beside()
 
     def timed_hand_over(self: Learner, *rest: Any, **kw: Any) -> None:
         t0, f0 = faults()
         hand_over(self, *rest, **kw)
         t1, f1 = faults()
         due.append((t1 - t0, f1 - f0))
+        clone_beside()
 
     PartedRanks._replay = timed_replay  # type: ignore[method-assign]
     Learner._hand_over = timed_hand_over  # type: ignore[method-assign]
@@ -296,7 +312,8 @@ def rank_worker(args: argparse.Namespace) -> None:
         "shard_f32": a.local_nbytes(dtype="F32"),
         "largest_f32": max(4 * math.prod(p.shape) for p in a.schema.params),
         "model_f32": sum(4 * math.prod(p.shape) for p in a.schema.params),
-        "moved": moved, "joined": joined, "due": due, "warm": warm, "cold": cold,
+        "moved": moved, "joined": joined, "due": due, "beside": beside, "warm": warm,
+        "cold": cold,
     }
     if args.mode == "memory":
         report["peaks"] = meter.peaks
@@ -342,7 +359,7 @@ def throughput_worker(args: argparse.Namespace) -> None:
         for _ in range(steps):
             train_step(model, opt, ids)
             if synced:
-                sync.step(32)
+                sync.step(32, same_on_every_rank=args.tokens == "fixed")
         settle(args)
         # CPU seconds of the training thread and of the whole process (its background
         # threads too): a slower block that costs the training thread no more CPU waited.
@@ -395,7 +412,8 @@ def run_ranks(n: int, mode: str, args: argparse.Namespace, tmp: Path) -> list[di
                str(out), "--mode", mode, "--layers", str(args.layers), "--embd",
                str(args.embd), "--vocab", str(args.vocab), "--rounds", str(args.rounds),
                "--sync-every", str(args.sync_every), "--cadence", str(args.cadence),
-               "--steps", str(args.steps), "--device", args.device, "--closer", args.closer]
+               "--steps", str(args.steps), "--device", args.device, "--closer", args.closer,
+               "--tokens", args.tokens]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, timeout=3600)
         if proc.returncode != 0:
@@ -456,22 +474,29 @@ def memory_table(results: dict[int, list[dict[str, Any]]]) -> tuple[str, list[st
 
 
 def due_table(results: dict[int, list[dict[str, Any]]]) -> tuple[str, list[str]]:
-    rows = ["| ranks | rank | due step ms (faults) | warm clone ms | (×) | cold clone ms "
-            "(faults) | (×) |", "|---:|---:|---:|---:|---:|---:|---:|"]
-    worst_warm = worst_cold = 0.0
+    rows = ["| ranks | rank | due step ms (faults) | clone beside it ms (faults) | (×) "
+            "| warm clone ms | (×) | cold clone ms (faults) | (×) |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    worst_beside = worst_warm = worst_cold = 0.0
     for n, reports in results.items():
         for r in reports:
             due = statistics.median(t for t, _ in r["due"])
             due_f = statistics.median(f for _, f in r["due"])
+            side = statistics.median(t for t, _ in r["beside"])
+            side_f = statistics.median(f for _, f in r["beside"])
+            worst_beside = max(worst_beside, due / side)
             warm = statistics.median(r["warm"])
             cold = statistics.median(t for t, _ in r["cold"])
             cold_f = statistics.median(f for _, f in r["cold"])
             worst_warm = max(worst_warm, due / warm)
             worst_cold = max(worst_cold, due / cold)
             rows.append(f"| {n} | {r['rank']} | {1e3 * due:.1f} ({due_f:.0f}) | "
+                        f"{1e3 * side:.1f} ({side_f:.0f}) | {due / side:.2f} | "
                         f"{1e3 * warm:.1f} | {due / warm:.2f} | {1e3 * cold:.1f} "
                         f"({cold_f:.0f}) | {due / cold:.2f} |")
     goals = [
+        f"due step ≤ 1.5× a clone() of the rank's shard beside it (the same moment): worst "
+        f"{worst_beside:.2f}× ({verdict(worst_beside <= 1.5)})",
         f"due step ≤ 1.5× a warm clone() of the rank's shard: worst {worst_warm:.2f}× "
         f"({verdict(worst_warm <= 1.5)})",
         f"due step ≤ 1.5× a cold clone() (its pages faulted in): worst {worst_cold:.2f}× "
@@ -520,6 +545,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cadence", type=int, default=62,
                     help="throughput: steps between rounds (the XL recipe: 500 / 8 fragments)")
     ap.add_argument("--steps", type=int, default=256, help="throughput: steps per phase")
+    ap.add_argument("--tokens", choices=["fixed", "counted"], default="fixed",
+                    help="throughput: a fixed count per step (the XL recipe's "
+                         "tokens_per_step: no collective) or each rank's count, summed over "
+                         "the ranks every step (one all-reduce)")
     ap.add_argument("--closer", choices=["embedded", "process"], default="embedded",
                     help="throughput: the learner closes its rounds itself (the recipe), or "
                          "a `gradientmail sync` process does")
@@ -558,7 +587,8 @@ def main(argv: list[str] | None = None) -> None:
         f"memory under the allocation meter, time without it. throughput: blocks of "
         f"{args.cadence} steps without the learner and with it, alternating ({args.steps} "
         f"steps each; with it a round every {args.cadence} steps, 4 fragments, never "
-        f"waiting, F4 deltas, BF16 commits, closer {args.closer}, 2 s poll). "
+        f"waiting, F4 deltas, BF16 commits, closer {args.closer}, 2 s poll, tokens "
+        f"{args.tokens}). "
         f"{time.time() - started:.0f} s.",
         f"Command: `{cmd.strip()}`",
         "",

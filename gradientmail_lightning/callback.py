@@ -173,7 +173,8 @@ class DiLoCoCallback(Callback):
     `tokens_per_step`: an int per batch, or `callable(batch) -> int`; by default
     `gradientmail.integration.count_tokens(batch)` (non-padding tokens where the batch has
     an attention mask, else the elements of its input_ids or first tensor). Each rank
-    counts its own micro-batches; a real step sums them over the ranks.
+    counts its own micro-batches; a real step sums them over the ranks (one all-reduce;
+    none for an int, which every rank counts alike).
     `log_every_n_steps` defaults to the Trainer's. `on_batch_size(share)` is the
     batch-size hook of a custom loader (see `gradientmail.integration.batches`).
     `learner_options` go to `Learner` (lease_every, lease_timeout, on_event, prefix,

@@ -56,11 +56,14 @@ def diloco_callback(
     lease_timeout: float = 120.0,
     prefix: str = "",
     log_every_n_steps: int | None = None,
+    tokens_per_step: int | None = None,
 ) -> DiLoCoCallback:
     """A DiLoCoCallback from flat settings: `merge` "rda" (with `direct_pattern`) or
     "mean"; `partition` "bytes" or "strided" (with `block_pattern`); the rest are
-    `DiLoCo`'s and `Learner`'s arguments of the same names; `GRADIENTMAIL_RUN_KEY`, when
-    set, is the run key (the Learner's default)."""
+    `DiLoCo`'s and `Learner`'s arguments of the same names; `tokens_per_step` the
+    callback's (the tokens of every batch, when fixed: no all-reduce of the ranks' counts
+    per step; None counts each batch); `GRADIENTMAIL_RUN_KEY`, when set, is the run key
+    (the Learner's default)."""
     algorithm = DiLoCo(
         sync_every=sync_every,
         fragments=fragments,
@@ -86,6 +89,7 @@ def diloco_callback(
         mailbox,
         algorithm,
         learner_id=learner_id,
+        tokens_per_step=tokens_per_step,
         sync=sync,
         poll_interval=poll_interval,
         compression=compression,

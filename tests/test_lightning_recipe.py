@@ -241,6 +241,12 @@ def test_recipes_parse_and_their_diloco_sections_are_valid(
         assert strategy["class_path"].endswith("ModelParallelStrategy")
         assert strategy["init_args"] == {"data_parallel_size": 8, "tensor_parallel_size": 1}
         assert raw["diloco"]["compression"] == "off"
+        # A fixed count (no all-reduce of the ranks' counts per step) that must be what
+        # every packed batch holds.
+        per_batch = raw["data"]["batch_size"] * raw["data"]["block_size"]
+        assert raw["diloco"]["tokens_per_step"] == per_batch == 4096
+        assert cb.tokens_per_step == per_batch
+        assert printed["diloco"]["tokens_per_step"] == per_batch
 
 
 def test_the_recipe_leaves_the_run_key_to_the_learner(monkeypatch: pytest.MonkeyPatch) -> None:
