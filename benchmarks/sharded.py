@@ -3,7 +3,8 @@
     python benchmarks/sharded.py [--ranks 1 2 4] [--modes memory time throughput]
                                  [--layers 12] [--embd 256] [--vocab 50257] [--rounds 6]
                                  [--cadence 62] [--steps 256] [--tokens fixed|counted]
-                                 [--closer embedded|process] [--device cpu|cuda]
+                                 [--closer embedded|process] [--malloc caching|default]
+                                 [--device cpu|cuda]
                                  [--results FILE] [--no-append]
 
 For a GPT-2-shaped model (GPT-2's 12 blocks and 50,257-token vocabulary at a narrower
@@ -29,6 +30,8 @@ CPU), three runs per rank count, each its own `torchrun`:
   waiting for a commit; `--tokens fixed`, the XL recipe's `tokens_per_step`, needs no
   collective for the token count), the slowest rank's total (goal: ≥ 0.99× where
   measurable).
+CPU ranks run with glibc set to reuse what they free (`--malloc caching`, `CACHING_MALLOC`),
+as a GPU's caching allocator does, unless `--malloc default`.
 With `--device cuda` each rank has a GPU of its own, the training collectives run on NCCL
 (the side group stays gloo), the peaks are the device's allocation counters and every
 timer waits for the device's queued work (benchmarks/gpu_sharded_check.sh runs it).
@@ -385,6 +388,14 @@ def throughput_worker(args: argparse.Namespace) -> None:
 
 # -- the driver ----------------------------------------------------------------------------
 
+#: `--malloc caching`: glibc keeps what a rank frees for its next allocation of the size, as
+#: CUDA's caching allocator does on a GPU (and jemalloc or tcmalloc, which PyTorch's CPU
+#: tuning guide recommends): blocks up to 32 MiB (glibc's ceiling) come from the heap,
+#: and the heap is never trimmed. By default glibc maps every block over its (adaptive)
+#: threshold afresh and unmaps it when freed, so a snapshot's buffer costs page faults
+#: that no recycling allocator pays.
+CACHING_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -399,6 +410,8 @@ def run_ranks(n: int, mode: str, args: argparse.Namespace, tmp: Path) -> list[di
            if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    if args.malloc == "caching":
+        env.update(CACHING_MALLOC)
     closer = None
     if mode != "throughput" or args.closer == "process":  # a closer process of its own
         closer = subprocess.Popen(
@@ -552,6 +565,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--closer", choices=["embedded", "process"], default="embedded",
                     help="throughput: the learner closes its rounds itself (the recipe), or "
                          "a `gradientmail sync` process does")
+    ap.add_argument("--malloc", choices=["caching", "default"], default="caching",
+                    help="CPU ranks: glibc set to reuse freed blocks (as CUDA's caching "
+                         "allocator, jemalloc or tcmalloc) or left to its defaults")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: one GPU per rank, NCCL for the training collectives (the "
                          "side group stays gloo), device memory counters for the peaks")
@@ -579,8 +595,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{datetime.date.today()}",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared), torch threads 1 "
-        f"per rank. GPT-2-shaped: {args.layers} blocks, width {args.embd}, vocabulary "
-        f"{args.vocab} ({mib(model)} MiB F32), FSDP2 per block, "
+        f"per rank, malloc {args.malloc}. GPT-2-shaped: {args.layers} blocks, width "
+        f"{args.embd}, vocabulary "
+        f"{args.vocab}{f' ({mib(model)} MiB F32)' if model else ''}, FSDP2 per block, "
         f"{'NCCL on ' + gpu_name() if args.device == 'cuda' else 'gloo on CPU'}. memory and "
         f"time: one learner (standard DiLoCo, replicated outer step) closed by a "
         f"`gradientmail sync` process, {args.rounds} rounds of {args.sync_every} steps; "

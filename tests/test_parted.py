@@ -46,6 +46,32 @@ def learner(adapter: Any, url: str, name: str, compression: str = "off",
                    lease_timeout=30.0, compression=compression)
 
 
+def train_ranked(sync: RankSync, model: torch.nn.Module, ready: threading.Barrier) -> None:
+    """A rank of the two-rank learner, started: once the plain learner is in, `ROUNDS`
+    rounds on worker 0's data (both ranks train alike, 5 tokens a step each), closed."""
+    ready.wait(timeout=TIMEOUT)
+    assert sync.wait_for_learners(2, timeout=TIMEOUT)
+    opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+    for step in range(ROUNDS * H):
+        inner_step(model, opt, 0, step)
+        sync.step(5)
+    sync.close()
+
+
+def train_plain(one: Learner, model: torch.nn.Module,
+                ready: threading.Barrier) -> list[torch.Tensor]:
+    """The plain learner beside the two ranks, started: `ROUNDS` rounds on worker 1's data
+    (10 tokens a step: as many as the two ranks together), closed; its parameters."""
+    ready.wait(timeout=TIMEOUT)
+    one.wait_for_learners(2, timeout=TIMEOUT)
+    opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+    for step in range(ROUNDS * H):
+        inner_step(model, opt, 1, step)
+        one.step(10)
+    one.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
 # checkpoint_every=1: every commit carries its theta, which each rank reads by rows; the
 # default replicates the outer step, and rank 0 hands each rank its rows of the state.
 @pytest.mark.parametrize("alg", [{"checkpoint_every": 1}, {}], ids=["rows", "replicated"])
@@ -80,13 +106,7 @@ def test_a_two_rank_learner_mailing_parts_and_a_plain_one_equal_the_oracle(
         parted = PartedRanks(adapter, default[k], side[k], k, url, timeout=TIMEOUT)
         sync = RankSync(default[k], model, parted=parted)
         sync.start(lambda: learner(parted.learner_adapter(), url, "ranked", **alg))
-        ready.wait(timeout=TIMEOUT)
-        assert sync.wait_for_learners(2, timeout=TIMEOUT)
-        opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
-        for step in range(ROUNDS * H):
-            inner_step(model, opt, 0, step)  # both ranks train on worker 0's data
-            sync.step(5)
-        sync.close()
+        train_ranked(sync, model, ready)
         assert sync.rounds_seen == ROUNDS - 1
         # The anchor of the one fragment, and a snapshot kept for rebasing at most: every
         # other snapshot and commit was released on every rank.
@@ -98,14 +118,7 @@ def test_a_two_rank_learner_mailing_parts_and_a_plain_one_equal_the_oracle(
         model = models[RANKS]
         one = learner(TorchAdapter(model), url, "plain", **alg)
         one.start()
-        ready.wait(timeout=TIMEOUT)
-        one.wait_for_learners(2, timeout=TIMEOUT)
-        opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
-        for step in range(ROUNDS * H):
-            inner_step(model, opt, 1, step)
-            one.step(10)  # as many tokens as the two ranks together
-        one.close()
-        results["plain"] = [p.detach().clone() for p in model.parameters()]
+        results["plain"] = train_plain(one, model, ready)
 
     in_threads(*(functools.partial(rank, k) for k in range(RANKS)), plain, timeout=240)
     assert overlapping == {k: [0] * ROUNDS for k in range(RANKS)}, overlapping
@@ -233,13 +246,7 @@ def test_a_two_rank_creator_uploads_theta0_by_parts_and_a_plain_learner_joins_on
         sync.start(lambda: learner(parted.learner_adapter(), url, "ranked",
                                    compression=compression, **kw))
         created.set()
-        ready.wait(timeout=TIMEOUT)
-        assert sync.wait_for_learners(2, timeout=TIMEOUT)
-        opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
-        for step in range(ROUNDS * H):
-            inner_step(model, opt, 0, step)
-            sync.step(5)
-        sync.close()
+        train_ranked(sync, model, ready)
         results[f"rank{k}"] = [p.detach().clone() for p in model.parameters()]
 
     def plain() -> None:
@@ -248,14 +255,7 @@ def test_a_two_rank_creator_uploads_theta0_by_parts_and_a_plain_learner_joins_on
         one = learner(TorchAdapter(model), url, "plain", **kw)
         one.start()
         joined.extend(p.detach().clone() for p in model.parameters())
-        ready.wait(timeout=TIMEOUT)
-        one.wait_for_learners(2, timeout=TIMEOUT)
-        opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
-        for step in range(ROUNDS * H):
-            inner_step(model, opt, 1, step)
-            one.step(10)
-        one.close()
-        results["plain"] = [p.detach().clone() for p in model.parameters()]
+        results["plain"] = train_plain(one, model, ready)
 
     in_threads(*(functools.partial(rank, k) for k in range(RANKS)), plain, timeout=240)
     for got, want in zip(joined, theta0, strict=True):

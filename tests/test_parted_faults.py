@@ -5,7 +5,7 @@ block digests or its header's digest, docs/sharded.md §2), fails its commit's r
 every rank, the commit is read again on a later poll, and every rank ends on the newest
 commits with the oracle's parameters.
 
-Ranks are threads, as in tests/test_parted.py (its oracle and toy model).
+Ranks are threads, as in tests/test_parted.py (its oracle, toy model and training loops).
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from typing import Any
 
 import pytest
 import torch
-from test_learner_oracle import INNER_LR, ROUNDS, H, oracle
+from test_learner_oracle import ROUNDS, H, oracle
 from test_learner_runtime import Recorder, in_threads
-from workers.toy import inner_step, make_model
+from test_parted import RANKS, TIMEOUT, train_plain, train_ranked
+from workers.toy import make_model
 
 from gradientmail import events as ev
 from gradientmail.adapters import TorchAdapter
@@ -35,8 +36,6 @@ from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
 from gradientmail.wire.payload_ranges import rows_of
 
-RANKS = 2
-TIMEOUT = 120.0
 #: The payloads of versions 1-9 of a fragment (theta, outer, steps): the commits, not Θ⁰
 #: (version 0), which a learner reads while it joins, where a failed read fails the join.
 COMMITS = "*/000000000[1-9]-*"
@@ -80,13 +79,7 @@ def test_a_parted_learner_whose_ranged_reads_fail_ends_on_the_oracle(
         sync = RankSync(default[k], model, parted=parted)
         sync.start(lambda: learner(parted.learner_adapter(), box, "ranked", alg,
                                    on_event=events))
-        ready.wait(timeout=TIMEOUT)
-        assert sync.wait_for_learners(2, timeout=TIMEOUT)
-        opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
-        for step in range(ROUNDS * H):
-            inner_step(model, opt, 0, step)  # both ranks train on worker 0's data
-            sync.step(5)
-        sync.close()
+        train_ranked(sync, model, ready)
         assert sync.rounds_seen == ROUNDS - 1
         results[f"rank{k}"] = [p.detach().clone() for p in model.parameters()]
         rows[k] = parted.rows_state(0), {n: adapter.local_rows(n) for n in adapter.schema.names}
@@ -95,14 +88,7 @@ def test_a_parted_learner_whose_ranged_reads_fail_ends_on_the_oracle(
         model = models[RANKS]
         one = learner(TorchAdapter(model), url, "plain", alg)
         one.start()
-        ready.wait(timeout=TIMEOUT)
-        one.wait_for_learners(2, timeout=TIMEOUT)
-        opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
-        for step in range(ROUNDS * H):
-            inner_step(model, opt, 1, step)
-            one.step(10)
-        one.close()
-        results["plain"] = [p.detach().clone() for p in model.parameters()]
+        results["plain"] = train_plain(one, model, ready)
 
     in_threads(*(functools.partial(rank, k) for k in range(RANKS)), plain, timeout=240)
 
