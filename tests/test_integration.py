@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -180,13 +181,13 @@ def test_a_failure_on_rank0_stops_every_rank_instead_of_hanging() -> None:
 
 class LateReleasingGloo:
     """`torch.distributed` as gloo behaves: a collective returns when its work is done,
-    and a worker thread lets go of the work's tensor a moment later."""
+    and a worker thread lets go of the work's tensor later: once its gate opens
+    (`gates`, one per collective in order; open from the start past them)."""
 
-    def __init__(self, rank: int, delay: float = 0.05) -> None:
+    def __init__(self, rank: int, gates: int = 0) -> None:
         self.rank = rank
-        self.delay = delay
-        self.held_after_return: list[bool] = []
-        self._released = threading.Event()
+        self.gates = [threading.Event() for _ in range(gates)]
+        self.let_go: list[threading.Event] = []  # set once the worker dropped its reference
 
     def get_world_size(self) -> int:
         return 2
@@ -195,12 +196,17 @@ class LateReleasingGloo:
         return self.rank
 
     def _collective(self, t: torch.Tensor) -> None:
-        self._released.clear()
         holder = [t.view(-1)]  # a C++ reference to t, as gloo's work holds
-        released = self._released
+        n = len(self.let_go)
+        gate = self.gates[n] if n < len(self.gates) else None
+        released = threading.Event()
+        self.let_go.append(released)
 
         def worker() -> None:
-            released.wait(self.delay)  # a worker thread that gets its turn late
+            if gate is not None:
+                assert gate.wait(60)
+            else:
+                time.sleep(0.02)  # a worker thread that gets its turn late
             holder.clear()
             released.set()
 
@@ -212,33 +218,45 @@ class LateReleasingGloo:
     def all_reduce(self, t: torch.Tensor) -> None:
         self._collective(t)
 
-    def returned(self) -> None:
-        self.held_after_return.append(not self._released.is_set())
-
 
 def test_torch_ranks_keep_a_collectives_tensor_until_the_backend_let_go_of_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A tensor dropped here first is freed by gloo's worker thread, which needs the GIL:
     # at interpreter exit that aborted the rank (SIGABRT, "terminate called without an
-    # active exception"). Every collective returns only once the backend let go.
+    # active exception"). A small collective returns at once and its tensor is kept until
+    # the backend let go of it, dropped by a later collective or by settle() (at exit);
+    # a fragment's buffer is waited for at once.
     import torch.distributed as dist
 
     from gradientmail.integration import TorchRanks
+    from gradientmail.integration.ranks import _UNSETTLED
 
     for rank in (0, 1):
-        fake = LateReleasingGloo(rank)
+        fake = LateReleasingGloo(rank, gates=2)
         for name in ("get_world_size", "get_rank", "broadcast", "all_reduce"):
             monkeypatch.setattr(dist, name, getattr(fake, name))
         ranks = TorchRanks("cpu")
+        assert ranks in _UNSETTLED  # settled at exit
         assert ranks.broadcast_ints([3, 4]) == [3, 4]
-        fake.returned()
+        # Returned although the backend holds the tensor: kept, not dropped.
+        assert not fake.let_go[0].is_set()
+        assert [k.tolist() for k in ranks._kept] == [[3, 4]]
+        fake.gates[0].set()
+        assert fake.let_go[0].wait(60)
         assert ranks.sum_int(5) == 5
-        fake.returned()
+        # The first let go: dropped here; the second is kept.
+        assert not fake.let_go[1].is_set()
+        assert [k.tolist() for k in ranks._kept] == [[5]]
         params = [torch.ones(2), torch.zeros(3, dtype=torch.int64)]
         ranks.broadcast_tensors(params)
-        fake.returned()
-        assert fake.held_after_return == [False, False, False]
+        assert all(e.is_set() for e in fake.let_go[2:])  # waited for, two dtypes
+        assert len(fake.let_go) == 4 and [k.tolist() for k in ranks._kept] == [[5]]
+        timer = threading.Timer(0.05, fake.gates[1].set)
+        timer.start()
+        ranks.settle()
+        assert fake.let_go[1].is_set() and ranks._kept == []
+        timer.join()
 
 
 def test_released_waits_for_the_other_holder_and_gives_up_after_its_sleeps() -> None:

@@ -10,10 +10,12 @@ of one process, so the synchronisation is tested without process groups.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -97,6 +99,11 @@ def _released(
     return int(use_count()) <= 1
 
 
+#: How many small collectives' tensors a `TorchRanks` keeps unwaited (the backend lets go of
+#: each within milliseconds: a handful are ever kept).
+_MAX_KEPT = 64
+
+
 class TorchRanks:
     """`Ranks` on the default `torch.distributed` group, with tensors on `device` (the
     device the backend communicates from: cuda for NCCL, cpu for gloo).
@@ -116,6 +123,13 @@ class TorchRanks:
     meets a noexcept C++ frame and the rank aborts ("terminate called without an active
     exception", SIGABRT, exit -6) after a good run. Holding the tensor until the backend
     let go makes this process's own drop the last: on this thread, with the GIL.
+
+    The small tensors of `broadcast_ints` and `sum_int` (a step's control vector, an op of
+    `gradientmail.integration.parted`) are not waited for: the collective returns once
+    done, and its tensor is kept and dropped by a later collective once the backend let
+    go of it (`_MAX_KEPT` at most; the oldest is waited for beyond that). `settle()`
+    waits for all of them, as this module does at exit, before the interpreter
+    finalizes. `broadcast_tensors`' buffers (a fragment's size) are waited for at once.
     """
 
     def __init__(
@@ -133,6 +147,9 @@ class TorchRanks:
         self._group: dict[str, Any] = {} if group is None else {"group": group}
         self.world_size = int(dist.get_world_size(**self._group))
         self.is_main = dist.get_rank() == 0
+        self._kept: list[torch.Tensor] = []  # small CPU tensors the backend may still hold
+        self._kept_lock = threading.Lock()
+        _UNSETTLED.add(self)
 
     def broadcast_object(self, obj: Any) -> Any:
         if self._broadcast_object is not None:
@@ -150,15 +167,39 @@ class TorchRanks:
     def broadcast_ints(self, values: Sequence[int]) -> list[int]:
         t = torch.tensor(list(values), dtype=torch.int64, device=self._device)
         self._dist.broadcast(t, src=0, **self._group)
-        self._let_go(t)
         out: list[int] = t.tolist()
+        self._keep(t)
         return out
 
     def sum_int(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64, device=self._device)
         self._dist.all_reduce(t, **self._group)
-        self._let_go(t)
-        return int(t.item())
+        total = int(t.item())
+        self._keep(t)
+        return total
+
+    def settle(self) -> None:
+        """Not a collective: wait until the backend let go of every tensor kept, and drop
+        them (on this thread, with the GIL)."""
+        with self._kept_lock:
+            kept, self._kept = self._kept, []
+        for t in kept:
+            if not _released(t):  # the backend is stuck: wait no more (at most 10 s in all)
+                _log.warning("a collective's tensor is still held by the process group "
+                             "after 10 s")
+                return
+
+    def _keep(self, t: torch.Tensor) -> None:
+        """Keep a small collective's tensor until the backend let go of it, without
+        waiting: drop those it let go of already; wait for the oldest beyond `_MAX_KEPT`."""
+        if t.device.type != "cpu":
+            return
+        with self._kept_lock:
+            self._kept = [k for k in self._kept if not _released(k, sleeps=())]
+            self._kept.append(t)
+            oldest = self._kept.pop(0) if len(self._kept) > _MAX_KEPT else None
+        if oldest is not None:
+            self._let_go(oldest)
 
     def _let_go(self, t: torch.Tensor) -> None:
         # Gloo's case only: NCCL's watchdog thread holds a CUDA collective's tensor until
@@ -185,6 +226,17 @@ class TorchRanks:
                 n = t.numel()
                 t.copy_(flat[offset : offset + n].view_as(t))
                 offset += n
+
+
+#: Every `TorchRanks` alive, settled at exit: atexit runs before the interpreter finalizes,
+#: while the backend's worker threads may still take the GIL.
+_UNSETTLED: weakref.WeakSet[TorchRanks] = weakref.WeakSet()
+
+
+@atexit.register
+def _settle_all() -> None:
+    for ranks in list(_UNSETTLED):
+        ranks.settle()
 
 
 class _Rendezvous:
