@@ -181,13 +181,12 @@ def test_a_failure_on_rank0_stops_every_rank_instead_of_hanging() -> None:
 
 class LateReleasingGloo:
     """`torch.distributed` as gloo behaves: a collective returns when its work is done,
-    and a worker thread lets go of the work's tensor later: once its gate opens
-    (`gates`, one per collective in order; open from the start past them)."""
+    and a worker thread lets go of the work's tensor a moment later."""
 
-    def __init__(self, rank: int, gates: int = 0) -> None:
+    def __init__(self, rank: int) -> None:
         self.rank = rank
-        self.gates = [threading.Event() for _ in range(gates)]
-        self.let_go: list[threading.Event] = []  # set once the worker dropped its reference
+        self.let_go: list[threading.Event] = []  # set as the worker drops its reference
+        self.waited: list[int] = []  # the async works waited for, by their collective
 
     def get_world_size(self) -> int:
         return 2
@@ -197,26 +196,37 @@ class LateReleasingGloo:
 
     def _collective(self, t: torch.Tensor) -> None:
         holder = [t.view(-1)]  # a C++ reference to t, as gloo's work holds
-        n = len(self.let_go)
-        gate = self.gates[n] if n < len(self.gates) else None
         released = threading.Event()
         self.let_go.append(released)
 
         def worker() -> None:
-            if gate is not None:
-                assert gate.wait(60)
-            else:
-                time.sleep(0.02)  # a worker thread that gets its turn late
+            time.sleep(0.05)  # a worker thread that gets its turn late
+            released.set()  # first: once the reference is gone, this is set
             holder.clear()
-            released.set()
 
         threading.Thread(target=worker, daemon=True).start()
 
-    def broadcast(self, t: torch.Tensor, src: int) -> None:
+    def broadcast(self, t: torch.Tensor, src: int, async_op: bool = False) -> Any:
         self._collective(t)
+        if async_op:
+            return FakeWork(self.waited, len(self.let_go) - 1)
+        return None
 
     def all_reduce(self, t: torch.Tensor) -> None:
         self._collective(t)
+
+
+class FakeWork:
+    """An async collective's work (the `n`th collective): done when made; `wait` notes
+    it in `waited`."""
+
+    def __init__(self, waited: list[int], n: int) -> None:
+        self.waited = waited
+        self.n = n
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.waited.append(self.n)
+        return True
 
 
 def test_torch_ranks_keep_a_collectives_tensor_until_the_backend_let_go_of_it(
@@ -224,39 +234,29 @@ def test_torch_ranks_keep_a_collectives_tensor_until_the_backend_let_go_of_it(
 ) -> None:
     # A tensor dropped here first is freed by gloo's worker thread, which needs the GIL:
     # at interpreter exit that aborted the rank (SIGABRT, "terminate called without an
-    # active exception"). A small collective returns at once and its tensor is kept until
-    # the backend let go of it, dropped by a later collective or by settle() (at exit);
-    # a fragment's buffer is waited for at once.
+    # active exception"). Every collective returns only once the backend let go; with
+    # overlap, rank 0's broadcast_ints returns at once, and its next collective waits.
     import torch.distributed as dist
 
     from gradientmail.integration import TorchRanks
-    from gradientmail.integration.ranks import _UNSETTLED
 
     for rank in (0, 1):
-        fake = LateReleasingGloo(rank, gates=2)
+        fake = LateReleasingGloo(rank)
         for name in ("get_world_size", "get_rank", "broadcast", "all_reduce"):
             monkeypatch.setattr(dist, name, getattr(fake, name))
         ranks = TorchRanks("cpu")
-        assert ranks in _UNSETTLED  # settled at exit
-        assert ranks.broadcast_ints([3, 4]) == [3, 4]
-        # Returned although the backend holds the tensor: kept, not dropped.
-        assert not fake.let_go[0].is_set()
-        assert [k.tolist() for k in ranks._kept] == [[3, 4]]
-        fake.gates[0].set()
-        assert fake.let_go[0].wait(60)
+        assert ranks.broadcast_ints([1, 2]) == [1, 2]
+        assert [e.is_set() for e in fake.let_go] == [True]
+        assert ranks.broadcast_ints([3, 4], overlap=True) == [3, 4]
+        if rank == 0:  # under way: not waited for
+            assert fake.waited == [] and ranks._sending is not None
+        else:  # a receiver needs the values: waited for
+            assert fake.let_go[1].is_set()
         assert ranks.sum_int(5) == 5
-        # The first let go: dropped here; the second is kept.
-        assert not fake.let_go[1].is_set()
-        assert [k.tolist() for k in ranks._kept] == [[5]]
+        assert fake.waited == ([1] if rank == 0 else []) and ranks._sending is None
         params = [torch.ones(2), torch.zeros(3, dtype=torch.int64)]
         ranks.broadcast_tensors(params)
-        assert all(e.is_set() for e in fake.let_go[2:])  # waited for, two dtypes
-        assert len(fake.let_go) == 4 and [k.tolist() for k in ranks._kept] == [[5]]
-        timer = threading.Timer(0.05, fake.gates[1].set)
-        timer.start()
-        ranks.settle()
-        assert fake.let_go[1].is_set() and ranks._kept == []
-        timer.join()
+        assert [e.is_set() for e in fake.let_go] == [True] * 5  # two dtypes: two
 
 
 def test_released_waits_for_the_other_holder_and_gives_up_after_its_sleeps() -> None:

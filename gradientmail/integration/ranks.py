@@ -10,12 +10,10 @@ of one process, so the synchronisation is tested without process groups.
 
 from __future__ import annotations
 
-import atexit
 import copy
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -42,8 +40,10 @@ class Ranks(Protocol):
         """Rank 0's `obj` (picklable) on every rank."""
         ...
 
-    def broadcast_ints(self, values: Sequence[int]) -> list[int]:
-        """Rank 0's `values` on every rank (each rank passes as many)."""
+    def broadcast_ints(self, values: Sequence[int], overlap: bool = False) -> list[int]:
+        """Rank 0's `values` on every rank (each rank passes as many). `overlap`: rank 0
+        may return before the other ranks have them; its next collective waits for
+        that (pass it only where another collective surely follows)."""
         ...
 
     def sum_int(self, value: int) -> int:
@@ -64,7 +64,7 @@ class SingleRank:
     def broadcast_object(self, obj: Any) -> Any:
         return obj
 
-    def broadcast_ints(self, values: Sequence[int]) -> list[int]:
+    def broadcast_ints(self, values: Sequence[int], overlap: bool = False) -> list[int]:
         return list(values)
 
     def sum_int(self, value: int) -> int:
@@ -99,11 +99,6 @@ def _released(
     return int(use_count()) <= 1
 
 
-#: How many small collectives' tensors a `TorchRanks` keeps unwaited (the backend lets go of
-#: each within milliseconds: a handful are ever kept).
-_MAX_KEPT = 64
-
-
 class TorchRanks:
     """`Ranks` on the default `torch.distributed` group, with tensors on `device` (the
     device the backend communicates from: cuda for NCCL, cpu for gloo).
@@ -124,12 +119,12 @@ class TorchRanks:
     exception", SIGABRT, exit -6) after a good run. Holding the tensor until the backend
     let go makes this process's own drop the last: on this thread, with the GIL.
 
-    The small tensors of `broadcast_ints` and `sum_int` (a step's control vector, an op of
-    `gradientmail.integration.parted`) are not waited for: the collective returns once
-    done, and its tensor is kept and dropped by a later collective once the backend let
-    go of it (`_MAX_KEPT` at most; the oldest is waited for beyond that). `settle()`
-    waits for all of them, as this module does at exit, before the interpreter
-    finalizes. `broadcast_tensors`' buffers (a fragment's size) are waited for at once.
+    On rank 0, `broadcast_ints(..., overlap=True)` returns its own values once the
+    broadcast is under way (rank 0 needs nothing back): what it does next (a snapshot of
+    its rows, after the op that tells the other ranks to take theirs) overlaps the
+    delivery, and it does not wait there for a rank still finishing its step. Its next
+    collective (the message that ends a step's ops) waits for that broadcast, and for
+    the backend to let go of its tensor, first; a failure surfaces there.
     """
 
     def __init__(
@@ -147,11 +142,10 @@ class TorchRanks:
         self._group: dict[str, Any] = {} if group is None else {"group": group}
         self.world_size = int(dist.get_world_size(**self._group))
         self.is_main = dist.get_rank() == 0
-        self._kept: list[torch.Tensor] = []  # small CPU tensors the backend may still hold
-        self._kept_lock = threading.Lock()
-        _UNSETTLED.add(self)
+        self._sending: tuple[Any, torch.Tensor] | None = None  # rank 0's broadcast under way
 
     def broadcast_object(self, obj: Any) -> Any:
+        self._sent()
         if self._broadcast_object is not None:
             return self._broadcast_object(obj)
         box = [obj]
@@ -160,46 +154,38 @@ class TorchRanks:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's `obj` (picklable), in rank order, on every rank."""
+        self._sent()
         out: list[Any] = [None] * self.world_size
         self._dist.all_gather_object(out, obj, **self._group)
         return out
 
-    def broadcast_ints(self, values: Sequence[int]) -> list[int]:
-        t = torch.tensor(list(values), dtype=torch.int64, device=self._device)
+    def broadcast_ints(self, values: Sequence[int], overlap: bool = False) -> list[int]:
+        self._sent()
+        mine = [int(v) for v in values]
+        t = torch.tensor(mine, dtype=torch.int64, device=self._device)
+        if overlap and self.is_main:
+            self._sending = (self._dist.broadcast(t, src=0, async_op=True, **self._group), t)
+            return mine
         self._dist.broadcast(t, src=0, **self._group)
+        self._let_go(t)
         out: list[int] = t.tolist()
-        self._keep(t)
         return out
 
     def sum_int(self, value: int) -> int:
+        self._sent()
         t = torch.tensor([value], dtype=torch.int64, device=self._device)
         self._dist.all_reduce(t, **self._group)
-        total = int(t.item())
-        self._keep(t)
-        return total
+        self._let_go(t)
+        return int(t.item())
 
-    def settle(self) -> None:
-        """Not a collective: wait until the backend let go of every tensor kept, and drop
-        them (on this thread, with the GIL)."""
-        with self._kept_lock:
-            kept, self._kept = self._kept, []
-        for t in kept:
-            if not _released(t):  # the backend is stuck: wait no more (at most 10 s in all)
-                _log.warning("a collective's tensor is still held by the process group "
-                             "after 10 s")
-                return
-
-    def _keep(self, t: torch.Tensor) -> None:
-        """Keep a small collective's tensor until the backend let go of it, without
-        waiting: drop those it let go of already; wait for the oldest beyond `_MAX_KEPT`."""
-        if t.device.type != "cpu":
-            return
-        with self._kept_lock:
-            self._kept = [k for k in self._kept if not _released(k, sleeps=())]
-            self._kept.append(t)
-            oldest = self._kept.pop(0) if len(self._kept) > _MAX_KEPT else None
-        if oldest is not None:
-            self._let_go(oldest)
+    def _sent(self) -> None:
+        """Wait for rank 0's broadcast under way, if any, and for the backend to let go
+        of its tensor."""
+        sending, self._sending = self._sending, None
+        if sending is not None:
+            work, t = sending
+            work.wait()
+            self._let_go(t)
 
     def _let_go(self, t: torch.Tensor) -> None:
         # Gloo's case only: NCCL's watchdog thread holds a CUDA collective's tensor until
@@ -209,6 +195,7 @@ class TorchRanks:
 
     @torch.no_grad()
     def broadcast_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._sent()
         # One broadcast per dtype (in a fixed order, the same on every rank), not one per
         # tensor: a fragment of a transformer holds hundreds of small tensors.
         groups: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -226,17 +213,6 @@ class TorchRanks:
                 n = t.numel()
                 t.copy_(flat[offset : offset + n].view_as(t))
                 offset += n
-
-
-#: Every `TorchRanks` alive, settled at exit: atexit runs before the interpreter finalizes,
-#: while the backend's worker threads may still take the GIL.
-_UNSETTLED: weakref.WeakSet[TorchRanks] = weakref.WeakSet()
-
-
-@atexit.register
-def _settle_all() -> None:
-    for ranks in list(_UNSETTLED):
-        ranks.settle()
 
 
 class _Rendezvous:
@@ -282,7 +258,7 @@ class ThreadRanks:
     def broadcast_object(self, obj: Any) -> Any:
         return copy.deepcopy(self._exchange("object", obj)[0])
 
-    def broadcast_ints(self, values: Sequence[int]) -> list[int]:
+    def broadcast_ints(self, values: Sequence[int], overlap: bool = False) -> list[int]:
         got = self._exchange("ints", list(values))
         if len({len(v) for v in got}) != 1:
             raise GradientmailError(f"broadcast_ints: lengths differ across ranks: {got}")
