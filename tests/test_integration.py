@@ -209,7 +209,7 @@ class LateReleasingGloo:
     def broadcast(self, t: torch.Tensor, src: int, async_op: bool = False) -> Any:
         self._collective(t)
         if async_op:
-            return FakeWork(self.waited, len(self.let_go) - 1)
+            return FakeWork(self.waited, len(self.let_go) - 1, t)
         return None
 
     def all_reduce(self, t: torch.Tensor) -> None:
@@ -217,12 +217,13 @@ class LateReleasingGloo:
 
 
 class FakeWork:
-    """An async collective's work (the `n`th collective): done when made; `wait` notes
-    it in `waited`."""
+    """An async collective's work (the `n`th collective, on `tensor`, which it holds as
+    gloo's does): done when made; `wait` notes it in `waited`."""
 
-    def __init__(self, waited: list[int], n: int) -> None:
+    def __init__(self, waited: list[int], n: int, tensor: torch.Tensor) -> None:
         self.waited = waited
         self.n = n
+        self.tensor = tensor.view(-1)
 
     def wait(self, timeout: Any = None) -> bool:
         self.waited.append(self.n)
@@ -230,7 +231,7 @@ class FakeWork:
 
 
 def test_torch_ranks_keep_a_collectives_tensor_until_the_backend_let_go_of_it(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
     # A tensor dropped here first is freed by gloo's worker thread, which needs the GIL:
     # at interpreter exit that aborted the rank (SIGABRT, "terminate called without an
@@ -257,6 +258,8 @@ def test_torch_ranks_keep_a_collectives_tensor_until_the_backend_let_go_of_it(
         params = [torch.ones(2), torch.zeros(3, dtype=torch.int64)]
         ranks.broadcast_tensors(params)
         assert [e.is_set() for e in fake.let_go] == [True] * 5  # two dtypes: two
+    # Nothing waited in vain for a tensor something here still held (the async work).
+    assert "still held" not in caplog.text
 
 
 def test_released_waits_for_the_other_holder_and_gives_up_after_its_sleeps() -> None:

@@ -181,11 +181,13 @@ class TorchRanks:
     def _sent(self) -> None:
         """Wait for rank 0's broadcast under way, if any, and for the backend to let go
         of its tensor."""
-        sending, self._sending = self._sending, None
-        if sending is not None:
-            work, t = sending
-            work.wait()
-            self._let_go(t)
+        if self._sending is None:
+            return
+        work, t = self._sending
+        self._sending = None
+        work.wait()
+        del work  # the work holds the tensor too: only the backend's worker may hold it now
+        self._let_go(t)
 
     def _let_go(self, t: torch.Tensor) -> None:
         # Gloo's case only: NCCL's watchdog thread holds a CUDA collective's tensor until
