@@ -186,7 +186,6 @@ class LateReleasingGloo:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.let_go: list[threading.Event] = []  # set as the worker drops its reference
-        self.waited: list[int] = []  # the async works waited for, by their collective
 
     def get_world_size(self) -> int:
         return 2
@@ -206,28 +205,11 @@ class LateReleasingGloo:
 
         threading.Thread(target=worker, daemon=True).start()
 
-    def broadcast(self, t: torch.Tensor, src: int, async_op: bool = False) -> Any:
+    def broadcast(self, t: torch.Tensor, src: int) -> None:
         self._collective(t)
-        if async_op:
-            return FakeWork(self.waited, len(self.let_go) - 1, t)
-        return None
 
     def all_reduce(self, t: torch.Tensor) -> None:
         self._collective(t)
-
-
-class FakeWork:
-    """An async collective's work (the `n`th collective, on `tensor`, which it holds as
-    gloo's does): done when made; `wait` notes it in `waited`."""
-
-    def __init__(self, waited: list[int], n: int, tensor: torch.Tensor) -> None:
-        self.waited = waited
-        self.n = n
-        self.tensor = tensor.view(-1)
-
-    def wait(self, timeout: Any = None) -> bool:
-        self.waited.append(self.n)
-        return True
 
 
 def test_torch_ranks_keep_a_collectives_tensor_until_the_backend_let_go_of_it(
@@ -235,8 +217,7 @@ def test_torch_ranks_keep_a_collectives_tensor_until_the_backend_let_go_of_it(
 ) -> None:
     # A tensor dropped here first is freed by gloo's worker thread, which needs the GIL:
     # at interpreter exit that aborted the rank (SIGABRT, "terminate called without an
-    # active exception"). Every collective returns only once the backend let go; with
-    # overlap, rank 0's broadcast_ints returns at once, and its next collective waits.
+    # active exception"). Every collective returns only once the backend let go.
     import torch.distributed as dist
 
     from gradientmail.integration import TorchRanks
@@ -246,20 +227,31 @@ def test_torch_ranks_keep_a_collectives_tensor_until_the_backend_let_go_of_it(
         for name in ("get_world_size", "get_rank", "broadcast", "all_reduce"):
             monkeypatch.setattr(dist, name, getattr(fake, name))
         ranks = TorchRanks("cpu")
-        assert ranks.broadcast_ints([1, 2]) == [1, 2]
-        assert [e.is_set() for e in fake.let_go] == [True]
-        assert ranks.broadcast_ints([3, 4], overlap=True) == [3, 4]
-        if rank == 0:  # under way: not waited for
-            assert fake.waited == [] and ranks._sending is not None
-        else:  # a receiver needs the values: waited for
-            assert fake.let_go[1].is_set()
+        assert ranks.broadcast_ints([3, 4]) == [3, 4]
         assert ranks.sum_int(5) == 5
-        assert fake.waited == ([1] if rank == 0 else []) and ranks._sending is None
         params = [torch.ones(2), torch.zeros(3, dtype=torch.int64)]
         ranks.broadcast_tensors(params)
-        assert [e.is_set() for e in fake.let_go] == [True] * 5  # two dtypes: two
-    # Nothing waited in vain for a tensor something here still held (the async work).
+        assert [e.is_set() for e in fake.let_go] == [True] * 4  # two dtypes: two
     assert "still held" not in caplog.text
+
+
+def test_rank_0_takes_its_own_ints_without_reading_the_tensor_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On a GPU, reading a collective's tensor back waits for every kernel queued before
+    # it; rank 0 sent the values and needs nothing back. The other ranks read theirs.
+    import torch.distributed as dist
+
+    from gradientmail.integration import TorchRanks
+
+    def overwrite(t: torch.Tensor, src: int) -> None:
+        t.fill_(7)  # what a receiver's tensor holds after the broadcast
+
+    for rank, want in ((0, [3, 4]), (1, [7, 7])):
+        monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+        monkeypatch.setattr(dist, "get_rank", lambda rank=rank: rank)
+        monkeypatch.setattr(dist, "broadcast", overwrite)
+        assert TorchRanks("cpu").broadcast_ints([3, 4]) == want
 
 
 def test_released_waits_for_the_other_holder_and_gives_up_after_its_sleeps() -> None:

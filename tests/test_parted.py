@@ -312,9 +312,9 @@ class _Counted:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def broadcast_ints(self, values: Any, overlap: bool = False) -> list[int]:
+    def broadcast_ints(self, values: Any) -> list[int]:
         self.ints += 1
-        return self.inner.broadcast_ints(values, overlap)
+        return self.inner.broadcast_ints(values)
 
     def broadcast_object(self, obj: Any) -> Any:
         self.objects += 1

@@ -187,15 +187,13 @@ class PartedRanks:
         if ints is None:
             head = [_OBJECT] + [0] * (_HEAD - 1) + [0] * self._tail
             new = kind == "snapshot" and tuple(args[1]) not in self._list_ids
-            self.ranks.broadcast_ints(head, overlap=True)
+            self.ranks.broadcast_ints(head)
             self.ranks.broadcast_object((kind, args, released, new))
             if new:
                 self._list_ids[tuple(args[1])] = len(self._lists)
                 self._lists.append(list(args[1]))
         else:
-            # Rank 0 takes its own rows' part while the others learn of theirs: end_ops'
-            # message, which always follows, waits for this one.
-            self.ranks.broadcast_ints(ints + [0] * self._tail, overlap=True)
+            self.ranks.broadcast_ints(ints + [0] * self._tail)
         self._replay(kind, args, released)
 
     def end_ops(self, tail: Sequence[int] = ()) -> list[int]:

@@ -40,10 +40,8 @@ class Ranks(Protocol):
         """Rank 0's `obj` (picklable) on every rank."""
         ...
 
-    def broadcast_ints(self, values: Sequence[int], overlap: bool = False) -> list[int]:
-        """Rank 0's `values` on every rank (each rank passes as many). `overlap`: rank 0
-        may return before the other ranks have them; its next collective waits for
-        that (pass it only where another collective surely follows)."""
+    def broadcast_ints(self, values: Sequence[int]) -> list[int]:
+        """Rank 0's `values` on every rank (each rank passes as many)."""
         ...
 
     def sum_int(self, value: int) -> int:
@@ -64,7 +62,7 @@ class SingleRank:
     def broadcast_object(self, obj: Any) -> Any:
         return obj
 
-    def broadcast_ints(self, values: Sequence[int], overlap: bool = False) -> list[int]:
+    def broadcast_ints(self, values: Sequence[int]) -> list[int]:
         return list(values)
 
     def sum_int(self, value: int) -> int:
@@ -118,13 +116,6 @@ class TorchRanks:
     meets a noexcept C++ frame and the rank aborts ("terminate called without an active
     exception", SIGABRT, exit -6) after a good run. Holding the tensor until the backend
     let go makes this process's own drop the last: on this thread, with the GIL.
-
-    On rank 0, `broadcast_ints(..., overlap=True)` returns its own values once the
-    broadcast is under way (rank 0 needs nothing back): what it does next (a snapshot of
-    its rows, after the op that tells the other ranks to take theirs) overlaps the
-    delivery, and it does not wait there for a rank still finishing its step. Its next
-    collective (the message that ends a step's ops) waits for that broadcast, and for
-    the backend to let go of its tensor, first; a failure surfaces there.
     """
 
     def __init__(
@@ -142,10 +133,8 @@ class TorchRanks:
         self._group: dict[str, Any] = {} if group is None else {"group": group}
         self.world_size = int(dist.get_world_size(**self._group))
         self.is_main = dist.get_rank() == 0
-        self._sending: tuple[Any, torch.Tensor] | None = None  # rank 0's broadcast under way
 
     def broadcast_object(self, obj: Any) -> Any:
-        self._sent()
         if self._broadcast_object is not None:
             return self._broadcast_object(obj)
         box = [obj]
@@ -154,18 +143,13 @@ class TorchRanks:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's `obj` (picklable), in rank order, on every rank."""
-        self._sent()
         out: list[Any] = [None] * self.world_size
         self._dist.all_gather_object(out, obj, **self._group)
         return out
 
-    def broadcast_ints(self, values: Sequence[int], overlap: bool = False) -> list[int]:
-        self._sent()
+    def broadcast_ints(self, values: Sequence[int]) -> list[int]:
         mine = [int(v) for v in values]
         t = torch.tensor(mine, dtype=torch.int64, device=self._device)
-        if overlap and self.is_main:
-            self._sending = (self._dist.broadcast(t, src=0, async_op=True, **self._group), t)
-            return mine
         self._dist.broadcast(t, src=0, **self._group)
         self._let_go(t)
         if self.is_main:
@@ -174,22 +158,10 @@ class TorchRanks:
         return out
 
     def sum_int(self, value: int) -> int:
-        self._sent()
         t = torch.tensor([value], dtype=torch.int64, device=self._device)
         self._dist.all_reduce(t, **self._group)
         self._let_go(t)
         return int(t.item())
-
-    def _sent(self) -> None:
-        """Wait for rank 0's broadcast under way, if any, and for the backend to let go
-        of its tensor."""
-        if self._sending is None:
-            return
-        work, t = self._sending
-        self._sending = None
-        work.wait()
-        del work  # the work holds the tensor too: only the backend's worker may hold it now
-        self._let_go(t)
 
     def _let_go(self, t: torch.Tensor) -> None:
         # Gloo's case only: NCCL's watchdog thread holds a CUDA collective's tensor until
@@ -199,7 +171,6 @@ class TorchRanks:
 
     @torch.no_grad()
     def broadcast_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
-        self._sent()
         # One broadcast per dtype (in a fixed order, the same on every rank), not one per
         # tensor: a fragment of a transformer holds hundreds of small tensors.
         groups: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -262,7 +233,7 @@ class ThreadRanks:
     def broadcast_object(self, obj: Any) -> Any:
         return copy.deepcopy(self._exchange("object", obj)[0])
 
-    def broadcast_ints(self, values: Sequence[int], overlap: bool = False) -> list[int]:
+    def broadcast_ints(self, values: Sequence[int]) -> list[int]:
         got = self._exchange("ints", list(values))
         if len({len(v) for v in got}) != 1:
             raise GradientmailError(f"broadcast_ints: lengths differ across ranks: {got}")
