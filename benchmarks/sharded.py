@@ -594,6 +594,15 @@ def main(argv: list[str] | None = None) -> None:
             parts += [f"**{mode}**", "", body, "", *[f"- {g}" for g in goals], ""]
             print("\n".join(parts[-len(goals) - 5:]), flush=True)
     cmd = "python benchmarks/sharded.py " + " ".join(sys.argv[1:])
+    setups = [  # what each mode ran, said only for the modes that ran
+        (("memory", "time"), f"memory and time: one learner (standard DiLoCo, replicated "
+         f"outer step) closed by a `gradientmail sync` process, {args.rounds} rounds of "
+         f"{args.sync_every} steps; memory under the allocation meter, time without it."),
+        (("throughput",), f"throughput: blocks of {args.cadence} steps without the learner "
+         f"and with it, alternating ({args.steps} steps each; with it a round every "
+         f"{args.cadence} steps, 4 fragments, never waiting, F4 deltas, BF16 commits, closer "
+         f"{args.closer}, 2 s poll, tokens {args.tokens})."),
+    ]
     section = "\n".join([
         f"## sharded learner: per-rank memory, bytes, due step, throughput — "
         f"{datetime.date.today()}",
@@ -602,15 +611,9 @@ def main(argv: list[str] | None = None) -> None:
         f"per rank, malloc {args.malloc}. GPT-2-shaped: {args.layers} blocks, width "
         f"{args.embd}, vocabulary "
         f"{args.vocab}{f' ({mib(model)} MiB F32)' if model else ''}, FSDP2 per block, "
-        f"{'NCCL on ' + gpu_name() if args.device == 'cuda' else 'gloo on CPU'}. memory and "
-        f"time: one learner (standard DiLoCo, replicated outer step) closed by a "
-        f"`gradientmail sync` process, {args.rounds} rounds of {args.sync_every} steps; "
-        f"memory under the allocation meter, time without it. throughput: blocks of "
-        f"{args.cadence} steps without the learner and with it, alternating ({args.steps} "
-        f"steps each; with it a round every {args.cadence} steps, 4 fragments, never "
-        f"waiting, F4 deltas, BF16 commits, closer {args.closer}, 2 s poll, tokens "
-        f"{args.tokens}). "
-        f"{time.time() - started:.0f} s.",
+        f"{'NCCL on ' + gpu_name() if args.device == 'cuda' else 'gloo on CPU'}. "
+        + " ".join(setup for modes, setup in setups if set(modes) & set(args.modes))
+        + f" {time.time() - started:.0f} s.",
         f"Command: `{cmd.strip()}`",
         "",
         "Ratios (×): memory and bytes against the rank's shard + the largest tensor (F32); "

@@ -69,6 +69,11 @@ class RunStore:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.mailbox!r}, prefix={self.prefix!r})"
 
+    @property
+    def where(self) -> str:
+        """The run's place, for messages: the mailbox URL and the prefix, if any."""
+        return self.mailbox.url + (f" (prefix {self.prefix!r})" if self.prefix else "")
+
     # -- plumbing --------------------------------------------------------------------
 
     async def _list(self, prefix: str) -> list[str]:
@@ -138,11 +143,6 @@ class RunStore:
             return None
         return codec.decode(blob, codec.compression_of(ref.key), key=ref.key,
                             max_bytes=max_bytes)
-
-    @property
-    def where(self) -> str:
-        """The run's place, for messages: the mailbox URL and the prefix, if any."""
-        return self.mailbox.url + (f" (prefix {self.prefix!r})" if self.prefix else "")
 
     async def _fetch_parts(self, refs: Sequence[PayloadRef], bound: int) -> list[Part] | None:
         """The parts `refs` name, each checked and decoded with the rows it holds; None
