@@ -106,6 +106,7 @@ def test_status_json_describes_the_finished_run(
     finished: Path, trained: tuple[Path, Any, list[int]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     asyncio.run(Exchange(LocalMailbox(str(finished))).beat("watcher"))
+    asyncio.run(Exchange(LocalMailbox(str(finished))).beat("sync-1", "closers"))
     rc, out, err = cli(capsys, "status", str(finished), "--json")
     assert (rc, err) == (0, "")
     status = json.loads(out)
@@ -122,6 +123,7 @@ def test_status_json_describes_the_finished_run(
     assert all((f["theta_bytes"] is None) == (f["outer_bytes"] is None) for f in
                status["fragments"])
     assert status["live_learners"] == ["watcher"]  # the learners released theirs on close
+    assert status["standalone_closers"] == ["sync-1"]  # no learner: not in live_learners
     assert set(status["estimates"]) == {"step", "quorum", "sync"}
     assert status["estimates"]["sync"] is not None
     assert status["last_round"]["participants"] == ["learner-0", "learner-1"]
@@ -168,6 +170,7 @@ def test_status_prints_a_readable_table(
     assert lines[0] == f"run         {finished} (created by {json_creator(finished)})"
     assert f"rounds      {rounds} committed" in lines
     assert "learners    0 holding a lease" in lines
+    assert "closers     0 standalone holding a lease (the learners close the rounds)" in lines
     # Of 2 contributions a round, the one that completes the set may be merged from its
     # closer's memory (held), never uploaded.
     [traffic] = [line for line in lines if line.startswith("traffic")]

@@ -21,6 +21,7 @@ from gradientmail.mailbox import FaultPlan, FaultyMailbox, Mailbox, MemoryMailbo
 from gradientmail.mailbox.wrappers import CountingMailbox
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
+from gradientmail.syncer.runtime import Syncer
 from gradientmail.wire.records import RoundRecord
 
 FAST = {"poll_interval": 0.005, "lease_every": 5.0, "lease_timeout": 30.0}
@@ -843,3 +844,49 @@ def test_a_run_of_a_model_with_embeddings_names_them_in_its_merge() -> None:
         "direct_names": ["transformer.wpe.weight", "transformer.wte.weight"]}
     for learner in learners:
         learner.close(flush=False)
+
+
+def test_learners_leave_their_rounds_to_a_live_standalone_closer() -> None:
+    """With `gradientmail sync` running beside the bucket, no round is closed by a learner
+    (whose link would carry every other delta down): each contribution goes up, the
+    standalone closer merges them, and both learners end on its commits."""
+    mailbox = MemoryMailbox()
+    ex = Exchange(mailbox)
+    closer = Syncer(mailbox, closer_id="sync-beside", poll_interval=0.005,
+                    lease_timeout=30.0)
+    stop = threading.Event()
+
+    def close_rounds() -> None:
+        async def go() -> None:
+            done = asyncio.Event()
+            task = asyncio.create_task(closer.run(done))
+            while not stop.is_set():
+                await asyncio.sleep(0.005)
+            done.set()
+            await task
+
+        run(go())
+
+    thread = threading.Thread(target=close_rounds)
+    thread.start()
+    try:
+        assert wait_for(lambda: run(ex.leases("closers")) == {"sync-beside": 0})
+        models = [make_model(seed=0), make_model(seed=0)]
+        # Their backups wait 30 polls (3 s) past a round's due time; the standalone
+        # closer polls every 5 ms: a round of theirs here would be a bug, not a race.
+        learners = [Learner(TorchAdapter(m), DiLoCo.standard(4, 2), mailbox, f"l{w}",
+                            keep_versions=1000, **{**FAST, "poll_interval": 0.1})
+                    for w, m in enumerate(models)]
+        train_together(learners, models, steps=12, seed_stride=100)
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    records = all_records(mailbox)
+    assert [(r.round, r.closer, [(p.learner, p.held) for p in r.participants])
+            for r in records] == [
+        (k, "sync-beside", [("l0", False), ("l1", False)]) for k in range(3)]
+    want = newest_theta(mailbox)
+    for m in models:
+        for name, p in m.named_parameters():
+            assert torch.equal(p.detach(), want[name]), name
+    assert run(ex.leases("closers")) == {}  # released when it stopped

@@ -951,6 +951,60 @@ def test_an_offer_the_round_cannot_close_on_is_declined_for_upload(mailbox: Mail
     run(main())
 
 
+def test_while_a_standalone_closer_is_live_an_embedded_one_leaves_it_the_rounds(
+        mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=2))
+        await r.create()
+        await r.contribute(0, "b")
+        s = r.syncer("a", embedded=True, sweep=False)
+        live = frozenset({"a", "b"})
+        # The offer that would complete the set is declined at once: it goes up, so the
+        # standalone closer can merge it; the embedded closer does not close the round.
+        taken = s.offer(_draft(r, 0, "a"), delta(0, "a", r.plan[0]))
+        assert not await s.poll(live=live, standalone=frozenset({"sync-1"}))
+        await r.contribute(0, "a")
+        s.note_contribution(0, "a")
+        assert not await s.poll(live=live, standalone=frozenset({"sync-1"}))
+        assert taken.done() and taken.result() is False
+        assert await r.ex.read_round(0) is None
+        standalone = r.syncer("sync-1", sweep=False)
+        assert await standalone.poll(live=live)
+        rec = await r.ex.read_round(0)
+        assert rec is not None and rec.closer == "sync-1"
+        assert [(p.learner, p.held) for p in rec.participants] == [("a", False), ("b", False)]
+        # With no standalone closer live, the same learner closes the next round itself.
+        await r.contribute(1, "b")
+        assert await s.poll(live=live) is False  # its own contribution is not in yet
+        taken = s.offer(_draft(r, 1, "a"), delta(1, "a", r.plan[0]))
+        assert await s.poll(live=live)
+        assert taken.result() is True
+        rec = await r.ex.read_round(1)
+        assert rec is not None and rec.closer == "a"
+
+    run(main())
+
+
+def test_a_standalone_syncer_holds_a_closer_lease_while_it_runs(mailbox: Mailbox) -> None:
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=1))
+        s = Syncer(mailbox, closer_id="sync-1", poll_interval=0.01, lease_timeout=120.0)
+        stop = asyncio.Event()
+        task = asyncio.create_task(s.run(stop))
+        # From the start, before the run exists: learners that join see it at once.
+        while not await r.ex.leases("closers"):
+            await asyncio.sleep(0.01)
+        assert await r.ex.leases("closers") == {"sync-1": 0}
+        await r.create()
+        assert await r.ex.leases() == {}  # no learner: it never counts toward a quorum
+        stop.set()
+        await asyncio.wait_for(task, timeout=60)
+        assert await r.ex.leases("closers") == {}  # released on the way out
+        assert not [k for k in await mailbox.list("") if k.startswith("closers/")]
+
+    run(main())
+
+
 def test_the_sweep_keeps_the_newest_checkpoint_and_the_steps_after_it(
         mailbox: Mailbox) -> None:
     async def main() -> None:

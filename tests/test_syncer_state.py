@@ -246,6 +246,20 @@ def test_a_backup_whose_contribution_completes_the_set_closes_at_once() -> None:
     assert d.closes and d.awaited == {"a", "me"}
 
 
+def test_with_a_standalone_closer_live_an_embedded_one_is_only_a_backup() -> None:
+    # Completing the set no longer closes the round here: the standalone closer next to
+    # the bucket does, and this learner's link carries no other learner's delta.
+    d = decide_poll(view(11.0, {"a": 10.0, "me": 11.0}, {"a", "me"}, preferred=False,
+                         standalone=True))
+    # Its contribution went up like everyone's: it gives the standalone closer the
+    # head start of a round it has nothing in (backup_every polls, not 3)...
+    assert not d.closes and not d.claim and (d.held, d.due) == (11.0, 41.0)
+    # ... and claims once that is over, should nobody have (the standalone died).
+    d = decide_poll(view(41.0, {"a": 10.0, "me": 11.0}, {"a", "me"}, preferred=False,
+                         standalone=True))
+    assert d.claim and not d.closes
+
+
 def test_claims_are_listed_when_none_is_current() -> None:
     assert lists_claims({}, 0.0, 10.0)
     assert not lists_claims({0: 5.0}, 14.9, 10.0)

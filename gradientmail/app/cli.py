@@ -41,6 +41,7 @@ from gradientmail.app.record_traffic import record_traffic
 from gradientmail.errors import ConfigError, GradientmailError
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
+from gradientmail.run.lease import CLOSERS
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import newest_model, require_manifest
 from gradientmail.traffic import S3_STANDARD, Prices
@@ -119,9 +120,10 @@ async def read_status(ex: Exchange, url: str,
     newest), the leases and the open round's contributions and claims; downloads no
     payload. `live_learners` are the learners holding a lease: one look cannot tell a
     lease left by a crashed learner from a live one (learners release theirs on close;
-    the syncer judges them over time). `traffic` is what those records tell of the bytes
-    and writes per round and per learner-hour (`gradientmail.app.record_traffic`), or None
-    before the first commit.
+    the syncer judges them over time); `standalone_closers` likewise the `gradientmail
+    sync` processes holding a lease under `closers/`. `traffic` is what those records tell
+    of the bytes and writes per round and per learner-hour
+    (`gradientmail.app.record_traffic`), or None before the first commit.
     """
     manifest = await require_manifest(ex, url)
     plan = manifest.plan
@@ -129,6 +131,7 @@ async def read_status(ex: Exchange, url: str,
     latest = await ex.latest_commit_per_fragment(len(plan), newest)
     last = max(latest.values(), key=lambda rec: rec.round, default=None)
     leases = await ex.leases()
+    closers = await ex.leases(CLOSERS)
     open_round = newest + 1
     window = await asyncio.gather(*(ex.read_round(r) for r in
                                     range(max(newest - TRAFFIC_ROUNDS + 1, 0), newest + 1)))
@@ -172,6 +175,7 @@ async def read_status(ex: Exchange, url: str,
         "fragments": fragments,
         "live_learners": sorted(leases),
         "leases": dict(sorted(leases.items())),
+        "standalone_closers": sorted(closers),
         "estimates": estimates,
         "last_round": None if last is None else {
             "round": last.round,
@@ -224,6 +228,10 @@ def format_status(status: dict[str, Any]) -> str:
     learners = status["live_learners"]
     lines.append(f"learners    {len(learners)} holding a lease"
                  + (f": {', '.join(learners)}" if learners else ""))
+    closers = status["standalone_closers"]
+    lines.append(f"closers     {len(closers)} standalone holding a lease"
+                 + (f": {', '.join(closers)} (the learners leave it the rounds)" if closers
+                    else " (the learners close the rounds)"))
     lines.append(f"estimates   step {_seconds(est['step'])}, quorum {_seconds(est['quorum'])},"
                  f" sync {_seconds(est['sync'])}")
     lines.extend(_traffic_lines(status["traffic"]))

@@ -40,7 +40,7 @@ from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
 from gradientmail.mailbox.wrappers import CountingMailbox
 from gradientmail.run.join import InitUploader, JoinResult, Loader, join_run
-from gradientmail.run.lease import LeaseTracker
+from gradientmail.run.lease import CLOSERS, LeaseTracker
 from gradientmail.run.protocol import MANIFEST_KEY, Exchange
 from gradientmail.run.replica import Replica
 from gradientmail.run.rollcall import READ_EVERY, Call, reply
@@ -176,6 +176,7 @@ class Mailman:
         self._wake: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._tracker = LeaseTracker(lease_timeout)
+        self._closers = LeaseTracker(lease_timeout)  # the standalone closers' leases
         self._syncer: Syncer | None = None  # the embedded closer, once the receive loop runs
         self._replica: Replica | None = None  # each fragment's state (shared with the closer)
         self._plan: tuple[tuple[str, ...], ...] = ()
@@ -429,6 +430,10 @@ class Mailman:
                 next_manifest = now + MANIFEST_EVERY * self.poll_interval
             try:
                 short = len(self.observed.live) < self._want_live
+                if now >= next_leases and syncer is not None:
+                    # Once a lease period, like the learners' leases: a standalone closer
+                    # that runs takes the rounds over from the embedded ones.
+                    await ex.observe_leases(self._closers, CLOSERS)
                 if now >= next_leases or (short and now >= next_wanted):
                     self._see(live=await ex.observe_leases(tracker))
                     # Leases change once per lease period; listing them every poll would
@@ -444,7 +449,7 @@ class Mailman:
                 # here rather than reading them again.
                 if syncer is not None and await syncer.poll(
                     live=self.observed.live, refresh_live=refresh, records=fresh,
-                    waiting=self._blocked,
+                    waiting=self._blocked, standalone=self._closers.live(self.clock.now()),
                 ):
                     # It committed a round: its own learner takes the commit now, not a
                     # poll later; the sweep after it, while training goes on.

@@ -11,8 +11,10 @@ listing shows its counter moved.
 
 Keys: `leases/<learner>/<counter>` (12 digits). A beat creates the next key and then
 deletes the previous one, so one LIST of `leases/` (one page per 1,000 learners) returns
-every learner's counter. `LeaseTracker` and `lease_counters` are pure: fed keys, counters
-and times, and tested with plain floats.
+every learner's counter. A standalone closer (`gradientmail sync`) beats a lease of the
+same shape under `closers/<closer>/<counter>`, apart from the learners' because it is no
+learner: it never counts toward a quorum. `LeaseTracker` and `lease_counters` are pure:
+fed keys, counters and times, and tested with plain floats.
 """
 
 from __future__ import annotations
@@ -20,30 +22,38 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping
+from typing import Literal
 
 from gradientmail.errors import ConfigError, LocalProtocolError
 from gradientmail.wire.records import check_learner_id
 
-__all__ = ["LeaseTracker", "lease_counters", "lease_key"]
+__all__ = ["CLOSERS", "LEARNERS", "LeaseArea", "LeaseTracker", "lease_counters", "lease_key"]
 
-_LEASE = re.compile(r"leases/([^/]+)/(\d{12})")
+#: Where a lease lives: the learners' (`leases/`) or the standalone closers' (`closers/`).
+LeaseArea = Literal["leases", "closers"]
+LEARNERS: LeaseArea = "leases"
+CLOSERS: LeaseArea = "closers"
+_LEASE = {area: re.compile(area + r"/([^/]+)/(\d{12})") for area in (LEARNERS, CLOSERS)}
 
 
-def lease_key(learner: str, counter: int) -> str:
-    """`leases/<learner>/<counter>`, the key a learner's beat number `counter` creates."""
+def lease_key(learner: str, counter: int, area: LeaseArea = LEARNERS) -> str:
+    """`<area>/<learner>/<counter>`, the key a beat number `counter` creates."""
     check_learner_id(learner)
     if isinstance(counter, bool) or not isinstance(counter, int) or not 0 <= counter < 10**12:
         raise LocalProtocolError(f"lease counter={counter!r} must be an integer in [0, 10**12)")
-    return f"leases/{learner}/{counter:012d}"
+    if area not in _LEASE:
+        raise LocalProtocolError(f"lease area={area!r} must be one of {sorted(_LEASE)}")
+    return f"{area}/{learner}/{counter:012d}"
 
 
-def lease_counters(keys: Iterable[str]) -> dict[str, int]:
-    """Each learner's counter from a listing of `leases/` (the highest, if a beat is half
+def lease_counters(keys: Iterable[str], area: LeaseArea = LEARNERS) -> dict[str, int]:
+    """Each holder's counter from a listing of `<area>/` (the highest, if a beat is half
     done). Keys of another shape are ignored: a stray key names no learner we could
     attribute it to, and must not deny everyone else's liveness."""
+    pattern = _LEASE[area]
     out: dict[str, int] = {}
     for key in keys:
-        m = _LEASE.fullmatch(key)
+        m = pattern.fullmatch(key)
         if m is None:
             continue
         learner, counter = m.group(1), int(m.group(2))

@@ -8,6 +8,7 @@ order)::
     init/<attempt>/<fragment><ext>             Θ⁰ of each fragment, by creation attempt
     init/<attempt>/<fragment>/<k>-of-<n><ext>  or Θ⁰ of a fragment in parts, one per rank
     leases/<learner>/<counter>                 liveness: one key per learner, bumped
+    closers/<closer>/<counter>                 a standalone closer's liveness, the same way
     rollcall.json                              the roll call: the open call, or its verdict
                                                (overwritten by each; see gradientmail.run.rollcall)
     snapshots/<round>/<learner>.json           a contribution record
@@ -62,7 +63,13 @@ from gradientmail.run.keyspace import (
     screen_snapshot,
     screen_snapshots,
 )
-from gradientmail.run.lease import LeaseTracker, lease_counters, lease_key
+from gradientmail.run.lease import (
+    LEARNERS,
+    LeaseArea,
+    LeaseTracker,
+    lease_counters,
+    lease_key,
+)
 from gradientmail.run.rollcall import Call
 from gradientmail.run.store import RANGED_AREAS, RunStore
 from gradientmail.wire import compression as codec
@@ -169,40 +176,44 @@ class Exchange(RunStore):
 
     # -- leases ----------------------------------------------------------------------
 
-    async def beat(self, learner: str) -> int:
-        """Bump `learner`'s lease counter: create the next key, then delete the previous,
-        so a listing never misses a live learner. Returns the new counter."""
+    async def beat(self, learner: str, area: LeaseArea = LEARNERS) -> int:
+        """Bump `learner`'s lease counter (a standalone closer's under `area="closers"`):
+        create the next key, then delete the previous, so a listing never misses a live
+        holder. Returns the new counter."""
         check_learner_id(learner)
-        counter = self._lease_counter.get(learner)
+        counter = self._lease_counter.get(_holder(area, learner))
         if counter is None:
             # A restarted learner continues after its old counter (still listed until
             # deleted): counting from 0 again would look like no change to observers.
-            stale = await self._list(f"leases/{learner}/")
-            counter = lease_counters(stale).get(learner, -1)
+            stale = await self._list(f"{area}/{learner}/")
+            counter = lease_counters(stale, area).get(learner, -1)
         else:
-            stale = [lease_key(learner, counter)]
-        await self.mailbox.put(self.prefix + lease_key(learner, counter + 1), b"")
+            stale = [lease_key(learner, counter, area)]
+        await self.mailbox.put(self.prefix + lease_key(learner, counter + 1, area), b"")
         # Counted before the deletes: a beat cancelled between them (a learner closing)
         # leaves `release` both keys to delete, never the new one behind.
-        self._lease_counter[learner] = counter + 1
+        self._lease_counter[_holder(area, learner)] = counter + 1
         for key in stale:
             await self.mailbox.delete(self.prefix + key)
         return counter + 1
 
-    async def leases(self) -> dict[str, int]:
-        """Every learner's lease counter (one LIST per 1,000 learners)."""
-        return lease_counters(await self._list("leases/"))
+    async def leases(self, area: LeaseArea = LEARNERS) -> dict[str, int]:
+        """Every learner's lease counter, or every standalone closer's with
+        `area="closers"` (one LIST per 1,000)."""
+        return lease_counters(await self._list(f"{area}/"), area)
 
-    async def observe_leases(self, tracker: LeaseTracker) -> frozenset[str]:
-        """List the leases, feed `tracker` at this Exchange's clock time; the live learners."""
-        counters = await self.leases()
+    async def observe_leases(self, tracker: LeaseTracker,
+                             area: LeaseArea = LEARNERS) -> frozenset[str]:
+        """List the leases of `area`, feed `tracker` at this Exchange's clock time; the
+        live holders."""
+        counters = await self.leases(area)
         now = self.clock.now()
         tracker.observe(counters, now)
         return tracker.live(now)
 
     def lease_counter(self, learner: str) -> int | None:
         """`learner`'s lease counter as this Exchange last beat it (None: never)."""
-        return self._lease_counter.get(learner)
+        return self._lease_counter.get(_holder(LEARNERS, learner))
 
     async def drop_lease(self, learner: str, counter: int) -> None:
         """Delete the lease key of `learner` at `counter`, judged gone by a roll call:
@@ -219,15 +230,15 @@ class Exchange(RunStore):
         """Write `call` (a new call, or the verdict of one) over `rollcall.json`."""
         await self.mailbox.put(self.prefix + CALL_KEY, self.seal.seal(CALL_KEY, call.encode()))
 
-    async def release(self, learner: str) -> None:
+    async def release(self, learner: str, area: LeaseArea = LEARNERS) -> None:
         """Delete `learner`'s lease: observers stop counting it at their next listing."""
         check_learner_id(learner)
-        counter = self._lease_counter.pop(learner, None)
+        counter = self._lease_counter.pop(_holder(area, learner), None)
         if counter is not None:
             # Its predecessor too, in case a beat was cancelled before deleting it.
-            keys = [lease_key(learner, c) for c in (counter, counter - 1) if c >= 0]
+            keys = [lease_key(learner, c, area) for c in (counter, counter - 1) if c >= 0]
         else:
-            keys = await self._list(f"leases/{learner}/")
+            keys = await self._list(f"{area}/{learner}/")
         for key in keys:
             await self.mailbox.delete(self.prefix + key)
 
@@ -559,3 +570,9 @@ class Exchange(RunStore):
         for key in doomed:
             await self.mailbox.delete(self.prefix + key)
         return doomed
+
+
+def _holder(area: LeaseArea, holder: str) -> str:
+    """The key of `holder`'s counter in `_lease_counter`: a learner and a standalone closer
+    may share an id, never a counter."""
+    return holder if area == LEARNERS else f"{area}/{holder}"

@@ -32,6 +32,7 @@ from gradientmail.events import (
     CommitLost,
     ContributionDropped,
     EventSink,
+    PollFailed,
     RoundClaimed,
     RoundClosed,
     Swept,
@@ -39,7 +40,7 @@ from gradientmail.events import (
 )
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
-from gradientmail.run.lease import LeaseTracker
+from gradientmail.run.lease import CLOSERS, LeaseTracker
 from gradientmail.run.protocol import Exchange, check_delta
 from gradientmail.run.replica import Replica, theta_digest
 from gradientmail.syncer.caller import RollCaller
@@ -157,6 +158,10 @@ class Syncer:
         self.watch_every = max(1, int(watch_every))
         self.backup_every = max(1, int(backup_every))
         self.embedded = embedded
+        self.lease_timeout = float(lease_timeout)
+        # The standalone closers holding a lease, as the embedding learner last listed
+        # them: while there is one, this embedded closer is only a backup.
+        self._standalone: frozenset[str] = frozenset()
         self._next_watch = -math.inf
         # The tracker `refresh_live` feeds: an embedded syncer shares its learner's.
         self._tracker = leases if leases is not None else LeaseTracker(lease_timeout)
@@ -182,19 +187,30 @@ class Syncer:
     # -- loop ---------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
-        """Poll until `stop` is set (or forever); a failed poll is logged and retried."""
-        from gradientmail.events import PollFailed
+        """Poll until `stop` is set (or forever); a failed poll is logged and retried.
 
-        while stop is None or not stop.is_set():
-            try:
-                await self.poll()
-            except asyncio.CancelledError:
-                raise
-            except GradientmailError as exc:
-                self.on_event(PollFailed(self.closer_id, repr(exc)))
-            except OSError as exc:
-                self.on_event(PollFailed(self.closer_id, repr(exc)))
-            await sleep_unless(self.clock, self.poll_interval, stop)
+        A standalone syncer also holds a lease under `closers/` (beaten every half
+        `lease_timeout` from the start, released when `stop` ends the loop): the
+        learners' embedded closers see it and leave the rounds to it, so that no round
+        is funnelled through one learner's link while a closer next to the bucket runs.
+        """
+        beats = _Beats(self) if not self.embedded else None
+        try:
+            while stop is None or not stop.is_set():
+                try:
+                    if beats is not None:
+                        # From the start, before any run exists: learners list the
+                        # closers once a lease period, the first time when they join.
+                        await beats.beat()
+                    await self.poll()
+                except asyncio.CancelledError:
+                    raise
+                except (GradientmailError, OSError) as exc:
+                    self.on_event(PollFailed(self.closer_id, repr(exc)))
+                await sleep_unless(self.clock, self.poll_interval, stop)
+        finally:
+            if beats is not None:
+                await beats.release()
 
     async def poll(
         self,
@@ -202,6 +218,7 @@ class Syncer:
         refresh_live: Callable[[], Awaitable[frozenset[str]]] | None = None,
         records: Sequence[RoundRecord] | None = None,
         waiting: bool = False,
+        standalone: frozenset[str] = frozenset(),
     ) -> bool:
         """One pass: catch up with the records, watch the open round, close it if due.
 
@@ -210,8 +227,12 @@ class Syncer:
         given `live` is final, and the syncer never calls the roll); with neither, the
         syncer lists the leases itself. `waiting`: the embedding learner's training waits
         for a commit (a barrier), so a backup closer calls the roll when the round it could
-        close is left unclaimed. Returns True when this call committed a round.
+        close is left unclaimed. `standalone`: the standalone closers the embedding learner
+        saw holding a lease; while there is one, an embedded syncer is only a backup (it
+        takes no offer, prefers no round, and closes none on completing its set).
+        Returns True when this call committed a round.
         """
+        self._standalone = standalone if self.embedded else frozenset()
         # The offers made before this pass: it merges the open round's if it closes that
         # round now; every other is declined when it ends (the learner uploads them).
         offers, self._offers = self._offers, {}
@@ -251,8 +272,10 @@ class Syncer:
             # A call of ours is open: the leases every poll, until the verdict.
             live = await self._caller.judge(now, live if listed_now else await refresh_live())
         o = self._open
-        preferred = not self.embedded or preferred_closer(r, live) == self.closer_id
-        offer = offers.get(r)
+        standalone = bool(self._standalone)
+        preferred = not self.embedded or (
+            not standalone and preferred_closer(r, live) == self.closer_id)
+        offer = None if standalone else offers.get(r)
         if lists_contributions(now, self._next_watch, preferred, o.preferred,
                                offer is not None):
             self._next_watch = -math.inf  # should the LIST fail, the next poll tries again
@@ -270,7 +293,8 @@ class Syncer:
         grace = alg.grace_window(self._estimates(), self._sch(), r, self.poll_interval)
         view = PollView(r, now, self.closer_id, dict(o.first_seen), live, dict(self._paces),
                         alg.quorum_size, grace, preferred, self.embedded, self.backup_every,
-                        self.poll_interval, calling, waiting, o.refreshed)
+                        self.poll_interval, calling, waiting, o.refreshed,
+                        standalone=standalone)
         decision = decide_poll(view)
         while decision.relist is not None:
             o.refreshed = o.refreshed or decision.relist == "early"
@@ -330,7 +354,7 @@ class Syncer:
         poll ends) and the learner uploads as usual. Rounds other than the open one are
         declined at the next poll."""
         taken: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        if draft.learner != self.closer_id or draft.round <= self._cursor:
+        if draft.learner != self.closer_id or draft.round <= self._cursor or self._standalone:
             taken.set_result(False)
             return taken
         old = self._offers.pop(draft.round, None)
@@ -586,6 +610,36 @@ class Syncer:
                 and own[0] == snap.payload.sha256:
             return dict(check_delta(own[1], snap, schema, names))
         return await self.exchange.fetch_delta(snap, schema, names)
+
+
+class _Beats:
+    """A standalone syncer's lease under `closers/`: beaten every half lease timeout, so
+    learners judging it by that timeout never see it lapse while it runs."""
+
+    def __init__(self, syncer: Syncer) -> None:
+        self._syncer = syncer
+        self._next = -math.inf
+        self._held = False
+
+    async def beat(self) -> None:
+        s = self._syncer
+        now = s.clock.now()
+        if now < self._next:
+            return
+        await s.exchange.beat(s.closer_id, CLOSERS)
+        self._held = True
+        self._next = now + s.lease_timeout / 2
+
+    async def release(self) -> None:
+        """Delete the lease (learners take the rounds back at their next listing); a store
+        that fails here only delays that until the lease times out."""
+        if not self._held:
+            return
+        s = self._syncer
+        try:
+            await s.exchange.release(s.closer_id, CLOSERS)
+        except (GradientmailError, OSError) as exc:
+            s.on_event(PollFailed(s.closer_id, repr(exc)))
 
 
 def _constant(live: frozenset[str]) -> Callable[[], Awaitable[frozenset[str]]]:
