@@ -703,7 +703,7 @@ def test_a_learner_whose_run_vanished_stops_with_an_error_naming_it(tmp_path: An
 
 
 def test_a_blocked_learner_looks_for_its_commit_sooner_backing_off() -> None:
-    from gradientmail.learner.mailman import poll_delay
+    from gradientmail.run.cadence import poll_delay
 
     assert poll_delay(1.0, 0) == 1.0  # training: the poll interval
     # Doubling up to 0.05 s: a barrier's learner sees its commit within 0.05 s.

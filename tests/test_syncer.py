@@ -1005,6 +1005,40 @@ def test_a_standalone_syncer_holds_a_closer_lease_while_it_runs(mailbox: Mailbox
     run(main())
 
 
+def test_a_standalone_syncer_closes_within_moments_of_the_last_arrival(
+        mailbox: Mailbox) -> None:
+    """Between polls (10 s apart here) it GETs the records of the learners its round still
+    awaits, so the round closes ~50 ms after the last one lands, not at the next poll."""
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=2))
+        clock = fake(r)
+        await r.create()
+        await r.ex.beat("a")
+        await r.ex.beat("b")
+        counting = CountingMailbox(mailbox)
+        s = r.syncer("sync-1", mailbox=counting, poll_interval=10.0, sweep=False)
+        stop = asyncio.Event()
+        task = asyncio.create_task(s.run(stop))
+        await clock.sleep(1.0)
+        await r.contribute(0, "a")
+        await clock.sleep(12.0)  # one poll has seen a's contribution
+        assert await r.ex.read_round(0) is None
+        before = counting.snapshot()
+        arrived = clock.now()
+        await r.contribute(0, "b")
+        while await r.ex.read_round(0) is None:
+            await clock.sleep(0.01)
+        assert clock.now() - arrived <= 0.1  # not the 10 s poll interval
+        # Looked for b alone, one GET at a time; not a LIST every look.
+        # (The poll that closed it lists the leases twice, the contributions, the claims:
+        # the one LIST a look would have cost is not there.)
+        assert counting.snapshot().list - before.list <= 5
+        stop.set()
+        await task
+
+    run(main())
+
+
 def test_the_sweep_keeps_the_newest_checkpoint_and_the_steps_after_it(
         mailbox: Mailbox) -> None:
     async def main() -> None:

@@ -21,6 +21,7 @@ from gradientmail.syncer.state import (
     lists_contributions,
     much_slower,
     next_claim_attempt,
+    probe_from,
     updated_estimates,
     watch_polls,
 )
@@ -265,3 +266,13 @@ def test_claims_are_listed_when_none_is_current() -> None:
     assert not lists_claims({0: 5.0}, 14.9, 10.0)
     assert lists_claims({0: 5.0}, 15.0, 10.0)
     assert not lists_claims({0: 1.0, 1: 20.0}, 25.0, 10.0)
+
+
+def test_a_standalone_closer_looks_between_polls_once_contributions_are_due() -> None:
+    # Something is in: the rest of the set is on its way, look from then on.
+    assert probe_from(100.0, 10, 0.5, first_seen=104.0) == 104.0
+    # Nothing yet: from when the learners were due to contribute, `gap` steps after the
+    # round opened; with no pace known, only at the polls.
+    assert probe_from(100.0, 10, 0.5, first_seen=None) == 105.0
+    assert probe_from(100.0, 10, None, first_seen=None) is None
+    assert probe_from(100.0, 10, float("nan"), first_seen=None) is None

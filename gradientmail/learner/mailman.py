@@ -39,6 +39,7 @@ from gradientmail.learner.poster import Poster
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
 from gradientmail.mailbox.wrappers import CountingMailbox
+from gradientmail.run.cadence import poll_delay
 from gradientmail.run.join import InitUploader, JoinResult, Loader, join_run
 from gradientmail.run.lease import CLOSERS, LeaseTracker
 from gradientmail.run.protocol import MANIFEST_KEY, Exchange
@@ -48,8 +49,7 @@ from gradientmail.syncer.runtime import Syncer
 from gradientmail.wire.auth import HmacSeal
 from gradientmail.wire.records import Manifest, PayloadRef, RoundRecord
 
-__all__ = ["BACKUP_EVERY", "MANIFEST_EVERY", "WAITING_POLL", "Mailman", "delta_format",
-           "poll_delay"]
+__all__ = ["BACKUP_EVERY", "MANIFEST_EVERY", "Mailman", "delta_format"]
 
 #: Polls between a learner's own looks at who published the next round, when its
 #: embedded syncer is not watching that round already.
@@ -57,21 +57,6 @@ BACKUP_EVERY = 30
 #: Polls between a learner's looks at the run's manifest (one GET): a run removed under
 #: it must stop it with an error, not leave it training into a directory it recreates.
 MANIFEST_EVERY = 10
-#: Seconds between a learner's looks at the next record while its training thread is
-#: blocked on a commit (a barrier, or `overlap_steps`), doubling up to WAITING_CAP (or
-#: the poll interval, when shorter): a GET of a known key is cheap ($0.40 per million on
-#: S3: 20 a second cost $0.029 per hour spent blocked, a few cents a day for a standard
-#: DiLoCo learner blocked a few percent of its time), and the wait between the commit and
-#: its learners' next look is what a barrier costs on top of the merge. Doubling up to
-#: the poll interval (1 s) cost standard DiLoCo ~1 s a round against torchft's 0.35 s;
-#: up to 0.16 s, ~80 ms a round on average for the learners that did not close it.
-WAITING_POLL = 0.02
-WAITING_CAP = 0.05
-#: The same on a mailbox whose requests cost nothing (`Mailbox.metered` false: a local
-#: directory, memory): a look is a few system calls, so a barrier's closer sees the last
-#: contribution, and its learners the commit, within milliseconds, not a poll later.
-FREE_WAITING_POLL = 0.002
-FREE_WAITING_CAP = 0.01
 #: Seconds between lease listings of a learner waiting for others to join
 #: (`Learner.wait_for_learners`) on a billed store.
 WANTED_LIST = 0.2
@@ -89,17 +74,6 @@ def _init_uploader(crew: Crew, ex: Exchange) -> InitUploader:
         return await crew.upload_init(ex, fragment, names, attempt)
 
     return upload
-
-
-def poll_delay(poll_interval: float, blocked_polls: int, metered: bool = True) -> float:
-    """The receive loop's sleep: the poll interval, or, `blocked_polls` polls into a wait
-    of the training thread, WAITING_POLL doubling per poll up to WAITING_CAP (their FREE_
-    values on an unmetered mailbox)."""
-    if blocked_polls <= 0:
-        return poll_interval
-    first, cap = (WAITING_POLL, WAITING_CAP) if metered else (FREE_WAITING_POLL,
-                                                              FREE_WAITING_CAP)
-    return min(poll_interval, cap, first * (1 << min(blocked_polls - 1, 30)))
 
 
 class Mailman:

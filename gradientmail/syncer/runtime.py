@@ -26,7 +26,7 @@ from gradientmail.algorithms.registry import algorithm_from_json
 from gradientmail.algorithms.schedule import Estimates, RoundSchedule
 from gradientmail.backends.base import Backend
 from gradientmail.clock import Clock, MonotonicClock, sleep_unless, wall_time
-from gradientmail.errors import ConfigError, GradientmailError
+from gradientmail.errors import ConfigError, GradientmailError, RemoteProtocolError
 from gradientmail.events import (
     ClaimSuperseded,
     CommitLost,
@@ -40,6 +40,7 @@ from gradientmail.events import (
 )
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
+from gradientmail.run.cadence import poll_delay
 from gradientmail.run.lease import CLOSERS, LeaseTracker
 from gradientmail.run.protocol import Exchange, check_delta
 from gradientmail.run.replica import Replica, theta_digest
@@ -55,6 +56,7 @@ from gradientmail.syncer.state import (
     lists_contributions,
     next_claim_attempt,
     preferred_closer,
+    probe_from,
     updated_estimates,
 )
 from gradientmail.wire.records import (
@@ -78,11 +80,22 @@ class _Open:
     """What this syncer has seen of the open round (observer-clock times)."""
 
     round: int
+    opened: float  # when the record before it was accepted
     first_seen: dict[str, float] = dataclasses.field(default_factory=dict)
     claims: dict[int, float] = dataclasses.field(default_factory=dict)
     refreshed: bool = False  # the leases were listed again before an early close
     idle: int = 0  # listings in a row that found no new contribution
     preferred: bool = False  # this closer was the round's preferred one at the last poll
+
+
+@dataclasses.dataclass(frozen=True)
+class _Awaiting:
+    """A standalone syncer's open round `round` awaits `missing`: from `since` on, the
+    syncer looks for their records between polls (`Syncer.run`)."""
+
+    round: int
+    missing: tuple[str, ...]
+    since: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +194,8 @@ class Syncer:
         self._replica = replica
         # Each learner's step seconds as the newest record it took part in reported them.
         self._paces: dict[str, float] = {}
-        self._open = _Open(0)
+        self._open = _Open(0, self.clock.now())
+        self._awaiting: _Awaiting | None = None
         self.rounds_closed = 0
 
     # -- loop ---------------------------------------------------------------------------
@@ -207,7 +221,7 @@ class Syncer:
                     raise
                 except (GradientmailError, OSError) as exc:
                     self.on_event(PollFailed(self.closer_id, repr(exc)))
-                await sleep_unless(self.clock, self.poll_interval, stop)
+                await self._between_polls(stop)
         finally:
             if beats is not None:
                 await beats.release()
@@ -305,6 +319,7 @@ class Syncer:
             # The window is open: look every poll, so the round closes as soon as the
             # last learner it waits for is in (one LIST a poll, for one closer a round).
             self._next_watch = -math.inf
+        self._awaiting = self._awaited(r, o, decision)
         if decision.call_roll:
             await self._caller.maybe_call(r, o.first_seen, alg.quorum_size, live,
                                           refresh_live, now, decision.held,
@@ -313,6 +328,51 @@ class Syncer:
             return False
         return await self._claim(r, now, RoundWatch(r, view.first_seen), decision, grace,
                                  offer)
+
+    def _awaited(self, r: int, o: _Open, decision: PollDecision) -> _Awaiting | None:
+        """What a standalone syncer looks for between polls (`probe_from`): the awaited
+        learners not in yet, while the round is not due."""
+        if self.embedded or decision.claim:
+            return None
+        missing = tuple(sorted(decision.awaited - set(o.first_seen)))
+        first = min(o.first_seen.values(), default=None)
+        since = probe_from(o.opened, self._sch().gap(r), self._estimates().step, first)
+        return None if not missing or since is None else _Awaiting(r, missing, since)
+
+    async def _between_polls(self, stop: asyncio.Event | None) -> None:
+        """Sleep out the poll interval; while the open round awaits contributions that are
+        due by now (`_awaiting`), GET the missing learners' records every `poll_delay`
+        (one GET each: a tenth of a LIST's price) and return as soon as one is there, so
+        that the round closes within ~50 ms of its last arrival, not up to a poll later."""
+        end = self.clock.now() + self.poll_interval
+        looks = 0
+        while stop is None or not stop.is_set():
+            now = self.clock.now()
+            aw = self._awaiting
+            if now >= end:
+                return
+            if aw is None or now < aw.since:
+                wake = end if aw is None else min(end, aw.since)
+                await sleep_unless(self.clock, wake - now, stop)
+                continue
+            looks += 1
+            delay = poll_delay(self.poll_interval, looks, self.exchange.mailbox.metered)
+            await sleep_unless(self.clock, min(delay, end - now), stop)
+            if await self._arrived(aw):
+                return
+
+    async def _arrived(self, aw: _Awaiting) -> bool:
+        """Whether any of `aw.missing` has a record in the round (or something the next
+        poll must look at: a record that does not read)."""
+        for learner in aw.missing:
+            try:
+                if await self.exchange.contribution(aw.round, learner) is not None:
+                    return True
+            except RemoteProtocolError:
+                return True
+            except (GradientmailError, OSError):
+                return False  # the store fails: the next poll reports it
+        return False
 
     async def _claim(self, r: int, now: float, watch: RoundWatch, decision: PollDecision,
                      grace: float, offer: _Offer | None) -> bool:
@@ -413,7 +473,7 @@ class Syncer:
         self._latest = await self.exchange.latest_commit_per_fragment(len(manifest.plan), newest)
         self._cursor = newest
         self._last = max(self._latest.values(), key=lambda rec: rec.round, default=None)
-        self._open = _Open(newest + 1)
+        self._open = _Open(newest + 1, self.clock.now())
         return True
 
     async def _catch_up(self) -> None:
@@ -434,7 +494,8 @@ class Syncer:
         for p in rec.participants:
             if p.step_seconds is not None:
                 self._paces[p.learner] = p.step_seconds
-        self._open = _Open(rec.round + 1)
+        self._open = _Open(rec.round + 1, self.clock.now())
+        self._awaiting = None
 
     async def _fragment_state(self, fragment: int) -> FragmentState:
         assert self._replica is not None

@@ -33,6 +33,7 @@ __all__ = [
     "much_slower",
     "next_claim_attempt",
     "preferred_closer",
+    "probe_from",
     "updated_estimates",
     "watch_polls",
 ]
@@ -349,6 +350,26 @@ def decide_poll(view: PollView) -> PollDecision:
         claim=due is not None and view.now >= due,
         quorum_time=watch.quorum_time(effective_quorum(view.quorum_size, len(view.live))),
     )
+
+
+def probe_from(opened: float, gap: int, step_seconds: float | None,
+               first_seen: float | None) -> float | None:
+    """From when (observer time) a standalone closer looks for its open round's missing
+    contributions every `cadence.poll_delay` instead of every poll interval, or None
+    (not before its next listing).
+
+    From the first contribution it saw: the rest of a barrier's set is on its way, and
+    every moment between the last arrival and the closer's next look is a moment every
+    learner waits. Before any: from when the learners' contributions are expected, `gap`
+    steps of `step_seconds` after the round opened (when this closer saw the record
+    before it) — equal learners arrive together, and a closer that first lists them up to
+    a poll interval late costs each round that much. Unknown pace: its listings only.
+    """
+    if first_seen is not None:
+        return first_seen
+    if step_seconds is None or not math.isfinite(step_seconds) or step_seconds < 0:
+        return None
+    return opened + gap * step_seconds
 
 
 def lists_claims(claims: Mapping[int, float], now: float, takeover_timeout: float) -> bool:
