@@ -15,6 +15,7 @@ from gradientmail.traffic import Traffic
 
 __all__ = [
     "AwaitingCreator",
+    "AwaitingLearners",
     "ClaimSuperseded",
     "Closed",
     "Closing",
@@ -98,6 +99,22 @@ class AwaitingCreator(Event):
 
     learner: str
     attempt: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AwaitingLearners(Event):
+    """The learner waits at train start for `wanted` learners to hold a lease (`live` do,
+    this one included): when it starts, whenever the live set changes, and every
+    `gradientmail.learner.runtime.AWAIT_REPORT_EVERY` seconds of its clock."""
+
+    learner: str
+    live: tuple[str, ...]
+    wanted: int
+    waited: float
+
+    def describe(self) -> str:
+        return (f"learner {self.learner!r} waits for {self.wanted} learners to start: "
+                f"{len(self.live)} live ({', '.join(self.live)}) after {self.waited:.0f}s")
 
 
 @dataclasses.dataclass(frozen=True)

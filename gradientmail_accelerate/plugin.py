@@ -11,7 +11,8 @@ The YAML file::
     mailbox: runs/demo            # a directory, file:///dir, s3://bucket/prefix
     learner_id: node-3            # optional; default <host>-<pid> of rank 0
     poll_interval: 0.5            # and sync, compression, tokens_per_step, lease_every,
-                                  # lease_timeout, prefix
+                                  # lease_timeout, prefix, wait_for_learners,
+                                  # wait_timeout
     diloco:                       # the fields of gradientmail.DiLoCo
       sync_every: 50
       fragments: 2
@@ -41,6 +42,8 @@ from gradientmail.algorithms.diloco import ByBytes, DiLoCo, Rda, Strided, Weight
 from gradientmail.algorithms.merge import Merge
 from gradientmail.algorithms.partition import Partition
 from gradientmail.errors import ConfigError, MissingExtra
+from gradientmail.integration.together import check_wait
+from gradientmail.learner.runtime import WAIT_TIMEOUT
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.traffic import S3_STANDARD, Prices
 from gradientmail.wire.auth import RUN_KEY_VARIABLE, env_run_key
@@ -72,6 +75,8 @@ _PLUGIN_KINDS = {
     "lease_every": "float",
     "lease_timeout": "float",
     "prefix": "str",
+    "wait_for_learners": "int?",
+    "wait_timeout": "float",
 }
 _DILOCO_KINDS = {
     "sync_every": "int",
@@ -108,7 +113,10 @@ class DiLoCoPlugin:
     checkpoint carries); `tokens_per_step`: tokens one process consumes per optimizer
     step, an int or a callable returning this step's count (None: count with
     `DiLoCo.count(batch)`, or 0, which merges learners as equals); `sync` runs a syncer
-    in the learner; the rest go to `gradientmail.Learner` as they are.
+    in the learner; `wait_for_learners` learners (this one included; None: those a
+    barrier needs, `quorum_size` when `overlap_steps=0`; 0: none) are waited for at
+    `start()`, for up to `wait_timeout` seconds; the rest go to `gradientmail.Learner` as
+    they are.
     """
 
     mailbox: Mailbox | str
@@ -121,6 +129,8 @@ class DiLoCoPlugin:
     lease_every: float = 60.0
     lease_timeout: float = 120.0
     prefix: str = ""
+    wait_for_learners: int | None = None
+    wait_timeout: float = WAIT_TIMEOUT
     run_key: str | bytes | None = dataclasses.field(default=None, repr=False)
     #: What the learner's traffic is priced at (`Learner.traffic`, the `diloco/cost_*`
     #: metrics): S3 Standard by default.
@@ -174,6 +184,7 @@ class DiLoCoPlugin:
             raise ConfigError(
                 f"compression={self.compression!r} is not a codec; use 'off' or 'zstd'{hint}"
             )
+        check_wait(self.wait_for_learners, self.wait_timeout)
         if not isinstance(self.prefix, str):
             raise ConfigError(f"prefix={self.prefix!r} must be a string")
         if self.run_key is not None and not isinstance(self.run_key, str | bytes):

@@ -38,7 +38,7 @@ import torch
 from torch.utils.data import Sampler
 
 from gradientmail.adapters.torch import TorchAdapter
-from gradientmail.errors import ConfigError
+from gradientmail.errors import ConfigError, GradientmailError
 from gradientmail.events import Event, EventSink, log_events
 from gradientmail.integration import (
     BatchSizeHook,
@@ -53,7 +53,8 @@ from gradientmail.integration import (
     count_tokens,
 )
 from gradientmail.integration.parted import is_sharded
-from gradientmail.learner.runtime import Learner
+from gradientmail.integration.together import learners_to_await
+from gradientmail.learner.runtime import WAIT_TIMEOUT, Learner
 from gradientmail_accelerate.plugin import DiLoCoPlugin
 
 __all__ = ["STATE_VERSION", "DiLoCo", "count_tokens"]
@@ -169,6 +170,14 @@ class DiLoCo:
         except BaseException:
             self._closed = True
             raise
+        p = self.plugin
+        try:
+            self._sync.wait_for_learners(
+                learners_to_await(p.wait_for_learners, p.resolved_algorithm), p.wait_timeout)
+        except BaseException:
+            self._closed = True
+            self._sync.abandon(self.abort_timeout)
+            raise
         self._hook = self._inner.register_step_post_hook(self._after_step)
 
     def close(self, failed: bool = False) -> None:
@@ -268,10 +277,15 @@ class DiLoCo:
         names as the Lightning callback's (rank 0 knows them all)."""
         return self._sync.metrics()
 
-    def wait_for_learners(self, count: int, timeout: float = 300.0) -> bool:
+    def wait_for_learners(self, count: int, timeout: float = WAIT_TIMEOUT) -> bool:
         """Wait until `count` learners (this one included) hold fresh leases, or `timeout`
-        seconds; True when they do. A collective: call it on every rank after `start()`."""
-        return self._sync.wait_for_learners(count, timeout)
+        seconds; True when they do. A collective: call it on every rank after `start()`
+        (which waits for the plugin's `wait_for_learners` already)."""
+        try:
+            self._sync.wait_for_learners(count, timeout)
+        except GradientmailError:
+            return False
+        return True
 
     # -- checkpointing ------------------------------------------------------------------
 

@@ -51,10 +51,12 @@ from gradientmail.integration import (
     ShareBatchSampler,
     SingleRank,
     TorchRanks,
+    check_wait,
     count_tokens,
+    learners_to_await,
     output_loss,
 )
-from gradientmail.learner.runtime import Learner
+from gradientmail.learner.runtime import WAIT_TIMEOUT, Learner
 from gradientmail.mailbox.base import Mailbox
 
 __all__ = [
@@ -180,7 +182,11 @@ class DiLoCoCallback(Callback):
     `learner_options` go to `Learner` (lease_every, lease_timeout, on_event, prefix,
     keep_versions, backend, clock, run_key: by default `GRADIENTMAIL_RUN_KEY`).
     `abort_timeout` bounds how long closing after an exception may take before the
-    process moves on.
+    process moves on. At train start the learner waits up to `wait_timeout` seconds for
+    `wait_for_learners` learners of the run (itself included) to hold a lease — by
+    default those a barrier needs (`quorum_size` when `overlap_steps=0`, as in standard
+    DiLoCo, whose learners then train every round together; else none); 0 starts at
+    once — and raises naming who is live when they do not come.
     """
 
     abort_timeout: float = 30.0
@@ -196,6 +202,8 @@ class DiLoCoCallback(Callback):
         compression: str = "off",
         log_every_n_steps: int | None = None,
         on_batch_size: BatchSizeHook | None = None,
+        wait_for_learners: int | None = None,
+        wait_timeout: float = WAIT_TIMEOUT,
         **learner_options: Any,
     ) -> None:
         unknown = sorted(set(learner_options) - _LEARNER_OPTIONS)
@@ -221,8 +229,11 @@ class DiLoCoCallback(Callback):
                 f"log_every_n_steps={log_every_n_steps!r} must be an int >= 1, or None "
                 "for the Trainer's"
             )
+        check_wait(wait_for_learners, wait_timeout)
         self.mailbox = mailbox
         self.algorithm = algorithm
+        self.wait_for_learners = wait_for_learners
+        self.wait_timeout = wait_timeout
         self.learner_id = learner_id
         self.tokens_per_step = tokens_per_step
         self.sync = sync
@@ -312,6 +323,12 @@ class DiLoCoCallback(Callback):
             self._ranks.start(lambda: self._make_learner(pl_module, parted))
         except BaseException:
             self._ranks = None
+            raise
+        try:
+            self._ranks.wait_for_learners(
+                learners_to_await(self.wait_for_learners, self.algorithm), self.wait_timeout)
+        except BaseException:
+            self._abandon()
             raise
 
     def on_train_batch_end(

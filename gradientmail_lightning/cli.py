@@ -19,6 +19,7 @@ from typing import Literal
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from gradientmail.algorithms.diloco import ByBytes, DiLoCo, Rda, Strided, WeightedMean
+from gradientmail.learner.runtime import WAIT_TIMEOUT
 from gradientmail_lightning.callback import DiLoCoCallback
 from gradientmail_lightning.data import TextDataModule
 from gradientmail_lightning.gpt2 import GPT2Module
@@ -57,12 +58,17 @@ def diloco_callback(
     prefix: str = "",
     log_every_n_steps: int | None = None,
     tokens_per_step: int | None = None,
+    wait_for_learners: int | None = None,
+    wait_timeout: float = WAIT_TIMEOUT,
 ) -> DiLoCoCallback:
     """A DiLoCoCallback from flat settings: `merge` "rda" (with `direct_pattern`) or
     "mean"; `partition` "bytes" or "strided" (with `block_pattern`); the rest are
     `DiLoCo`'s and `Learner`'s arguments of the same names; `tokens_per_step` the
     callback's (the tokens of every batch, when fixed: no all-reduce of the ranks' counts
-    per step; None counts each batch); `GRADIENTMAIL_RUN_KEY`, when set, is the run key
+    per step; None counts each batch) and `wait_for_learners`/`wait_timeout` (how many
+    learners to wait for at train start, by default those a barrier needs; 0 starts at
+    once);
+    `GRADIENTMAIL_RUN_KEY`, when set, is the run key
     (the Learner's default)."""
     algorithm = DiLoCo(
         sync_every=sync_every,
@@ -97,6 +103,8 @@ def diloco_callback(
         lease_every=lease_every,
         lease_timeout=lease_timeout,
         prefix=prefix,
+        wait_for_learners=wait_for_learners,
+        wait_timeout=wait_timeout,
     )
 
 

@@ -69,6 +69,8 @@ def test_environment_overrides_the_yaml_file() -> None:
         "GRADIENTMAIL_LEASE_EVERY": "5",
         "GRADIENTMAIL_LEASE_TIMEOUT": "12.5",
         "GRADIENTMAIL_PREFIX": "runs/a/",
+        "GRADIENTMAIL_WAIT_FOR_LEARNERS": "3",
+        "GRADIENTMAIL_WAIT_TIMEOUT": "90",
         "GRADIENTMAIL_RUN_KEY": "the key of run seven, 32 bytes long",
         "HOME": "/root",
     }
@@ -96,6 +98,8 @@ def test_environment_overrides_the_yaml_file() -> None:
         lease_every=5.0,
         lease_timeout=12.5,
         prefix="runs/a/",
+        wait_for_learners=3,
+        wait_timeout=90.0,
         run_key="the key of run seven, 32 bytes long",
     )
     assert "run seven" not in repr(plugin)
@@ -160,7 +164,8 @@ def test_unknown_keys_are_named_with_the_valid_ones(tmp_path: Path) -> None:
     msg = bad_yaml(tmp_path, "mailbox: m\nmailbx: n\n")
     assert msg.endswith(
         "unknown key mailbx; valid keys: mailbox, learner_id, tokens_per_step, sync, "
-        "poll_interval, compression, lease_every, lease_timeout, prefix, diloco"
+        "poll_interval, compression, lease_every, lease_timeout, prefix, wait_for_learners, "
+        "wait_timeout, diloco"
     )
     msg = bad_yaml(tmp_path, "mailbox: m\ndiloco:\n  sync_evry: 3\n  outer_lrr: 1\n")
     assert "unknown keys diloco.sync_evry, diloco.outer_lrr; valid keys: sync_every, " in msg

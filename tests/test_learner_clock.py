@@ -116,13 +116,22 @@ def test_wait_for_learners_times_out_on_the_clock() -> None:
     clock = FakeClock()
     rec = Stamped(clock)
     with clock.busy():
-        learner, _ = alone(clock, rec, MemoryMailbox(), sync=False)
+        MemoryMailbox.forget("waiting")
+        learner, _ = alone(clock, rec, MemoryMailbox("waiting"), sync=False)
         t0 = clock.now()
         try:
-            learner.wait_for_learners(2, timeout=6.0)
+            learner.wait_for_learners(2, timeout=75.0)
         except GradientmailError as exc:
-            assert "only 1 of 2 learners are live after 6.0s: ['solo']" in str(exc)
+            assert str(exc) == (
+                "learner 'solo' waited 75s for 2 learners of the run in memory://waiting "
+                "to start; 1 hold a lease (solo), 1 more never did. "
+                "Start the other 1 (the same mailbox and prefix), or set wait_for_learners "
+                "lower (0 starts at once) or wait_timeout longer")
         else:
             raise AssertionError("a second learner never came")
-        assert 6.0 <= clock.now() - t0 <= 6.01 + 1e-9
+        assert 75.0 <= clock.now() - t0 <= 75.01 + 1e-9
+        # Said when the wait began, then every 30 s while nobody came.
+        waits = [(round(t - t0), e.live, e.wanted, round(e.waited))
+                 for t, e in rec.of(ev.AwaitingLearners)]
+        assert waits == [(0, ("solo",), 2, 0), (30, ("solo",), 2, 30), (60, ("solo",), 2, 60)]
         learner.close()

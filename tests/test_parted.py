@@ -50,7 +50,7 @@ def train_ranked(sync: RankSync, model: torch.nn.Module, ready: threading.Barrie
     """A rank of the two-rank learner, started: once the plain learner is in, `ROUNDS`
     rounds on worker 0's data (both ranks train alike, 5 tokens a step each), closed."""
     ready.wait(timeout=TIMEOUT)
-    assert sync.wait_for_learners(2, timeout=TIMEOUT)
+    sync.wait_for_learners(2, timeout=TIMEOUT)
     opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
     for step in range(ROUNDS * H):
         inner_step(model, opt, 0, step)

@@ -6,7 +6,8 @@ DDP group on rank 0's parameters over a small `Ranks` contract of collectives
 `count_tokens` is the one rule for how many tokens a batch holds; `METRICS` names and
 explains the `diloco/...` metrics both report, which `RunMetrics` accumulates; and
 `per_process_batch`, `BatchSizes` and `ShareBatchSampler` size batches to the learner's
-share of `global_batch_size`. With `PartedRanks`, the ranks each mail and read their own
+share of `global_batch_size`; `learners_to_await` says how many learners to wait for at
+train start. With `PartedRanks`, the ranks each mail and read their own
 rows instead (FSDP2 shards, or a DDP group splitting its upload). Needs torch.
 """
 
@@ -21,6 +22,7 @@ from gradientmail.integration.metrics import METRICS, PREFIX, RunMetrics
 from gradientmail.integration.parted import PartedRanks
 from gradientmail.integration.ranks import Ranks, SingleRank, ThreadRanks, TorchRanks
 from gradientmail.integration.sync import RankSync
+from gradientmail.integration.together import check_wait, learners_to_await
 from gradientmail.integration.tokens import count_tokens
 
 __all__ = [
@@ -37,7 +39,9 @@ __all__ = [
     "SingleRank",
     "ThreadRanks",
     "TorchRanks",
+    "check_wait",
     "count_tokens",
+    "learners_to_await",
     "output_loss",
     "per_process_batch",
 ]

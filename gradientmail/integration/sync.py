@@ -171,19 +171,21 @@ class RankSync:
         elif failure is not None:
             raise failure
 
-    def wait_for_learners(self, count: int, timeout: float) -> bool:
-        """Whether `count` learners (this one included) held fresh leases within
-        `timeout` seconds; the same answer on every rank."""
-        ok = False
-        if self.learner is not None:
+    def wait_for_learners(self, count: int, timeout: float) -> None:
+        """Return once `count` learners (this one included) hold a lease; after `timeout`
+        seconds raise on every rank: rank 0 its learner's error (naming who is live), the
+        others one naming rank 0. Nothing to wait for below 2."""
+        failure: BaseException | None = None
+        if self.learner is not None and count > 1:
             try:
                 self.learner.wait_for_learners(count, timeout)
-                ok = True
-            except GradientmailError:
-                ok = False
+            except GradientmailError as exc:
+                failure = exc
         if self.ranks.world_size > 1:
-            ok = bool(self.ranks.broadcast_ints([int(ok)])[0])
-        return ok
+            if self.ranks.broadcast_ints([_FAILED if failure else _OK])[0] != _OK:
+                self._raise_for_rank0(failure, "wait_for_learners")
+        elif failure is not None:
+            raise failure
 
     # -- local ------------------------------------------------------------------------------
 

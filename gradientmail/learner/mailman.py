@@ -165,6 +165,14 @@ class Mailman:
     # -- messages from the training thread ------------------------------------------------
 
     @property
+    def where(self) -> str:
+        """The run's place, for messages (the mailbox URL and prefix once started)."""
+        if self._exchange is not None:
+            return self._exchange.where
+        arg = self._mailbox_arg
+        return arg if isinstance(arg, str) else arg.url
+
+    @property
     def started(self) -> bool:
         return self._thread is not None
 

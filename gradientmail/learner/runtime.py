@@ -25,6 +25,7 @@ from gradientmail.algorithms.schedule import Estimates, RoundSchedule
 from gradientmail.clock import Clock, MonotonicClock
 from gradientmail.errors import ConfigError, GradientmailError
 from gradientmail.events import (
+    AwaitingLearners,
     Closed,
     Closing,
     EventSink,
@@ -43,7 +44,13 @@ from gradientmail.traffic import S3_STANDARD, Prices, RequestCounts, Traffic, me
 from gradientmail.wire.auth import HmacSeal, resolve_run_key
 from gradientmail.wire.records import RoundRecord, check_learner_id
 
-__all__ = ["BACKUP_EVERY", "Learner", "default_learner_id"]
+__all__ = ["AWAIT_REPORT_EVERY", "BACKUP_EVERY", "WAIT_TIMEOUT", "Learner", "default_learner_id"]
+
+#: Seconds `Learner.wait_for_learners` waits by default: learners started by hand on
+#: several machines, or queued by a cluster scheduler, start minutes apart.
+WAIT_TIMEOUT = 600.0
+#: Seconds between `AwaitingLearners` reports of a wait whose live set does not change.
+AWAIT_REPORT_EVERY = 30.0
 
 
 def default_learner_id() -> str:
@@ -206,11 +213,13 @@ class Learner:
         end = self._stopped_at if self._stopped_at is not None else self.clock.now()
         return measure(counts, end - self._started_at, self.prices)
 
-    def wait_for_learners(self, n: int, timeout: float = 600.0) -> frozenset[str]:
+    def wait_for_learners(self, n: int, timeout: float = WAIT_TIMEOUT) -> frozenset[str]:
         """Block until at least `n` learners hold a lease (this one included), listing
         the leases meanwhile as often as it looks for a commit it waits for; returns them.
         Standard DiLoCo, whose rounds wait for every learner, starts all of them this way
-        so that none runs ahead alone. `GradientmailError` after `timeout` seconds."""
+        so that none runs ahead alone. An `AwaitingLearners` event reports the wait when
+        it begins, whenever the live set changes and every `AWAIT_REPORT_EVERY` seconds;
+        `GradientmailError` after `timeout` seconds, naming who is live."""
         self._require_started()
         # The mailman looks for them as for a commit (`poll_delay`): learners that start
         # together leave this wait within milliseconds of each other, not a poll interval
@@ -219,20 +228,36 @@ class Learner:
         clock = self.clock
         try:
             with clock.busy():
-                deadline = clock.now() + timeout
-                while len(live := self._mailman.observed.live) < n:
+                start = clock.now()
+                deadline = start + timeout
+                reported: tuple[frozenset[str], float] | None = None
+                # This learner beat its lease when it joined: it counts before the
+                # mailman's first listing shows it.
+                me = frozenset({self.learner_id})
+                while len(live := self._mailman.observed.live | me) < n:
                     self._check_alive()
-                    if clock.now() >= deadline:
+                    now = clock.now()
+                    if reported is None or live != reported[0] or \
+                            now - reported[1] >= AWAIT_REPORT_EVERY:
+                        self.on_event(AwaitingLearners(self.learner_id, tuple(sorted(live)),
+                                                       n, now - start))
+                        reported = (live, now)
+                    if now >= deadline:
+                        missing = n - len(live)
                         raise GradientmailError(
-                            f"only {len(live)} of {n} learners are live after "
-                            f"{timeout}s: {sorted(live)}; start the others, or wait "
-                            "longer"
+                            f"learner {self.learner_id!r} waited {timeout:g}s for {n} "
+                            f"learners of the run in {self._mailman.where} to start; "
+                            f"{len(live)} hold a lease ({', '.join(sorted(live))}), "
+                            f"{missing} more never did. Start the other {missing} (the "
+                            "same mailbox and prefix), or set wait_for_learners lower (0 "
+                            "starts at once) or wait_timeout longer"
                         )
                     with contextlib.suppress(queue.Empty):  # woken by any news of leases
-                        clock.get(self._mailman.live_news, min(1.0, deadline - clock.now()))
+                        clock.get(self._mailman.live_news,
+                                  min(1.0, deadline - now, AWAIT_REPORT_EVERY))
         finally:
             self._mailman.want_live(0)
-        return self._mailman.observed.live
+        return self._mailman.observed.live | me
 
     def start(self) -> None:
         """Join the run (creating it if nobody has) and align with its newest commits.

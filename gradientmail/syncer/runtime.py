@@ -26,7 +26,7 @@ from gradientmail.algorithms.registry import algorithm_from_json
 from gradientmail.algorithms.schedule import Estimates, RoundSchedule
 from gradientmail.backends.base import Backend
 from gradientmail.clock import Clock, MonotonicClock, sleep_unless, wall_time
-from gradientmail.errors import ConfigError, GradientmailError, RemoteProtocolError
+from gradientmail.errors import ConfigError, GradientmailError
 from gradientmail.events import (
     ClaimSuperseded,
     CommitLost,
@@ -41,11 +41,12 @@ from gradientmail.events import (
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
 from gradientmail.run.cadence import poll_delay
-from gradientmail.run.lease import CLOSERS, LeaseTracker
+from gradientmail.run.lease import LeaseTracker
 from gradientmail.run.protocol import Exchange, check_delta
 from gradientmail.run.replica import Replica, theta_digest
 from gradientmail.syncer.caller import RollCaller
 from gradientmail.syncer.merging import merge_round, screen_round
+from gradientmail.syncer.standalone import Awaiting, CloserLease, arrived
 from gradientmail.syncer.state import (
     PollDecision,
     PollView,
@@ -86,16 +87,6 @@ class _Open:
     refreshed: bool = False  # the leases were listed again before an early close
     idle: int = 0  # listings in a row that found no new contribution
     preferred: bool = False  # this closer was the round's preferred one at the last poll
-
-
-@dataclasses.dataclass(frozen=True)
-class _Awaiting:
-    """A standalone syncer's open round `round` awaits `missing`: from `since` on, the
-    syncer looks for their records between polls (`Syncer.run`)."""
-
-    round: int
-    missing: tuple[str, ...]
-    since: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +186,7 @@ class Syncer:
         # Each learner's step seconds as the newest record it took part in reported them.
         self._paces: dict[str, float] = {}
         self._open = _Open(0, self.clock.now())
-        self._awaiting: _Awaiting | None = None
+        self._awaiting: Awaiting | None = None
         self.rounds_closed = 0
 
     # -- loop ---------------------------------------------------------------------------
@@ -208,7 +199,8 @@ class Syncer:
         learners' embedded closers see it and leave the rounds to it, so that no round
         is funnelled through one learner's link while a closer next to the bucket runs.
         """
-        beats = _Beats(self) if not self.embedded else None
+        beats = None if self.embedded else CloserLease(
+            self.exchange, self.closer_id, self.clock, self.lease_timeout, self.on_event)
         try:
             while stop is None or not stop.is_set():
                 try:
@@ -329,7 +321,7 @@ class Syncer:
         return await self._claim(r, now, RoundWatch(r, view.first_seen), decision, grace,
                                  offer)
 
-    def _awaited(self, r: int, o: _Open, decision: PollDecision) -> _Awaiting | None:
+    def _awaited(self, r: int, o: _Open, decision: PollDecision) -> Awaiting | None:
         """What a standalone syncer looks for between polls (`probe_from`): the awaited
         learners not in yet, while the round is not due."""
         if self.embedded or decision.claim:
@@ -337,7 +329,7 @@ class Syncer:
         missing = tuple(sorted(decision.awaited - set(o.first_seen)))
         first = min(o.first_seen.values(), default=None)
         since = probe_from(o.opened, self._sch().gap(r), self._estimates().step, first)
-        return None if not missing or since is None else _Awaiting(r, missing, since)
+        return None if not missing or since is None else Awaiting(r, missing, since)
 
     async def _between_polls(self, stop: asyncio.Event | None) -> None:
         """Sleep out the poll interval; while the open round awaits contributions that are
@@ -358,21 +350,8 @@ class Syncer:
             looks += 1
             delay = poll_delay(self.poll_interval, looks, self.exchange.mailbox.metered)
             await sleep_unless(self.clock, min(delay, end - now), stop)
-            if await self._arrived(aw):
+            if await arrived(self.exchange, aw):
                 return
-
-    async def _arrived(self, aw: _Awaiting) -> bool:
-        """Whether any of `aw.missing` has a record in the round (or something the next
-        poll must look at: a record that does not read)."""
-        for learner in aw.missing:
-            try:
-                if await self.exchange.contribution(aw.round, learner) is not None:
-                    return True
-            except RemoteProtocolError:
-                return True
-            except (GradientmailError, OSError):
-                return False  # the store fails: the next poll reports it
-        return False
 
     async def _claim(self, r: int, now: float, watch: RoundWatch, decision: PollDecision,
                      grace: float, offer: _Offer | None) -> bool:
@@ -671,36 +650,6 @@ class Syncer:
                 and own[0] == snap.payload.sha256:
             return dict(check_delta(own[1], snap, schema, names))
         return await self.exchange.fetch_delta(snap, schema, names)
-
-
-class _Beats:
-    """A standalone syncer's lease under `closers/`: beaten every half lease timeout, so
-    learners judging it by that timeout never see it lapse while it runs."""
-
-    def __init__(self, syncer: Syncer) -> None:
-        self._syncer = syncer
-        self._next = -math.inf
-        self._held = False
-
-    async def beat(self) -> None:
-        s = self._syncer
-        now = s.clock.now()
-        if now < self._next:
-            return
-        await s.exchange.beat(s.closer_id, CLOSERS)
-        self._held = True
-        self._next = now + s.lease_timeout / 2
-
-    async def release(self) -> None:
-        """Delete the lease (learners take the rounds back at their next listing); a store
-        that fails here only delays that until the lease times out."""
-        if not self._held:
-            return
-        s = self._syncer
-        try:
-            await s.exchange.release(s.closer_id, CLOSERS)
-        except (GradientmailError, OSError) as exc:
-            s.on_event(PollFailed(s.closer_id, repr(exc)))
 
 
 def _constant(live: frozenset[str]) -> Callable[[], Awaitable[frozenset[str]]]:

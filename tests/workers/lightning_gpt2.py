@@ -3,7 +3,8 @@
     python tests/workers/lightning_gpt2.py MAILBOX ID OUT --steps N --cache DIR
 
 Standard DiLoCo with a quorum of 2 (a barrier each round); training starts once 2
-learners hold a lease. Writes OUT.json (the loss of every step, the callback's state) and
+learners hold a lease (the callback's default wait; `--start-after S` starts this learner
+S seconds late). Writes OUT.json (the loss of every step, the callback's state) and
 OUT.safetensors (the final parameters).
 """
 
@@ -25,21 +26,6 @@ from gradientmail_lightning.data import TextDataModule
 from gradientmail_lightning.gpt2 import GPT2Module
 
 
-class WaitForPeers(Callback):
-    """Holds training until `n` learners are live, so every round has both learners."""
-
-    def __init__(self, diloco: DiLoCoCallback, n: int) -> None:
-        self.diloco = diloco
-        self.n = n
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        learner = self.diloco.learner
-        assert learner is not None
-        deadline = time.monotonic() + 120
-        while len(learner.live_learners) < self.n and time.monotonic() < deadline:
-            time.sleep(0.02)
-
-
 class Losses(Callback):
     def __init__(self) -> None:
         self.values: list[float] = []
@@ -57,7 +43,9 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--cache", required=True)
+    ap.add_argument("--start-after", type=float, default=0.0)
     args = ap.parse_args()
+    time.sleep(args.start_after)
     torch.set_num_threads(1)
     data = TextDataModule(
         vocab_size=1024,
@@ -93,7 +81,7 @@ def main() -> None:
         devices=1,
         max_steps=args.steps,
         limit_val_batches=0,
-        callbacks=[diloco, WaitForPeers(diloco, 2), losses],
+        callbacks=[diloco, losses],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
