@@ -985,6 +985,83 @@ def test_while_a_standalone_closer_is_live_an_embedded_one_leaves_it_the_rounds(
     run(main())
 
 
+def test_a_round_commits_the_same_bytes_wherever_it_is_closed() -> None:
+    """Standalone beside the bucket, or embedded in a learner that merges its own delta
+    from memory: the same contributions commit the same step, theta and record."""
+    async def close(closer: str, embedded: bool) -> list[RoundRecord]:
+        r = Run(MemoryMailbox(), algorithm(fragments=1, quorum_size=2))
+        await r.create()
+        await r.contribute(0, "b")
+        s = r.syncer(closer, embedded=embedded, sweep=False)
+        live = frozenset({"a", "b"})
+        if embedded:
+            taken = s.offer(_draft(r, 0, "a"), delta(0, "a", r.plan[0]))
+            assert await s.poll(live=live) and taken.result() is True
+        else:
+            await r.contribute(0, "a")
+            assert await s.poll(live=live)
+        return [dataclasses.replace(rec, participants=tuple(
+            dataclasses.replace(p, held=False, payload_size=None) for p in rec.participants))
+            for rec in await r.records()]
+
+    beside, inside = run(close("sync-1", False)), run(close("a", True))
+    assert (beside[0].closer, inside[0].closer) == ("sync-1", "a")
+    assert fingerprint(beside) == fingerprint(inside)
+    assert beside[0].step == inside[0].step
+
+
+def test_an_embedded_backup_takes_over_from_a_standalone_closer_that_died_mid_round(
+        mailbox: Mailbox) -> None:
+    """The standalone closer claimed round 0 and died before its record, its lease still
+    fresh: the learner's closer gives it a backup's head start, then supersedes its claim
+    after the takeover timeout, as for any closer."""
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=2))
+        await r.create()
+        await r.contribute(0, "a")
+        await r.contribute(0, "b")
+        assert await r.ex.claim_round(0, 0, "sync-1")
+        s = r.syncer("a", embedded=True)
+        live, standalone = frozenset({"a", "b"}), frozenset({"sync-1"})
+        s.note_contribution(0, "a")
+        t0 = fake(r).now()
+        while not await s.poll(live=live, standalone=standalone):
+            assert fake(r).now() - t0 <= 60.0, "the round was never taken over"
+            fake(r).advance(1.0)
+        # 30 polls of head start; then it sees the claim, and supersedes it once it has
+        # seen it for the takeover timeout (10 polls: the observer's own clock).
+        assert fake(r).now() - t0 == 40.0
+        [event] = r.of(ClaimSuperseded)
+        assert (event.closer, event.round, event.attempt) == ("a", 0, 1)
+        rec = await r.ex.read_round(0)
+        assert rec is not None and rec.closer == "a"
+        assert [p.learner for p in rec.participants] == ["a", "b"]
+
+    run(main())
+
+
+def test_a_standalone_closer_gone_without_a_word_costs_a_round_a_backups_head_start(
+        mailbox: Mailbox) -> None:
+    """Its lease not yet timed out, nobody claims: the learner's closer closes the round
+    once its head start (backup_every polls) is over."""
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=2))
+        await r.create()
+        await r.contribute(0, "a")
+        await r.contribute(0, "b")
+        s = r.syncer("b", embedded=True)
+        s.note_contribution(0, "b")
+        t0 = fake(r).now()
+        while not await s.poll(live=frozenset({"a", "b"}), standalone=frozenset({"sync-1"})):
+            assert fake(r).now() - t0 <= 60.0, "the round never closed"
+            fake(r).advance(1.0)
+        assert fake(r).now() - t0 == 30.0
+        rec = await r.ex.read_round(0)
+        assert rec is not None and rec.closer == "b"
+
+    run(main())
+
+
 def test_a_standalone_syncer_holds_a_closer_lease_while_it_runs(mailbox: Mailbox) -> None:
     async def main() -> None:
         r = Run(mailbox, algorithm(fragments=1, quorum_size=1))
