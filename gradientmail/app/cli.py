@@ -8,7 +8,7 @@
     gradientmail sync URL [--poll-interval S] [--closer-id ID] [--keep N]
     gradientmail export URL OUT.safetensors
     gradientmail sweep URL [--keep N]
-    gradientmail demo [--learners N] [--steps S] [--outlier-factor K] ...
+    gradientmail demo [--learners N] [--steps S] [--slow F] [--outlier-factor K] ...
 
 URL is a mailbox URL (`s3://bucket/prefix`, `file:///dir`, or a plain path). For S3,
 `--endpoint-url` names a MinIO/R2/moto endpoint; without it boto3 reads `AWS_ENDPOINT_URL`
@@ -446,7 +446,8 @@ def demo_config(args: argparse.Namespace) -> Any:
     from gradientmail.app.demo import DemoConfig
 
     options: dict[str, Any] = {
-        k: v for k, v in (("learners", args.learners), ("steps", args.steps)) if v is not None
+        k: v for k, v in (("learners", args.learners), ("steps", args.steps),
+                          ("slow", args.slow)) if v is not None
     }
     if args.outlier_factor is not None:
         options["diloco"] = (("outlier_factor", args.outlier_factor),)
@@ -570,13 +571,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("demo", help="several learners train a small GPT-2 (the main job)",
-                       description="N learner processes train a small GPT-2 on a local "
-                       "directory mailbox, next to one learner alone; prints held-out loss "
-                       "of the committed model against the lone learner's.")
+                       description="N learner processes, one of them slower, train a small "
+                       "GPT-2 through a local directory mailbox, twice on the same token "
+                       "budget: as standard DiLoCo (a barrier each round) and as Decoupled "
+                       "DiLoCo (no barrier); prints each run's held-out loss and the "
+                       "wall-clock time it took to reach standard DiLoCo's.")
     p.add_argument("--learners", type=_positive_int, default=None, metavar="N",
                    help="learner processes (default 4)")
     p.add_argument("--steps", type=_positive_int, default=None, metavar="S",
-                   help="optimizer steps per learner (default 240)")
+                   help="optimizer steps per learner of standard DiLoCo; each run trains "
+                   "N x S steps in all (default 160)")
+    p.add_argument("--slow", type=float, default=None, metavar="F",
+                   help="the last learner's steps take F times as long (default 2; 1: all "
+                   "alike)")
     p.add_argument("--mailbox", default=None, metavar="DIR",
                    help="an empty directory for the run (default: a new temporary one)")
     p.add_argument("--data", default=None, metavar="PATH",

@@ -1,9 +1,14 @@
-"""`gradientmail demo`: several learners train a small GPT-2 through a local directory.
+"""`gradientmail demo`: what Decoupled DiLoCo is for, on one machine.
 
-The main job on the embedded default mailbox. N learner processes (and one learner alone,
-the baseline) train a tiny GPT-2 on the standard library's Python files (every machine
-has them) or on `--data`; the learners share nothing but a directory. At the end the
-committed model and the baseline are evaluated on held-out files.
+The main job on the embedded default mailbox. N learner processes train a tiny GPT-2 on
+the standard library's Python files (every machine has them) or on `--data`, sharing
+nothing but a local directory, and one of them steps `--slow` times slower than the
+others, as a learner on an older GPU or a busier machine would. They do it twice, on the
+same token budget (N × S batches in all): as standard DiLoCo (a barrier every round: every
+learner waits for the slow one) and as Decoupled DiLoCo (quorum 1, no barrier: the fast
+learners train on, and the slow one contributes what it has when it has it). The held-out
+loss of each run's committed model is sampled as it trains; the table and the plot set
+them side by side against wall-clock time.
 
 torch and transformers are imported inside the functions: `import gradientmail.app.demo` is
 free, and the worker processes import what they need.
@@ -25,27 +30,42 @@ from typing import Any, TextIO
 
 from gradientmail.errors import ConfigError, GradientmailError
 
-__all__ = ["DemoConfig", "run_demo"]
+__all__ = ["SYSTEMS", "DemoConfig", "run_demo"]
 
 #: Text used for the tokenizer and training data: enough for the default run, small
 #: enough that tokenizing takes seconds on a laptop.
 TEXT_BUDGET = 6_000_000
+#: The runs the demo compares, in the order it runs them.
+SYSTEMS = ("standard", "decoupled")
+LABELS = {
+    "standard": "standard DiLoCo (a barrier each round)",
+    "decoupled": "Decoupled DiLoCo (quorum 1, 2 fragments)",
+}
+#: Seconds between samples of a run's committed model on the held-out blocks.
+EVAL_EVERY = 5.0
+#: Held-out blocks of those samples (the final evaluation uses all of them).
+SAMPLE_BLOCKS = 64
 
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
+    """`learners` processes; `steps` per learner of standard DiLoCo, so each run trains
+    learners × steps batches in all; the last learner's steps take `slow` times as long
+    (1: all alike); `systems` picks the runs (`SYSTEMS`)."""
+
     learners: int = 4
-    steps: int = 240
+    steps: int = 160
+    slow: float = 2.0
     mailbox: str | None = None
     data: str | None = None
     batch: int = 8
     block: int = 64
     vocab: int = 4096
     lr: float = 1e-3
-    sync_every: int = 15
-    fragments: int = 1
+    sync_every: int = 16
     seed: int = 0
-    #: Overrides of the DiLoCo fields, e.g. (("outer_lr", 1.0),).
+    systems: tuple[str, ...] = SYSTEMS
+    #: Overrides of the DiLoCo fields of both runs, e.g. (("outer_lr", 1.0),).
     diloco: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
@@ -53,38 +73,45 @@ class DemoConfig:
             raise ConfigError(f"--learners {self.learners}: need 1 to 64 learners")
         if self.steps < 1:
             raise ConfigError(f"--steps {self.steps}: need at least 1 step")
-        if self.fragments > self.sync_every:
-            raise ConfigError(
-                f"fragments={self.fragments} exceeds sync_every={self.sync_every}"
-            )
-        _algorithm(self)  # the DiLoCo overrides are checked now, not in every worker
+        if not (math.isfinite(self.slow) and 1.0 <= self.slow <= 100.0):
+            raise ConfigError(f"--slow {self.slow}: need a factor from 1 (none) to 100")
+        unknown = [x for x in self.systems if x not in SYSTEMS]
+        if unknown or not self.systems:
+            raise ConfigError(f"systems={list(self.systems)}: pick from {list(SYSTEMS)}")
+        for system in self.systems:
+            _algorithm(self, system)  # the DiLoCo overrides are checked now, not in workers
+
+    @property
+    def budget(self) -> int:
+        """Optimizer steps of all learners together, in each run."""
+        return self.learners * self.steps
 
 
 @dataclasses.dataclass(frozen=True)
 class _Job:
     """What one worker process does."""
 
+    system: str
     name: str
     index: int
     config: DemoConfig
     workdir: str
-    mailbox: str | None  # None: the baseline, trained alone
+    mailbox: str
+
+    @property
+    def slow(self) -> bool:
+        return self.index == self.config.learners - 1 and self.config.slow > 1.0
 
 
-def _algorithm(cfg: DemoConfig) -> Any:
-    """DiLoCo with every learner in every round and a barrier at each sync: on a few
-    hundred steps of a tiny model this beat the decoupled defaults (quorum 1) and plain
-    averaging in our runs (benchmarks/RESULTS.md, "demo configurations")."""
-    from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+def _algorithm(cfg: DemoConfig, system: str) -> Any:
+    """Standard DiLoCo (every learner in every round, weighted mean, a barrier), or the
+    Decoupled defaults with two fragments (a round every H/2 steps, quorum 1, RDA)."""
+    from gradientmail.algorithms.diloco import DiLoCo
 
-    fields: dict[str, Any] = {
-        "sync_every": cfg.sync_every,
-        "fragments": cfg.fragments,
-        "in_flight": 1,
-        "overlap_steps": 0,
-        "quorum_size": cfg.learners,
-        "merge": WeightedMean(),
-    }
+    if system == "standard":
+        return DiLoCo.standard(cfg.sync_every, cfg.learners, **dict(cfg.diloco))
+    fields: dict[str, Any] = {"sync_every": cfg.sync_every,
+                              "fragments": min(2, cfg.sync_every)}
     fields.update(dict(cfg.diloco))
     return DiLoCo(**fields)
 
@@ -95,53 +122,63 @@ def _model(vocab: int, block: int) -> Any:
     return tiny_gpt2(vocab, n_layer=2, n_embd=128, n_head=4, n_positions=block, seed=0)
 
 
-def _worker(job: _Job, progress: Any) -> None:
-    """A learner (or the baseline) in its own process; reports progress on a queue."""
+def _worker(job: _Job, progress: Any, spent: Any) -> None:
+    """A learner in its own process; reports each step on `progress`. Standard DiLoCo's
+    learners train `steps` steps each; Decoupled ones take steps from the run's budget
+    (`spent`, shared by the run's learners) until it is gone, so the fast learners train
+    more of it."""
     import torch
+
+    from gradientmail.adapters import TorchAdapter
+    from gradientmail.events import Event, SnapshotPublished
+    from gradientmail.learner.runtime import Learner
 
     torch.set_num_threads(1)
     cfg = job.config
     data = torch.load(os.path.join(job.workdir, "train.pt"))
-    rows = data[job.index :: max(cfg.learners, 1)] if job.mailbox else data
+    rows = data[job.index :: cfg.learners]
     model = _model(int(torch.load(os.path.join(job.workdir, "vocab.pt"))), cfg.block)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1)
-    learner = None
     sent = [0]
-    if job.mailbox is not None:
-        from gradientmail.adapters import TorchAdapter
-        from gradientmail.events import Event, SnapshotPublished
-        from gradientmail.learner.runtime import Learner
 
-        def on_event(e: Event) -> None:
-            if isinstance(e, SnapshotPublished):
-                sent[0] += e.bytes
+    def on_event(e: Event) -> None:
+        if isinstance(e, SnapshotPublished):
+            sent[0] += e.bytes
 
-        learner = Learner(TorchAdapter(model), _algorithm(cfg), job.mailbox, job.name,
-                          poll_interval=0.2, lease_every=5.0, lease_timeout=20.0,
-                          on_event=on_event)
-        learner.start()
-        # Every learner is in every round: start together, or the first would train
-        # alone until the others joined.
-        learner.wait_for_learners(cfg.learners, timeout=300)
+    learner = Learner(TorchAdapter(model), _algorithm(cfg, job.system), job.mailbox,
+                      job.name, poll_interval=0.2, lease_every=5.0, lease_timeout=20.0,
+                      on_event=on_event)
+    learner.start()
+    # Both runs start their learners together, so that neither run is timed from a
+    # learner that trained alone while the others were starting.
+    learner.wait_for_learners(cfg.learners, timeout=300)
     g = torch.Generator().manual_seed(cfg.seed + 1 + job.index)
-    for step in range(cfg.steps):
-        idx = torch.randint(0, rows.shape[0], (cfg.batch,), generator=g)
-        ids = rows[idx]
+    shared = job.system != "standard"
+    step = 0
+    while _take_step(spent, cfg.budget) if shared else step < cfg.steps:
+        t0 = time.perf_counter()
+        ids = rows[torch.randint(0, rows.shape[0], (cfg.batch,), generator=g)]
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        rounds = -1
-        if learner is not None:
-            learner.step(int(ids.numel()), float(loss.detach()))
-            rounds = learner.rounds_seen
-        progress.put((job.name, step + 1, float(loss.detach()), rounds, sent[0]))
-    if learner is not None:
-        learner.close()
-    else:
-        torch.save(model.state_dict(), os.path.join(job.workdir, "baseline.pt"))
+        if job.slow:
+            time.sleep((cfg.slow - 1.0) * (time.perf_counter() - t0))
+        learner.step(int(ids.numel()), float(loss.detach()))
+        step += 1
+        progress.put((job.name, step, float(loss.detach()), learner.rounds_seen, sent[0]))
+    learner.close()
     progress.put((job.name, -1, 0.0, -1, sent[0]))
+
+
+def _take_step(spent: Any, budget: int) -> bool:
+    """Take one step of the run's budget, if any is left (a shared counter)."""
+    with spent.get_lock():
+        if spent.value >= budget:
+            return False
+        spent.value += 1
+        return True
 
 
 def _prepare(cfg: DemoConfig, workdir: Path, out: TextIO) -> tuple[int, int, int]:
@@ -196,12 +233,15 @@ def _evaluate(model: Any, val: Any) -> float:
     return float(sum(losses) / int(val.shape[0]))
 
 
-def _committed_model(mailbox: str, vocab: int, block: int) -> tuple[Any, int]:
-    """The run's newest committed model (what `gradientmail export` writes), and how many
-    rounds were committed."""
+def _committed_model(mailbox: str, vocab: int, block: int) -> tuple[Any, int] | None:
+    """The run's newest committed model (what `gradientmail export` writes) and how many
+    rounds were committed; None before the run exists."""
     from gradientmail.run.committed import read_committed
 
-    committed = read_committed(mailbox)
+    try:
+        committed = read_committed(mailbox)
+    except ConfigError:
+        return None
     model = _model(vocab, block)
     committed.load_into(model)
     return model, committed.rounds_committed
@@ -215,30 +255,67 @@ def run_demo(
     import torch
 
     out = sys.stdout if out is None else out
-
     t_start = time.perf_counter()
     log = sys.stderr if as_json else out
     workdir = Path(tempfile.mkdtemp(prefix="gradientmail-demo-"))
-    mailbox = cfg.mailbox or str(workdir / "mailbox")
-    if cfg.mailbox and Path(cfg.mailbox).exists() and any(Path(cfg.mailbox).iterdir()):
+    root = Path(cfg.mailbox) if cfg.mailbox else workdir / "mailbox"
+    if cfg.mailbox and root.exists() and any(root.iterdir()):
         raise ConfigError(
-            f"--mailbox {cfg.mailbox} is not empty; the demo starts a new run: give an empty "
+            f"--mailbox {cfg.mailbox} is not empty; the demo starts new runs: give an empty "
             "or new directory"
         )
-    print(f"mailbox: {mailbox}  (watch it: gradientmail status {mailbox})", file=log)
+    print(f"mailboxes: {root}/<run>  (watch one: gradientmail status {root / cfg.systems[0]})",
+          file=log)
     vocab, _, _ = _prepare(cfg, workdir, log)
+    val = torch.load(workdir / "val.pt")
+    runs: dict[str, dict[str, Any]] = {}
+    for system in cfg.systems:
+        runs[system] = _run(system, cfg, workdir, str(root / system), vocab, val, log)
+    target = runs[cfg.systems[0]]["eval_loss"]
+    for r in runs.values():
+        r["seconds_to_target"] = _time_to(r["curve"], target)
+    summary: dict[str, Any] = {
+        "learners": cfg.learners,
+        "steps": cfg.steps,
+        "slow": cfg.slow,
+        "mailbox": str(root),
+        "runs": runs,
+        "target_loss": target,
+        "seconds": time.perf_counter() - t_start,
+    }
+    plot = _plot(runs, target, workdir)
+    if plot:
+        summary["plot"] = plot
+    if as_json:
+        print(json.dumps(summary, indent=2), file=out)
+    else:
+        print(_table(summary), file=out)
+    return summary
+
+
+def _run(system: str, cfg: DemoConfig, workdir: Path, mailbox: str, vocab: int, val: Any,
+         log: TextIO) -> dict[str, Any]:
+    """One run of `system`: its learners to the end of the budget, its committed model
+    sampled on the held-out blocks every `EVAL_EVERY` seconds."""
     ctx = mp.get_context("spawn")
     progress = ctx.Queue()
-    jobs = [
-        _Job(f"learner-{i}", i, cfg, str(workdir), mailbox) for i in range(cfg.learners)
-    ] + [_Job("alone", cfg.learners, cfg, str(workdir), None)]
-    procs = [ctx.Process(target=_worker, args=(j, progress), daemon=True) for j in jobs]
+    spent = ctx.Value("q", 0)
+    jobs = [_Job(system, f"learner-{i}", i, cfg, str(workdir), mailbox)
+            for i in range(cfg.learners)]
+    procs = [ctx.Process(target=_worker, args=(j, progress, spent), daemon=True)
+             for j in jobs]
+    print(f"{LABELS[system]}: {cfg.learners} learners"
+          + (f", {jobs[-1].name} {cfg.slow:g}x slower" if jobs[-1].slow else ""), file=log)
     for p in procs:
         p.start()
-    curves: dict[str, list[tuple[int, float]]] = {j.name: [] for j in jobs}
+    steps = {j.name: 0 for j in jobs}
+    losses: dict[str, float] = {}
     sent: dict[str, int] = {}
     rounds = -1
     done: set[str] = set()
+    curve: list[tuple[float, float]] = []
+    t0 = time.perf_counter()
+    next_eval = t0 + EVAL_EVERY
     last_print = 0.0
     tty = log.isatty()
     while len(done) < len(jobs):
@@ -249,93 +326,100 @@ def run_demo(
                     if not p.is_alive() and j.name not in done]
             if dead:
                 raise GradientmailError(
-                    f"demo worker(s) {dead} exited early; see their output above"
+                    f"demo worker(s) {dead} of the {system} run exited early; see their "
+                    "output above"
                 ) from None
             continue
         sent[name] = nbytes
         if step < 0:
             done.add(name)
             continue
-        curves[name].append((step, loss))
+        steps[name], losses[name] = step, loss
         rounds = max(rounds, r)
         now = time.perf_counter()
+        if now >= next_eval:
+            sampled = _committed_model(mailbox, vocab, cfg.block)
+            if sampled is not None:
+                curve.append((now - t0, _evaluate(sampled[0], val[:SAMPLE_BLOCKS])))
+            next_eval = time.perf_counter() + EVAL_EVERY
         if now - last_print > (0.5 if tty else 5.0):
             last_print = now
-            steps = [curves[j.name][-1][0] if curves[j.name] else 0 for j in jobs[:-1]]
-            recent = [v for j in jobs[:-1] for _, v in curves[j.name][-10:]]
-            mean = f"{sum(recent) / len(recent):.3f}" if recent else "-"
-            alone = f"{curves['alone'][-1][1]:.3f}" if curves["alone"] else "-"
-            line = (
-                f"steps {min(steps)}-{max(steps)}/{cfg.steps}  rounds committed {rounds + 1}  "
-                f"loss {mean}  (alone: {alone})"
-            )
-            print(("\r" + line) if tty else line, end="" if tty else "\n", file=log, flush=True)
+            mean = sum(losses.values()) / len(losses) if losses else float("nan")
+            line = (f"  {system}: steps {sum(steps.values())}/{cfg.budget} "
+                    f"({', '.join(str(steps[j.name]) for j in jobs)})  rounds committed "
+                    f"{rounds + 1}  training loss {mean:.3f}  {now - t0:.0f}s")
+            print(("\r" + line) if tty else line, end="" if tty else "\n", file=log,
+                  flush=True)
     for p in procs:
         p.join(timeout=60)
+    seconds = time.perf_counter() - t0
     if tty:
         print(file=log)
-
-    val = torch.load(workdir / "val.pt")
-    committed, n_rounds = _committed_model(mailbox, vocab, cfg.block)
-    loss_gm = _evaluate(committed, val)
-    alone = _model(vocab, cfg.block)
-    alone.load_state_dict(torch.load(workdir / "baseline.pt"))
-    loss_alone = _evaluate(alone, val)
-    tokens_each = cfg.steps * cfg.batch * cfg.block
-    summary: dict[str, Any] = {
-        "learners": cfg.learners,
-        "steps": cfg.steps,
+    final = _committed_model(mailbox, vocab, cfg.block)
+    assert final is not None  # every learner committed rounds into it
+    model, n_rounds = final
+    loss_final = _evaluate(model, val)
+    curve.append((seconds, _evaluate(model, val[:SAMPLE_BLOCKS])))
+    return {
+        "label": LABELS[system],
+        "eval_loss": loss_final,
+        "perplexity": math.exp(loss_final),
         "rounds_committed": n_rounds,
-        "mailbox": mailbox,
-        "eval_loss": {"gradientmail": loss_gm, "alone": loss_alone},
-        "perplexity": {"gradientmail": math.exp(loss_gm), "alone": math.exp(loss_alone)},
-        "tokens_trained": {"gradientmail": tokens_each * cfg.learners, "alone": tokens_each},
-        "bytes_sent_per_learner": (
-            sum(v for k, v in sent.items() if k != "alone") / cfg.learners
-        ),
-        "seconds": time.perf_counter() - t_start,
+        "steps_per_learner": [steps[j.name] for j in jobs],
+        "tokens_trained": sum(steps.values()) * cfg.batch * cfg.block,
+        "bytes_sent_per_learner": sum(sent.values()) / cfg.learners,
+        "seconds": seconds,
+        "curve": curve,
     }
-    plot = _plot(curves, workdir)
-    if plot:
-        summary["plot"] = plot
-    if as_json:
-        print(json.dumps(summary, indent=2), file=out)
-    else:
-        print(_table(summary), file=out)
-    return summary
+
+
+def _time_to(curve: list[tuple[float, float]], target: float) -> float | None:
+    """The first sampled time at which the held-out loss was at most `target`."""
+    return next((t for t, loss in curve if loss <= target), None)
 
 
 def _table(s: dict[str, Any]) -> str:
-    rows = [
-        ("arm", "eval loss", "perplexity", "tokens trained"),
-        (
-            f"gradientmail, {s['learners']} learners",
-            f"{s['eval_loss']['gradientmail']:.3f}",
-            f"{s['perplexity']['gradientmail']:.1f}",
-            f"{s['tokens_trained']['gradientmail']:,}",
-        ),
-        (
-            "one learner alone",
-            f"{s['eval_loss']['alone']:.3f}",
-            f"{s['perplexity']['alone']:.1f}",
-            f"{s['tokens_trained']['alone']:,}",
-        ),
-    ]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    runs = s["runs"]
+    rows = [("run", "held-out loss", "wall s", "to target", "steps per learner",
+             "rounds", "MB mailed/learner")]
+    for r in runs.values():
+        reach = r["seconds_to_target"]
+        rows.append((
+            r["label"], f"{r['eval_loss']:.3f}", f"{r['seconds']:.0f}",
+            "-" if reach is None else f"{reach:.0f}s",
+            ",".join(str(n) for n in r["steps_per_learner"]), str(r["rounds_committed"]),
+            f"{r['bytes_sent_per_learner'] / 1e6:.1f}",
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+             for r in rows]
     lines.insert(1, "-+-".join("-" * w for w in widths))
-    ratio = s["eval_loss"]["gradientmail"] / s["eval_loss"]["alone"]
-    tail = (
-        f"\n{s['steps']} steps each, {s['rounds_committed']} rounds committed, "
-        f"{s['bytes_sent_per_learner'] / 1e6:.1f} MB mailed per learner, "
-        f"{s['seconds']:.0f}s. Held-out loss ratio gradientmail/alone: {ratio:.3f}"
-    )
+    first = next(iter(runs.values()))
+    tail = [
+        "",
+        f"{s['learners']} learners, {s['learners'] * s['steps']} steps in all per run "
+        f"({first['tokens_trained']:,} tokens)"
+        + (f"; learner-{s['learners'] - 1} steps {s['slow']:g}x slower in both" if
+           s["slow"] > 1 else "")
+        + f". Target: the first run's final held-out loss, {s['target_loss']:.3f}.",
+    ]
+    if {"standard", "decoupled"} <= set(runs):
+        a, b = runs["standard"], runs["decoupled"]
+        if b["seconds_to_target"] is not None:
+            tail.append(
+                f"Decoupled DiLoCo reached it after {b['seconds_to_target']:.0f}s, standard "
+                f"DiLoCo after {a['seconds']:.0f}s: {a['seconds'] / b['seconds_to_target']:.2f}x "
+                "sooner, the fast learners never waiting for the slow one.")
+        else:
+            tail.append("Decoupled DiLoCo did not reach it in this run (its samples: "
+                        f"{', '.join(f'{v:.3f}' for _, v in b['curve'])}).")
+    tail.append(f"Total {s['seconds']:.0f}s.")
     if "plot" in s:
-        tail += f"\nLoss plot: {s['plot']}"
-    return "\n".join(lines) + tail
+        tail.append(f"Held-out loss against wall-clock: {s['plot']}")
+    return "\n".join(lines + tail)
 
 
-def _plot(curves: dict[str, list[tuple[int, float]]], workdir: Path) -> str | None:
+def _plot(runs: dict[str, dict[str, Any]], target: float, workdir: Path) -> str | None:
     try:
         import matplotlib
 
@@ -344,18 +428,15 @@ def _plot(curves: dict[str, list[tuple[int, float]]], workdir: Path) -> str | No
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, pts in curves.items():
-        if not pts:
-            continue
-        xs = [s for s, _ in pts]
-        k = 10  # a running mean: per-step losses of a tiny model are noisy
-        ys = [sum(v for _, v in pts[max(0, i - k + 1) : i + 1]) / min(i + 1, k)
-              for i in range(len(pts))]
-        ax.plot(xs, ys, label=name, linewidth=2 if name == "alone" else 1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (running mean of 10)")
+    for r in runs.values():
+        if r["curve"]:
+            ax.plot([t for t, _ in r["curve"]], [v for _, v in r["curve"]], marker="o",
+                    markersize=3, label=r["label"])
+    ax.axhline(target, color="grey", linestyle=":", linewidth=1, label="target")
+    ax.set_xlabel("wall-clock seconds")
+    ax.set_ylabel("held-out loss of the committed model")
     ax.legend()
-    ax.set_title("gradientmail demo")
+    ax.set_title("gradientmail demo: one learner slower than the others")
     path = workdir / "loss.png"
     fig.tight_layout()
     fig.savefig(path, dpi=100)
