@@ -75,15 +75,18 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     return {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
 
 
-def _open(args: argparse.Namespace) -> Mailbox:
-    return open_mailbox(args.url, **_options(args))
+def _open(args: argparse.Namespace, *, read_only: bool = False) -> Mailbox:
+    return open_mailbox(args.url, read_only=read_only, **_options(args))
 
 
-def _with_mailbox(args: argparse.Namespace, work: Callable[[Exchange], Awaitable[T]]) -> T:
-    """Open the mailbox, run `work(exchange)` on a fresh event loop, close the mailbox."""
+def _with_mailbox(args: argparse.Namespace, work: Callable[[Exchange], Awaitable[T]], *,
+                  read_only: bool = True) -> T:
+    """Open the mailbox (read-only unless told otherwise: a command that only reads leaves
+    a mistyped path as it found it, uncreated), run `work(exchange)` on a fresh event
+    loop, close the mailbox."""
 
     async def go() -> T:
-        mailbox = _open(args)
+        mailbox = _open(args, read_only=read_only)
         try:
             return await work(Exchange(mailbox, run_key=env_run_key()))
         finally:
@@ -362,7 +365,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         await require_manifest(ex, args.url)
         return await ex.sweep(args.keep)
 
-    doomed = _with_mailbox(args, work)
+    # Look for the run read-only first: a mistyped path is reported, not created.
+    _with_mailbox(args, lambda ex: require_manifest(ex, args.url))
+    doomed = _with_mailbox(args, work, read_only=False)
     print(f"swept {len(doomed)} keys from {args.url} (kept the newest {args.keep} "
           "versions of each fragment, its newest checkpoint and the steps since)")
     return 0
