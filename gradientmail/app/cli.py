@@ -377,8 +377,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Exit status 0 when every round verified held (swept and held rounds are no
-    failures), 1 when one did not (or the run cannot be read)."""
+    """Exit status 0 when every round checked held (swept and held rounds, whose merges
+    cannot be re-derived, are no failures unless their chain breaks), 1 when one did not
+    (or the run cannot be read)."""
     from gradientmail.app.verify import format_report, verify_run
 
     report = _with_mailbox(args, lambda ex: verify_run(ex, args.url, start=args.from_round))
@@ -567,8 +568,13 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Re-derive every commit whose inputs are still stored "
                        "(a run keeps them with DiLoCo's keep_rounds) from its recorded "
                        "contributions, the state before it and the run's algorithm, and "
-                       "compare the bytes with what was committed; with GRADIENTMAIL_RUN_KEY, "
-                       "every record's seal is checked too. Exit status 0 when all held.")
+                       "compare the bytes with what was committed. A commit whose "
+                       "contributions are swept (the default) or were never uploaded is "
+                       "checked as readers check it: its payloads' digests, and the chain of "
+                       "steps from the newest checkpoint to the theta it records; the report "
+                       "says which rounds were not re-derived and which could not be checked "
+                       "at all. With GRADIENTMAIL_RUN_KEY, every record's seal is checked "
+                       "too. Exit status 0 when all held.")
     p.add_argument("--from", dest="from_round", type=_round, default=0, metavar="R",
                    help="the first round to verify (default 0)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
