@@ -344,8 +344,11 @@ def test_a_run_that_sweeps_has_its_chain_checked_and_says_what_was_not(
     # version 4 (round 6): the checkpoint of version 2, which version 3's step needs, is
     # swept.
     assert [v.chain for v in report.rounds] == ["swept"] * 6 + ["checked"] * 2
-    assert report.to_json()["rounds_chain_checked"] == [6, 7]
-    assert report.to_json()["rounds_unchecked"] == [0, 1, 2, 3, 4, 5]
+    assert report.unmerged("checked") == [6, 7]
+    summary = report.to_json()
+    assert (summary["rounds_swept"], summary["rounds_chain_checked"],
+            summary["rounds_unchecked"]) == (8, 2, 6)
+    assert [v["chain"] for v in summary["rounds"]][5:] == ["swept", "checked", "checked"]
     text = format_report(report)
     assert ("not re-derived: the merges of 8 rounds (rounds 0..7): their contributions "
             "are swept or were never uploaded") in text
