@@ -556,7 +556,11 @@ class Verifier:
         its checkpoint. Failed, naming the round, when one does not hold."""
         r, p = rec.round, rec.fragment
         names = self.manifest.plan[p]
-        stored, nbytes = await self.stored(rec, names)
+        # With the state before it held, `Replica.at` applies this commit's step, fetching
+        # it with its digest checked: reading it here too would download it twice.
+        held = self.replica.held(p)
+        applied = rec.step is not None and held is not None and held.version == rec.version - 1
+        stored, nbytes = await self.stored(rec, names, skip=("step",) if applied else ())
         mismatches = compare_chain(rec, None, stored, names)
         state = None
         # What a reader needs of this commit (its step, or a checkpoint's theta) is gone:
@@ -564,8 +568,10 @@ class Verifier:
         # payload walking back to one (what `Replica.at` would find out the long way).
         needed = "step" if rec.step is not None else "theta"
         if not mismatches and needed not in stored.gone:
+            before = self.replica.bytes_down
             try:
                 state = await self.replica.at(p, rec)
+                nbytes += self.replica.bytes_down - before
             except GradientmailError as exc:
                 mismatches.append(Mismatch(r, p, "chain", None, f"version {rec.version} "
                                            f"cannot be reached as readers reach it: {exc}"))
@@ -683,9 +689,12 @@ class Verifier:
             f"{d.learner} ({d.reason[:60]})" for d in trusted)
         return RoundVerdict(r, p, VERIFIED, note=note, bytes=nbytes, seconds=seconds), state
 
-    async def stored(self, rec: RoundRecord, names: Sequence[str]) -> tuple[Stored, int]:
+    async def stored(self, rec: RoundRecord, names: Sequence[str],
+                     skip: Sequence[str] = ()) -> tuple[Stored, int]:
+        """`rec`'s payloads as read back (but the kinds in `skip`), and the bytes read."""
         schema = self.manifest.schema
-        refs = {"step": (rec.step.payload if rec.step else None, "steps"),
+        refs = {"step": (rec.step.payload if rec.step and "step" not in skip else None,
+                         "steps"),
                 "theta": (rec.theta, "theta"), "outer": (rec.outer, "outer"),
                 "update": (rec.update.payload if rec.update else None, "updates")}
         entries: dict[str, Mapping[str, TensorBytes]] = {}
