@@ -369,6 +369,15 @@ def test_a_forged_step_of_a_run_that_sweeps_fails_naming_the_round(
     first = report.first_mismatch
     assert first is not None and (first.round, first.fragment, first.what) == (5, 1, "chain")
     assert "round 5: applying its step to version 2 of fragment 1 gives theta" in first.detail
+    # A step changed without its record: its digest names it.
+    rec4 = run(Exchange(mailbox).read_round(4))
+    assert rec4 is not None and rec4.step is not None
+    run(flip_last_byte(mailbox, rec4.step.payload.key))
+    report = verify(mailbox)
+    assert [v.round for v in report.rounds if v.status == "failed"] == [4, 5]
+    first = report.first_mismatch
+    assert first is not None and (first.round, first.what) == (4, "chain")
+    assert f"payload {rec4.step.payload.key!r} has SHA-256" in first.detail
 
 
 def test_the_command_fails_a_forged_default_run_of_learners(
