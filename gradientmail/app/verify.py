@@ -152,7 +152,9 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        """Whether every round verified held (swept and held rounds are no failures)."""
+        """Whether no round failed: every re-derived commit matched, and no swept or held
+        round's payloads or chain of steps broke (their merges, not re-derived, are no
+        failures)."""
         return self.count(FAILED) == 0
 
     @property
