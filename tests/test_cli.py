@@ -324,6 +324,22 @@ def test_a_missing_run_names_the_url(
     assert not (tmp_path / "m.safetensors").exists()
 
 
+@pytest.mark.parametrize("command", ["status", "log", "plot", "verify", "export", "sweep"])
+def test_a_mistyped_nested_path_is_reported_and_not_created(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Commands that find no run leave the path as they found it: missing."""
+    url = str(tmp_path / "typo" / "sub" / "dir")
+    argv = [command, url]
+    if command in ("plot", "export"):
+        argv.append(str(tmp_path / "out"))
+    rc, out, err = cli(capsys, *argv)
+    assert (rc, out) == (1, "")
+    assert err.startswith(f"gradientmail: error: no run found in {url!r}: it holds no "
+                          "manifest.json.")
+    assert not (tmp_path / "typo").exists() and not (tmp_path / "out").exists()
+
+
 def test_bad_urls_and_options_are_one_error_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -21,6 +21,7 @@ from gradientmail.mailbox import (
     MemoryMailbox,
     verify_conditional_writes,
 )
+from gradientmail.mailbox.url import open_mailbox
 
 
 def test_get_missing_is_none(any_mailbox: Mailbox) -> None:
@@ -273,3 +274,30 @@ def test_list_matches_model(keys: list[str], prefix: str, start_after: str | Non
                 assert await mailbox.list(prefix, start_after or None) == expected
 
         asyncio.run(body())
+
+
+def test_a_read_only_view_reads_and_refuses_every_write(
+    any_mailbox: Mailbox, request: pytest.FixtureRequest
+) -> None:
+    """The same store opened with `read_only=True` (as the read-only commands open it)
+    reads what is there and refuses put, create and delete, changing nothing."""
+    options = {}
+    if any_mailbox.url.startswith("s3://"):
+        options["endpoint_url"] = request.getfixturevalue("moto_endpoint")
+    view = open_mailbox(any_mailbox.url, read_only=True, **options)
+
+    async def body() -> None:
+        await any_mailbox.put("rounds/00000000.json", b"{}")
+        assert await view.get("rounds/00000000.json") == b"{}"
+        assert await view.get_range("rounds/00000000.json", 0, 1) == b"{"
+        assert await view.list() == ["rounds/00000000.json"]
+        for op, call in [("put", view.put("x", b"1")), ("create", view.create("x", b"1")),
+                         ("delete", view.delete("rounds/00000000.json"))]:
+            with pytest.raises(LocalProtocolError, match=(
+                    rf"{op} of '(x|rounds/00000000.json)' refused: .* was opened read-only; "
+                    "open it without read_only=True to write")):
+                await call
+        assert await any_mailbox.list() == ["rounds/00000000.json"]
+        await view.close()
+
+    asyncio.run(body())

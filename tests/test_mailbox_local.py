@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from gradientmail.errors import ConfigError, MailboxError
+from gradientmail.errors import ConfigError, LocalProtocolError, MailboxError
 from gradientmail.mailbox import LocalMailbox
 from gradientmail.mailbox.local import _HOST, TEMP_PREFIX
 
@@ -276,3 +276,28 @@ def test_a_directory_made_and_pruned_by_others_meanwhile_is_made_again(
 def test_options_validated(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"temp_max_age=0 must be > 0 seconds"):
         LocalMailbox(tmp_path, temp_max_age=0)
+
+
+def test_read_only_creates_nothing_and_removes_nothing(tmp_path: Path) -> None:
+    """A read-only mailbox on a missing root reads as empty and leaves the path missing;
+    on a real one it leaves even an orphaned temp file where it is."""
+    missing = tmp_path / "typo" / "sub" / "dir"
+    view = LocalMailbox(missing, read_only=True)
+    assert asyncio.run(view.get("manifest.json")) is None
+    assert asyncio.run(view.get_range("manifest.json", 0, 4)) is None
+    assert asyncio.run(view.list()) == [] and asyncio.run(view.list("rounds/")) == []
+    assert not (tmp_path / "typo").exists()
+    with pytest.raises(LocalProtocolError, match=r"put of 'manifest.json' refused: "
+                       rf"file://{missing} was opened read-only"):
+        asyncio.run(view.put("manifest.json", b"{}"))
+    with pytest.raises(LocalProtocolError, match="clean of '' refused"):
+        asyncio.run(view.clean_temp_files())
+    assert not (tmp_path / "typo").exists()
+
+    root = tmp_path / "mb"
+    asyncio.run(LocalMailbox(root).put("a/b", b"x"))
+    orphan = root / "a" / f"{TEMP_PREFIX}{_HOST}-999999999-000000000000"
+    orphan.write_bytes(b"half")
+    view = LocalMailbox(root, read_only=True)
+    assert asyncio.run(view.list()) == ["a/b"] and asyncio.run(view.get("a/b")) == b"x"
+    assert orphan.exists()

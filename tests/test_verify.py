@@ -33,10 +33,12 @@ from gradientmail.errors import CorruptPayload, RemoteProtocolError
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import LocalMailbox, Mailbox, MemoryMailbox
 from gradientmail.mailbox.wrappers import FaultPlan, FaultyMailbox
+from gradientmail.run.committed import read_committed
 from gradientmail.run.keyspace import audit_floor, plan_sweep
 from gradientmail.run.protocol import Exchange, round_key
+from gradientmail.wire import compression as codec
 from gradientmail.wire.auth import HmacSeal, key_fingerprint
-from gradientmail.wire.blocks import BLOCKS_KEY, blocks_entry
+from gradientmail.wire.blocks import BLOCK_BYTES, BLOCKS_KEY, blocks_entry
 from gradientmail.wire.payload_ranges import fetch_rows
 from gradientmail.wire.quantization import quantize
 from gradientmail.wire.records import Estimates, Manifest, PayloadRef, RoundRecord
@@ -298,6 +300,106 @@ def test_a_decoupled_run_of_learners_verifies(options: dict[str, Any]) -> None:
     assert report.ok, [str(m) for v in report.rounds for m in v.mismatches]
     assert statuses(report) == ["verified"] * len(recs)
     MemoryMailbox.forget("verify-decoupled")
+
+
+# -- runs that sweep: the chain of steps is checked instead ---------------------------
+
+
+async def forge_step(mailbox: Mailbox, r: int) -> str:
+    """Change a bit of round `r`'s step payload and rewrite its record to match (a
+    run without a run key: its records are plain JSON, anyone may rewrite them), as a
+    consistent forger would: block digests and header digest made anew. Returns the key."""
+    rec = await Exchange(mailbox).read_round(r)
+    assert rec is not None and rec.step is not None
+    ref = rec.step.payload
+    blob = await mailbox.get(ref.key)
+    assert blob is not None
+    compression = codec.compression_of(ref.key)
+    tensors, meta = codec.decode_with_metadata(blob, compression, key=ref.key,
+                                               max_bytes=4 * len(blob))
+    meta.pop(BLOCKS_KEY, None)
+    name = next(iter(tensors))
+    t = tensors[name]
+    raw = bytearray(t.buffer)
+    raw[2] ^= 0x40  # a high mantissa bit of an F32's first element: no rounding hides it
+    forged = codec.encode({**tensors, name: TensorBytes(t.dtype, t.shape, bytes(raw))},
+                          compression, meta,
+                          blocks=BLOCK_BYTES if ref.header_sha256 is not None else None)
+    await mailbox.put(ref.key, forged)
+    new_ref = PayloadRef.of(ref.key, forged, header=ref.header_sha256 is not None)
+    step = dataclasses.replace(rec.step, payload=new_ref)
+    await mailbox.put(round_key(r), dataclasses.replace(rec, step=step).encode())
+    return ref.key
+
+
+def test_a_run_that_sweeps_has_its_chain_checked_and_says_what_was_not(
+        mailbox: Mailbox) -> None:
+    """Contributions swept after each commit, a checkpoint every 2 versions: rounds
+    before each fragment's newest checkpoint are gone entirely; from it on, every
+    commit's payloads and step are checked against the theta its record names."""
+    closed_run(mailbox, audited(keep_rounds=None), rounds=8)
+    report = verify(mailbox)
+    assert report.ok and statuses(report) == ["swept"] * 8
+    # Fragment 0's rounds 0, 2, 4, 6 commit versions 1..4; its newest checkpoint is
+    # version 4 (round 6): the checkpoint of version 2, which version 3's step needs, is
+    # swept.
+    assert [v.chain for v in report.rounds] == ["swept"] * 6 + ["checked"] * 2
+    assert report.unmerged("checked") == [6, 7]
+    summary = report.to_json()
+    assert (summary["rounds_swept"], summary["rounds_chain_checked"],
+            summary["rounds_unchecked"]) == (8, 2, 6)
+    assert [v["chain"] for v in summary["rounds"]][5:] == ["swept", "checked", "checked"]
+    text = format_report(report)
+    assert ("not re-derived: the merges of 8 rounds (rounds 0..7): their contributions "
+            "are swept or were never uploaded") in text
+    assert ("checked instead: 2 rounds (rounds 6..7): their payloads' digests and the "
+            "chain of steps from the newest checkpoint to each committed theta") in text
+    assert "not checked at all: 6 rounds (rounds 0..5)" in text
+    assert text.splitlines()[-1].startswith("OK: ")
+
+
+def test_a_forged_step_of_a_run_that_sweeps_fails_naming_the_round(
+        mailbox: Mailbox) -> None:
+    closed_run(mailbox, audited(keep_rounds=None, checkpoint_every=20), rounds=6)
+    assert verify(mailbox).ok
+    run(forge_step(mailbox, 5))
+    report = verify(mailbox)
+    assert not report.ok
+    assert [v.round for v in report.rounds if v.status == "failed"] == [5]
+    first = report.first_mismatch
+    assert first is not None and (first.round, first.fragment, first.what) == (5, 1, "chain")
+    assert "round 5: applying its step to version 2 of fragment 1 gives theta" in first.detail
+    # A step changed without its record: its digest names it.
+    rec4 = run(Exchange(mailbox).read_round(4))
+    assert rec4 is not None and rec4.step is not None
+    run(flip_last_byte(mailbox, rec4.step.payload.key))
+    report = verify(mailbox)
+    assert [v.round for v in report.rounds if v.status == "failed"] == [4, 5]
+    first = report.first_mismatch
+    assert first is not None and (first.round, first.what) == (4, "chain")
+    assert f"payload {rec4.step.payload.key!r} has SHA-256" in first.detail
+
+
+def test_the_command_fails_a_forged_default_run_of_learners(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Learners on DiLoCo's defaults (contributions swept after each commit): the newest
+    round's step forged, its record's digest rewritten. Reading the committed model
+    refuses the chain, and so does `gradientmail verify`, naming the round."""
+    path = tmp_path / "run"
+    learner_run(str(path), DiLoCo(sync_every=4, fragments=2), steps=24)
+    assert main(["verify", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "not re-derived: the merges of" in out and "checked instead:" in out
+    assert "not checked at all" not in out  # no checkpoint yet but Θ⁰: every step is kept
+    newest = run(Exchange(LocalMailbox(str(path))).newest_round())
+    run(forge_step(LocalMailbox(str(path)), newest))
+    with pytest.raises(RemoteProtocolError, match=f"round {newest}: applying its step"):
+        read_committed(str(path))
+    assert main(["verify", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert f"round {newest}: FAILED (1 mismatch)" in out
+    assert f"first mismatch: round {newest}, fragment {newest % 2}, chain: version " in out
+    assert out.strip().splitlines()[-1].startswith(f"FAILED: {path} rounds 0..{newest}: ")
 
 
 # -- tampered runs fail, naming the round and the tensor ------------------------------

@@ -7,6 +7,7 @@
     gradientmail verify URL [--from R] [--json]
     gradientmail sync URL [--poll-interval S] [--closer-id ID] [--keep N]
     gradientmail export URL OUT.safetensors
+    gradientmail export URL --hf DIR (--config RECIPE.yaml | --n-head N)
     gradientmail sweep URL [--keep N]
     gradientmail demo [--learners N] [--steps S] [--slow F] [--outlier-factor K] ...
 
@@ -75,15 +76,18 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     return {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
 
 
-def _open(args: argparse.Namespace) -> Mailbox:
-    return open_mailbox(args.url, **_options(args))
+def _open(args: argparse.Namespace, *, read_only: bool = False) -> Mailbox:
+    return open_mailbox(args.url, read_only=read_only, **_options(args))
 
 
-def _with_mailbox(args: argparse.Namespace, work: Callable[[Exchange], Awaitable[T]]) -> T:
-    """Open the mailbox, run `work(exchange)` on a fresh event loop, close the mailbox."""
+def _with_mailbox(args: argparse.Namespace, work: Callable[[Exchange], Awaitable[T]], *,
+                  read_only: bool = True) -> T:
+    """Open the mailbox (read-only unless told otherwise: a command that only reads leaves
+    a mistyped path as it found it, uncreated), run `work(exchange)` on a fresh event
+    loop, close the mailbox."""
 
     async def go() -> T:
-        mailbox = _open(args)
+        mailbox = _open(args, read_only=read_only)
         try:
             return await work(Exchange(mailbox, run_key=env_run_key()))
         finally:
@@ -344,6 +348,17 @@ def write_safetensors(path: str, tensors: dict[str, TensorBytes],
 def cmd_export(args: argparse.Namespace) -> int:
     from gradientmail.run.committed import read_committed
 
+    if (args.out is None) == (args.hf is None):
+        raise ConfigError(
+            "export writes one safetensors file (OUT.safetensors) or, with --hf DIR, a "
+            f"Hugging Face model directory; got {'both' if args.out else 'neither'}: "
+            "give one of them"
+        )
+    if args.hf is None and (args.config is not None or args.n_head is not None):
+        raise ConfigError("--config and --n-head describe the model of --hf DIR; add --hf "
+                          "DIR (and drop OUT.safetensors)")
+    if args.hf is not None:
+        return _export_hf(args)
     committed = read_committed(args.url, run_key=env_run_key(), **_options(args))
     try:
         size = write_safetensors(args.out, dict(committed.tensors), committed.metadata)
@@ -351,6 +366,36 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise ConfigError(f"cannot write {args.out!r}: {exc.strerror or exc}") from exc
     print(f"wrote {args.out}: {len(committed.tensors)} tensors, {_size(size)}, round "
           f"{committed.round} (fragment versions {list(committed.versions)})")
+    return 0
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from gradientmail.app.hf_export import (
+        gpt2_config,
+        gpt2_shapes,
+        hf_tensors,
+        read_config_file,
+        write_hf,
+    )
+    from gradientmail.run.committed import read_committed
+
+    source = None if args.config is None else read_config_file(args.config)
+    # The configuration is settled from the manifest before the model is downloaded.
+    manifest = _with_mailbox(args, lambda ex: require_manifest(ex, args.url))
+    shapes = {p.name: tuple(p.shape) for p in manifest.schema.params}
+    prefix, _ = gpt2_shapes(shapes)
+    config = gpt2_config(shapes, n_head=args.n_head, source=source,
+                         source_name=f"--config {args.config!r}")
+    committed = read_committed(args.url, run_key=env_run_key(), **_options(args))
+    tensors, tied = hf_tensors(committed.tensors, prefix)
+    config["tie_word_embeddings"] = tied
+    _, size = write_hf(args.hf, tensors, config, committed.metadata)
+    print(f"wrote {args.hf}: config.json (GPT-2, {config['n_layer']} layers, "
+          f"{config['n_embd']} wide, {config['n_head']} heads, vocabulary "
+          f"{config['vocab_size']}) and model.safetensors ({len(tensors)} tensors, "
+          f"{_size(size)}), round {committed.round} (fragment versions "
+          f"{list(committed.versions)}); load it with "
+          f"transformers.AutoModelForCausalLM.from_pretrained({args.hf!r})")
     return 0
 
 
@@ -362,7 +407,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         await require_manifest(ex, args.url)
         return await ex.sweep(args.keep)
 
-    doomed = _with_mailbox(args, work)
+    # Look for the run read-only first: a mistyped path is reported, not created.
+    _with_mailbox(args, lambda ex: require_manifest(ex, args.url))
+    doomed = _with_mailbox(args, work, read_only=False)
     print(f"swept {len(doomed)} keys from {args.url} (kept the newest {args.keep} "
           "versions of each fragment, its newest checkpoint and the steps since)")
     return 0
@@ -372,8 +419,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Exit status 0 when every round verified held (swept and held rounds are no
-    failures), 1 when one did not (or the run cannot be read)."""
+    """Exit status 0 when every round checked held (swept and held rounds, whose merges
+    cannot be re-derived, are no failures unless their chain breaks), 1 when one did not
+    (or the run cannot be read)."""
     from gradientmail.app.verify import format_report, verify_run
 
     report = _with_mailbox(args, lambda ex: verify_run(ex, args.url, start=args.from_round))
@@ -548,8 +596,24 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Write the newest committed parameters of every "
                        "fragment (Θ⁰ where none was committed) as one safetensors file, "
                        "loadable with safetensors.torch.load_file + load_state_dict "
-                       "(strict=False for a model with tied weights or buffers).")
-    p.add_argument("out", metavar="OUT.safetensors", help="the file to write")
+                       "(strict=False for a model with tied weights or buffers); or, with "
+                       "--hf DIR, a GPT-2 run (the recipes') as a Hugging Face model "
+                       "directory.")
+    p.add_argument("out", metavar="OUT.safetensors", nargs="?", default=None,
+                   help="the file to write (or give --hf DIR)")
+    p.add_argument("--hf", default=None, metavar="DIR",
+                   help="write DIR/config.json and DIR/model.safetensors, which "
+                   "transformers.AutoModelForCausalLM.from_pretrained(DIR) loads as a "
+                   "GPT2LMHeadModel (the recipes' `model.` prefix removed, the output layer "
+                   "tied to the token embedding). The config's vocabulary, positions, width "
+                   "and layers come from the run's parameter shapes; the number of heads, "
+                   "which no shape shows, from --config or --n-head")
+    p.add_argument("--config", default=None, metavar="PATH",
+                   help="with --hf: the recipe YAML the run trained with (its model.n_head, "
+                   "model.eos_token_id, model.dropout; every size it states is checked "
+                   "against the run) or a GPT-2 config.json")
+    p.add_argument("--n-head", type=_positive_int, default=None, metavar="N",
+                   help="with --hf: the number of attention heads (instead of --config)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("sweep", parents=[mailbox], help="delete what closed rounds left",
@@ -563,8 +627,13 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Re-derive every commit whose inputs are still stored "
                        "(a run keeps them with DiLoCo's keep_rounds) from its recorded "
                        "contributions, the state before it and the run's algorithm, and "
-                       "compare the bytes with what was committed; with GRADIENTMAIL_RUN_KEY, "
-                       "every record's seal is checked too. Exit status 0 when all held.")
+                       "compare the bytes with what was committed. A commit whose "
+                       "contributions are swept (the default) or were never uploaded is "
+                       "checked as readers check it: its payloads' digests, and the chain of "
+                       "steps from the newest checkpoint to the theta it records; the report "
+                       "says which rounds were not re-derived and which could not be checked "
+                       "at all. With GRADIENTMAIL_RUN_KEY, every record's seal is checked "
+                       "too. Exit status 0 when all held.")
     p.add_argument("--from", dest="from_round", type=_round, default=0, metavar="R",
                    help="the first round to verify (default 0)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -16,8 +16,17 @@ differs and the tensor), *swept* (a contribution it merged, or the state before 
 gone: a run keeps them only with `DiLoCo.keep_rounds`) or *held* (a participant's delta
 was merged by its own closer from memory and never uploaded: nothing to re-derive from).
 Drops for reasons of the moment (a payload unreadable or swept when the round closed)
-are taken on trust, and counted. `compare_round` and `first_difference` are pure;
-`verify_run` does the reading.
+are taken on trust, and counted.
+
+A swept or held round's merge cannot be re-derived, but its commit can still be checked
+against the chain every reader walks (`run.replica.Replica`, what `load_committed` uses):
+its payloads' digests against its record, and its step applied to the fragment's state
+before it (from the newest checkpoint and the steps since) against the theta digest the
+closer recorded, and at a checkpoint the stored theta and outer state against that chain.
+Its verdict's `chain` says "checked", or "swept" when its payloads are gone too (a round
+before the fragment's newest checkpoint, in a run that sweeps); a broken chain fails the
+round. `compare_round`, `compare_chain` and `first_difference` are pure; `verify_run`
+does the reading.
 """
 
 from __future__ import annotations
@@ -59,6 +68,7 @@ __all__ = [
     "Report",
     "RoundVerdict",
     "Verifier",
+    "compare_chain",
     "compare_round",
     "first_difference",
     "format_report",
@@ -70,6 +80,9 @@ __all__ = [
 TRUSTED_DROPS = ("unreadable:", "payload swept")
 
 VERIFIED, FAILED, SWEPT, HELD = "verified", "failed", "swept", "held"
+#: A swept or held round's `RoundVerdict.chain`: its commit checked against the chain of
+#: steps, or its payloads swept too (nothing of it left to check).
+CHECKED = "checked"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +111,9 @@ class Mismatch:
 @dataclasses.dataclass(frozen=True)
 class RoundVerdict:
     """How round `round` fared: `status` is verified, failed, swept or held; `note` says
-    why a round was not verified, or which drops were taken on trust."""
+    why a round was not verified, or which drops were taken on trust. `chain`, for a
+    swept or held round: "checked" (its payloads' digests and the chain of steps to its
+    committed theta held) or "swept" (its commit's payloads are gone too); "" otherwise."""
 
     round: int
     fragment: int | None
@@ -107,16 +122,20 @@ class RoundVerdict:
     note: str = ""
     bytes: int = 0
     seconds: float = 0.0
+    chain: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {"round": self.round, "fragment": self.fragment, "status": self.status,
                 "mismatches": [m.to_json() for m in self.mismatches], "note": self.note,
-                "bytes": self.bytes, "seconds": self.seconds}
+                "bytes": self.bytes, "seconds": self.seconds, "chain": self.chain}
 
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    """A verification of the rounds `start`..`stop` (inclusive) of the run at `url`."""
+    """A verification of the rounds `start`..`stop` (inclusive) of the run at `url`.
+
+    Its JSON counts the rounds by status, and of the swept and held ones (merges not
+    re-derived) those whose chain was checked and those nothing of which could be."""
 
     url: str
     start: int
@@ -127,9 +146,15 @@ class Report:
     def count(self, status: str) -> int:
         return sum(1 for v in self.rounds if v.status == status)
 
+    def unmerged(self, chain: str) -> list[int]:
+        """The swept and held rounds (merges not re-derived) whose `chain` is `chain`."""
+        return [v.round for v in self.rounds if v.status in (SWEPT, HELD) and v.chain == chain]
+
     @property
     def ok(self) -> bool:
-        """Whether every round verified held (swept and held rounds are no failures)."""
+        """Whether no round failed: every re-derived commit matched, and no swept or held
+        round's payloads or chain of steps broke (their merges, not re-derived, are no
+        failures)."""
         return self.count(FAILED) == 0
 
     @property
@@ -146,6 +171,8 @@ class Report:
             "seals_checked": self.sealed,
             "rounds_verified": self.count(VERIFIED), "rounds_failed": self.count(FAILED),
             "rounds_swept": self.count(SWEPT), "rounds_held": self.count(HELD),
+            "rounds_chain_checked": len(self.unmerged(CHECKED)),
+            "rounds_unchecked": len(self.unmerged(SWEPT)),
             "first_mismatch": None if first is None else first.to_json(),
             "bytes_verified": nbytes,
             "mb_per_s": nbytes / 1e6 / seconds if seconds > 0 else None,
@@ -171,6 +198,19 @@ def format_report(report: Report) -> str:
     if report.count(SWEPT) and not report.count(VERIFIED):
         lines.append("nothing left to re-derive: the run sweeps each round's contributions "
                      "once it commits (an auditable run sets DiLoCo's keep_rounds)")
+    checked, unchecked = report.unmerged(CHECKED), report.unmerged(SWEPT)
+    if checked or unchecked:
+        lines.append(f"not re-derived: the merges of {_count(checked + unchecked)} "
+                     f"({_spans(sorted(checked + unchecked))}): their contributions are "
+                     "swept or were never uploaded")
+    if checked:
+        lines.append(f"checked instead: {_count(checked)} ({_spans(checked)}): their "
+                     "payloads' digests and the chain of steps from the newest checkpoint "
+                     "to each committed theta")
+    if unchecked:
+        lines.append(f"not checked at all: {_count(unchecked)} ({_spans(unchecked)}): "
+                     "their commits' payloads are swept too (older than the newest "
+                     "checkpoint)")
     seals = ("every record's seal checked" if report.sealed
              else "records unsealed (the run has no run key)")
     span = ("no rounds" if report.stop < report.start
@@ -182,6 +222,22 @@ def format_report(report: Report) -> str:
         f"(held); {seals}"
     )
     return "\n".join(lines)
+
+
+def _count(rounds: Sequence[int]) -> str:
+    return f"{len(rounds)} round{'' if len(rounds) == 1 else 's'}"
+
+
+def _spans(rounds: Sequence[int]) -> str:
+    """Sorted round numbers as ranges: [0, 1, 2, 5] -> "rounds 0..2, 5"."""
+    spans: list[list[int]] = []
+    for r in rounds:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in spans)
+    return ("round " if len(rounds) == 1 else "rounds ") + text
 
 
 # -- the comparison (pure) --------------------------------------------------------------
@@ -243,11 +299,13 @@ def _value(t: TensorBytes, i: int) -> str:
 @dataclasses.dataclass(frozen=True)
 class Stored:
     """A commit's payloads as read back: entries by kind ("step", "theta", "outer",
-    "update"; absent when the record has none or they are unreadable), and what was
-    wrong with reading each (a digest that differs from the record, undecodable bytes)."""
+    "update"; absent when the record has none or they are unreadable), what was
+    wrong with reading each (a digest that differs from the record, undecodable bytes,
+    gone), and the kinds that are `gone` (swept)."""
 
     entries: Mapping[str, Mapping[str, TensorBytes]]
     problems: Mapping[str, str]
+    gone: frozenset[str] = frozenset()
 
 
 def compare_round(rec: RoundRecord, alg: Algorithm, derived: Derived,
@@ -311,6 +369,38 @@ def compare_round(rec: RoundRecord, alg: Algorithm, derived: Derived,
         if digest != rec.update.theta_sha256:
             miss("update", f"its theta digest is {rec.update.theta_sha256[:16]}…, the "
                  f"re-derived theta gives {digest[:16]}…")
+    return out
+
+
+def compare_chain(rec: RoundRecord, state: FragmentState | None, stored: Stored,
+                  names: Sequence[str]) -> list[Mismatch]:
+    """Every way a commit whose merge cannot be re-derived differs from what its record
+    and the chain before it say: a stored payload (not swept) whose bytes are not its
+    record's, and, given the `state` the chain of steps reaches at its version (None when
+    not reached), a theta whose digest is not the one its step or update records, or a
+    checkpoint's theta and outer state that are not the chain's."""
+    out: list[Mismatch] = []
+    r, p = rec.round, rec.fragment
+
+    def miss(what: str, detail: str, tensor: str | None = None) -> None:
+        out.append(Mismatch(r, p, what, tensor, detail))
+
+    for kind, problem in sorted(stored.problems.items()):
+        if kind not in stored.gone:
+            miss(kind, problem)
+    if state is None or out:
+        return out
+    digest = theta_digest(state.theta, names)
+    if rec.step is not None and digest != rec.step.theta_sha256:
+        miss("theta digest", f"recorded {rec.step.theta_sha256[:16]}…, the chain's theta "
+             f"at version {state.version} gives {digest[:16]}…")
+    if rec.update is not None and digest != rec.update.theta_sha256:
+        miss("update", f"its theta digest is {rec.update.theta_sha256[:16]}…, the chain's "
+             f"theta at version {state.version} gives {digest[:16]}…")
+    if rec.checkpoint:
+        for kind, want in (("theta", state.theta), ("outer", state.outer())):
+            if kind in stored.entries:
+                _payload(miss, kind, Stored({kind: stored.entries[kind]}, {}), want)
     return out
 
 
@@ -446,11 +536,10 @@ class Verifier:
                 f"trains fragment {p}"),))
         held = [q.learner for q in rec.participants if q.held]
         if held:
-            await self.follow(rec, None)
-            return RoundVerdict(r, p, HELD, note=(
+            return await self.chain(rec, RoundVerdict(r, p, HELD, note=(
                 f"{', '.join(held)} merged {'its' if len(held) == 1 else 'their'} own delta "
                 "from memory and never uploaded it (a run that must be auditable sets "
-                "keep_rounds, and its learners upload every contribution)"))
+                "keep_rounds, and its learners upload every contribution)")), t0)
         verdict, derived = await self.derive(rec, t0)
         if verdict.status == VERIFIED:
             assert derived is not None
@@ -458,8 +547,49 @@ class Verifier:
         elif verdict.status == FAILED:
             await self.follow(rec, derived)
         else:
-            self.replica.states.pop(p, None)
+            return await self.chain(rec, verdict, t0)
         return verdict
+
+    async def chain(self, rec: RoundRecord, verdict: RoundVerdict, t0: float) -> RoundVerdict:
+        """`verdict` (swept or held) with what can still be checked of `rec`'s commit: its
+        stored payloads' digests, and the fragment's state at its version reached as every
+        reader reaches it (`Replica.at`: the held state and this commit's step, or the
+        newest checkpoint and the steps since), against the theta digest it records and
+        its checkpoint. Failed, naming the round, when one does not hold."""
+        r, p = rec.round, rec.fragment
+        names = self.manifest.plan[p]
+        # With the state before it held, `Replica.at` applies this commit's step, fetching
+        # it with its digest checked: reading it here too would download it twice.
+        held = self.replica.held(p)
+        applied = rec.step is not None and held is not None and held.version == rec.version - 1
+        stored, nbytes = await self.stored(rec, names, skip=("step",) if applied else ())
+        mismatches = compare_chain(rec, None, stored, names)
+        state = None
+        # What a reader needs of this commit (its step, or a checkpoint's theta) is gone:
+        # the commit is older than the fragment's newest checkpoint, and so is every
+        # payload walking back to one (what `Replica.at` would find out the long way).
+        needed = "step" if rec.step is not None else "theta"
+        if not mismatches and needed not in stored.gone:
+            before = self.replica.bytes_down
+            try:
+                state = await self.replica.at(p, rec)
+                nbytes += self.replica.bytes_down - before
+            except GradientmailError as exc:
+                mismatches.append(Mismatch(r, p, "chain", None, f"version {rec.version} "
+                                           f"cannot be reached as readers reach it: {exc}"))
+            else:
+                mismatches = await asyncio.to_thread(compare_chain, rec, state, stored, names)
+        seconds = time.perf_counter() - t0
+        if mismatches:
+            # Readers cannot go on from this commit: the fragment's next round starts over
+            # from the stored checkpoints.
+            self.replica.states.pop(p, None)
+            return RoundVerdict(r, p, FAILED, tuple(mismatches), note=verdict.note,
+                                bytes=nbytes, seconds=seconds)
+        if state is None:
+            self.replica.states.pop(p, None)
+            return dataclasses.replace(verdict, chain=SWEPT)
+        return dataclasses.replace(verdict, chain=CHECKED, bytes=nbytes, seconds=seconds)
 
     async def follow(self, rec: RoundRecord, derived: FragmentState | None) -> None:
         """Hold the fragment's state after `rec` for its next round: as the run has it
@@ -561,13 +691,17 @@ class Verifier:
             f"{d.learner} ({d.reason[:60]})" for d in trusted)
         return RoundVerdict(r, p, VERIFIED, note=note, bytes=nbytes, seconds=seconds), state
 
-    async def stored(self, rec: RoundRecord, names: Sequence[str]) -> tuple[Stored, int]:
+    async def stored(self, rec: RoundRecord, names: Sequence[str],
+                     skip: Sequence[str] = ()) -> tuple[Stored, int]:
+        """`rec`'s payloads as read back (but the kinds in `skip`), and the bytes read."""
         schema = self.manifest.schema
-        refs = {"step": (rec.step.payload if rec.step else None, "steps"),
+        refs = {"step": (rec.step.payload if rec.step and "step" not in skip else None,
+                         "steps"),
                 "theta": (rec.theta, "theta"), "outer": (rec.outer, "outer"),
                 "update": (rec.update.payload if rec.update else None, "updates")}
         entries: dict[str, Mapping[str, TensorBytes]] = {}
         problems: dict[str, str] = {}
+        gone: set[str] = set()
         nbytes = 0
         for kind, (ref, bound_kind) in refs.items():
             if ref is None:
@@ -581,11 +715,12 @@ class Verifier:
             nbytes += n
             if tensors is None:
                 problems[kind] = f"payload {ref.key!r} is gone"
+                gone.add(kind)
                 continue
             if problem is not None:
                 problems[kind] = problem
             entries[kind] = tensors
-        return Stored(entries, problems), nbytes
+        return Stored(entries, problems, frozenset(gone)), nbytes
 
 
 def _blame(r: int, p: int, problems: Mapping[str, str],

@@ -9,6 +9,10 @@ files are named `.tmp-<host>-<pid>-<random>`, hidden from `list`, and those left
 writers are removed when the mailbox is first used (dead pid on this host, or older than
 `temp_max_age` seconds).
 
+Opened with `read_only=True` (what `gradientmail status`, `log`, `verify` and `export`
+use), the mailbox leaves the filesystem as it found it: it never creates its root, removes
+no temporary file, refuses every write, and reads a missing root as an empty mailbox.
+
 A filesystem cannot hold both a file `a` and a directory `a/`, so unlike S3 a LocalMailbox
 cannot hold both the keys `a` and `a/b`; such a write raises `MailboxError` naming both.
 """
@@ -28,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from gradientmail.errors import ConfigError, MailboxError
+from gradientmail.errors import ConfigError, LocalProtocolError, MailboxError
 from gradientmail.mailbox.base import Mailbox, check_key, check_prefix, check_range
 
 __all__ = ["TEMP_PREFIX", "LocalMailbox"]
@@ -43,6 +47,7 @@ _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 # out, so allow many, yielding the CPU between them.
 _DIR_RETRIES = 200
 _KEY_OPS = frozenset({"get", "get_range", "put", "create", "delete"})
+_READ_OPS = frozenset({"get", "get_range", "list"})
 
 
 def _pid_alive(pid: int) -> bool:
@@ -79,13 +84,21 @@ class LocalMailbox(Mailbox):
     """A mailbox in the directory `root` (created on first use, with its parents).
 
     `fsync=False` skips the fsyncs (faster, still atomic for readers, but a power loss may
-    lose recent writes): for throwaway runs only. Blocking file I/O runs in worker threads.
+    lose recent writes): for throwaway runs only. `read_only=True` creates and removes
+    nothing (a missing root reads as empty; `put`, `create`, `delete` and
+    `clean_temp_files` raise `LocalProtocolError`). Blocking file I/O runs in worker
+    threads.
     """
 
     metered = False  # requests are system calls
 
     def __init__(
-        self, root: str | os.PathLike[str], *, fsync: bool = True, temp_max_age: float = 3600.0
+        self,
+        root: str | os.PathLike[str],
+        *,
+        fsync: bool = True,
+        temp_max_age: float = 3600.0,
+        read_only: bool = False,
     ) -> None:
         if not temp_max_age > 0:
             raise ConfigError(
@@ -95,6 +108,7 @@ class LocalMailbox(Mailbox):
         self.root = os.path.abspath(os.fspath(root))
         self.url = "file://" + self.root
         self._fsync = fsync
+        self.read_only = read_only
         self._temp_max_age = temp_max_age
         self._opened = False
         self._real_root = ""
@@ -147,6 +161,12 @@ class LocalMailbox(Mailbox):
         return os.path.join(self.root, *key.split("/"))
 
     async def _io(self, op: str, key: str, path: str, fn: Callable[[], _T]) -> _T:
+        if self.read_only and op not in _READ_OPS:
+            raise LocalProtocolError(
+                f"{op} of {key!r} refused: {self.url} was opened read-only; open it without "
+                "read_only=True to write"
+            )
+
         def run() -> _T:
             self._open()
             if op in _KEY_OPS:
@@ -169,9 +189,13 @@ class LocalMailbox(Mailbox):
             return
         with self._open_lock:
             if not self._opened:
-                os.makedirs(self.root, exist_ok=True)
+                if not self.read_only:
+                    os.makedirs(self.root, exist_ok=True)
+                # A missing root resolves too (through its existing parents): a read-only
+                # mailbox on it finds no key.
                 self._real_root = os.path.realpath(self.root)
-                self._clean(self._temp_max_age)
+                if not self.read_only:
+                    self._clean(self._temp_max_age)
                 self._opened = True
 
     def _check_inside(self, key: str, path: str) -> None:

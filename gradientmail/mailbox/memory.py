@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import threading
 
+from gradientmail.errors import LocalProtocolError
 from gradientmail.mailbox.base import Mailbox, check_key, check_prefix, check_range
 
 __all__ = ["MemoryMailbox"]
@@ -25,11 +26,14 @@ class _Store:
 
 
 class MemoryMailbox(Mailbox):
-    """A process-local mailbox. `MemoryMailbox()` is private; `MemoryMailbox("x")` is shared."""
+    """A process-local mailbox. `MemoryMailbox()` is private; `MemoryMailbox("x")` is shared.
+
+    `read_only=True` refuses `put`, `create` and `delete` (`LocalProtocolError`)."""
 
     metered = False  # requests are dict lookups
 
-    def __init__(self, name: str | None = None) -> None:
+    def __init__(self, name: str | None = None, *, read_only: bool = False) -> None:
+        self.read_only = read_only
         if name is None:
             self._store = _Store()
             self.url = "memory://"
@@ -37,6 +41,13 @@ class MemoryMailbox(Mailbox):
             with _STORES_LOCK:
                 self._store = _STORES.setdefault(name, _Store())
             self.url = f"memory://{name}"
+
+    def _writable(self, op: str, key: str) -> None:
+        if self.read_only:
+            raise LocalProtocolError(
+                f"{op} of {key!r} refused: {self.url} was opened read-only; open it without "
+                "read_only=True to write"
+            )
 
     @staticmethod
     def forget(name: str) -> None:
@@ -58,6 +69,7 @@ class MemoryMailbox(Mailbox):
 
     async def put(self, key: str, data: bytes) -> None:
         check_key(key)
+        self._writable("put", key)
         data = bytes(data)
         s = self._store
         with s.lock:
@@ -67,6 +79,7 @@ class MemoryMailbox(Mailbox):
 
     async def create(self, key: str, data: bytes) -> bool:
         check_key(key)
+        self._writable("create", key)
         data = bytes(data)
         s = self._store
         with s.lock:
@@ -92,6 +105,7 @@ class MemoryMailbox(Mailbox):
 
     async def delete(self, key: str) -> None:
         check_key(key)
+        self._writable("delete", key)
         s = self._store
         with s.lock:
             if s.objects.pop(key, None) is not None:

@@ -53,7 +53,8 @@ class S3Mailbox(Mailbox):
     `multipart_threshold` / `part_size` (bytes), `retry_mode` ("standard" or "adaptive")
     and `max_attempts` for botocore's retries, `create_attempts` for 409 conflicts on
     create, `addressing_style` ("path" for stores without virtual-host buckets), and
-    `clock` for the create backoff.
+    `clock` for the create backoff. `read_only=True` refuses `put`, `create` and `delete`
+    (`LocalProtocolError`) before any request.
     """
 
     def __init__(
@@ -74,6 +75,7 @@ class S3Mailbox(Mailbox):
         connect_timeout: float = 10.0,
         read_timeout: float = 60.0,
         clock: Clock | None = None,
+        read_only: bool = False,
     ) -> None:
         if not _BUCKET.match(bucket):
             raise ConfigError(
@@ -123,6 +125,7 @@ class S3Mailbox(Mailbox):
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self._clock: Clock = clock or MonotonicClock()
+        self.read_only = read_only
         self._lock = threading.Lock()
         self._client: Any = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -167,6 +170,7 @@ class S3Mailbox(Mailbox):
 
     async def put(self, key: str, data: bytes) -> None:
         full = self._full(key)
+        self._writable("put", key)
         data = bytes(data)
         if len(data) >= self.multipart_threshold:
             await self._multipart("put", key, data, {})
@@ -175,6 +179,7 @@ class S3Mailbox(Mailbox):
 
     async def create(self, key: str, data: bytes) -> bool:
         full = self._full(key)
+        self._writable("create", key)
         _require_boto3()
         from botocore.exceptions import ClientError
 
@@ -226,6 +231,7 @@ class S3Mailbox(Mailbox):
 
     async def delete(self, key: str) -> None:
         full = self._full(key)
+        self._writable("delete", key)
         await self._run("delete", key, self._call("delete_object", Key=full))
 
     async def close(self) -> None:
@@ -293,6 +299,13 @@ class S3Mailbox(Mailbox):
 
     def _invoke(self, method: str, kwargs: dict[str, Any]) -> Any:
         return getattr(self.client, method)(**kwargs)
+
+    def _writable(self, op: str, key: str) -> None:
+        if self.read_only:
+            raise LocalProtocolError(
+                f"{op} of {key!r} refused: {self.url} was opened read-only; open it without "
+                "read_only=True to write"
+            )
 
     def _full(self, key: str) -> str:
         return self.prefix + check_key(key)

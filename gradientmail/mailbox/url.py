@@ -6,7 +6,8 @@
     open_mailbox("memory://run1")               MemoryMailbox("run1") (shared in-process)
 
 Options go to the mailbox's constructor (`endpoint_url=...` for S3, `fsync=False` for a
-directory); an option the mailbox does not take is a `ConfigError`. Nothing is opened
+directory, `read_only=True` for any: it refuses writes, and a directory is never created);
+an option the mailbox does not take is a `ConfigError`. Nothing is opened
 here: connections and directories are made on first use.
 """
 

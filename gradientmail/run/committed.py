@@ -98,11 +98,14 @@ def read_committed(
     **options: Any,
 ) -> CommittedModel:
     """The newest committed model of the run in `mailbox` (a Mailbox, left open, or a URL,
-    opened with `open_mailbox`'s `options` and closed), with its round and versions.
+    opened read-only with `open_mailbox`'s `options` and closed: a mistyped path is
+    reported, never created), with its round and versions.
 
     `run_key` reads an authenticated run (`AuthenticationError` when it is not the run's);
     `ConfigError` when the mailbox holds no run. Needs no torch.
     """
+    if not isinstance(mailbox, Mailbox):
+        options.setdefault("read_only", True)
     box = open_mailbox(mailbox, **options)
     # Errors name the URL as the caller wrote it; the result carries the mailbox's own.
     url = mailbox if isinstance(mailbox, str) else box.url

@@ -171,8 +171,8 @@ class Replica:
             raise RemoteProtocolError(
                 f"round {rec.round}: applying its step to version {state.version} of fragment "
                 f"{rec.fragment} gives theta {digest[:12]}…, the closer's was "
-                f"{step.theta_sha256[:12]}…; this party and the closer compute the outer step "
-                "differently"
+                f"{step.theta_sha256[:12]}…: the step's payload was changed and its record "
+                "rewritten, or this party and the closer compute the outer step differently"
             )
         return new
 
