@@ -440,9 +440,11 @@ def test_demo_takes_the_outlier_factor(capsys: pytest.CaptureFixture[str]) -> No
     from gradientmail.app.demo import _algorithm
 
     args = build_parser().parse_args(["demo", "--learners", "2", "--outlier-factor", "3.5"])
-    assert _algorithm(demo_config(args)).outlier_factor == 3.5
-    plain = build_parser().parse_args(["demo"])
-    assert _algorithm(demo_config(plain)).outlier_factor is None
+    for system in ("standard", "decoupled"):
+        assert _algorithm(demo_config(args), system).outlier_factor == 3.5
+    plain = build_parser().parse_args(["demo", "--slow", "3"])
+    assert _algorithm(demo_config(plain), "decoupled").outlier_factor is None
+    assert demo_config(plain).slow == 3.0
     assert main(["demo", "--outlier-factor", "0.5"]) == 1
     assert "outlier_factor=0.5 must be None (off) or a number > 1" in capsys.readouterr().err
 

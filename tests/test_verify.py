@@ -28,7 +28,8 @@ import gradientmail.syncer.runtime as syncer_module
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo, Rda, WeightedMean
 from gradientmail.app.cli import main
-from gradientmail.app.verify import Report, first_difference, format_report, verify_run
+from gradientmail.app.verify import first_difference, verify_run
+from gradientmail.app.verify_report import Report, format_report
 from gradientmail.errors import CorruptPayload, RemoteProtocolError
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import LocalMailbox, Mailbox, MemoryMailbox

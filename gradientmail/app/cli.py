@@ -33,7 +33,6 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -48,7 +47,6 @@ from gradientmail.run.replica import newest_model, require_manifest
 from gradientmail.traffic import S3_STANDARD, Prices
 from gradientmail.wire.auth import env_run_key
 from gradientmail.wire.records import check_learner_id
-from gradientmail.wire.serialization import TensorBytes, pack
 
 __all__ = [
     "TRAFFIC_ROUNDS",
@@ -59,7 +57,6 @@ __all__ = [
     "newest_model",
     "read_status",
     "require_manifest",
-    "write_safetensors",
 ]
 
 _PROG = "gradientmail"
@@ -329,22 +326,6 @@ def cmd_plot(args: argparse.Namespace) -> int:
 # -- export ------------------------------------------------------------------------------
 
 
-def write_safetensors(path: str, tensors: dict[str, TensorBytes],
-                      metadata: dict[str, str]) -> int:
-    """Write `tensors` as a safetensors file at `path` atomically; returns its size."""
-    blob = pack(tensors, metadata)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".gradientmail-export-", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return len(blob)
-
-
 def cmd_export(args: argparse.Namespace) -> int:
     from gradientmail.run.committed import read_committed
 
@@ -361,6 +342,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         return _export_hf(args)
     committed = read_committed(args.url, run_key=env_run_key(), **_options(args))
     try:
+        from gradientmail.app.export import write_safetensors
+
         size = write_safetensors(args.out, dict(committed.tensors), committed.metadata)
     except OSError as exc:
         raise ConfigError(f"cannot write {args.out!r}: {exc.strerror or exc}") from exc
@@ -370,7 +353,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _export_hf(args: argparse.Namespace) -> int:
-    from gradientmail.app.hf_export import (
+    from gradientmail.app.export import (
         gpt2_config,
         gpt2_shapes,
         hf_tensors,
@@ -422,7 +405,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     """Exit status 0 when every round checked held (swept and held rounds, whose merges
     cannot be re-derived, are no failures unless their chain breaks), 1 when one did not
     (or the run cannot be read)."""
-    from gradientmail.app.verify import format_report, verify_run
+    from gradientmail.app.verify import verify_run
+    from gradientmail.app.verify_report import format_report
 
     report = _with_mailbox(args, lambda ex: verify_run(ex, args.url, start=args.from_round))
     if args.json:

@@ -20,7 +20,7 @@ from test_learner_runtime import FAST
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.app.cli import main
-from gradientmail.app.hf_export import gpt2_config, gpt2_shapes, hf_tensors, read_config_file
+from gradientmail.app.export import gpt2_config, gpt2_shapes, hf_tensors, read_config_file
 from gradientmail.errors import ConfigError
 from gradientmail.learner.runtime import Learner
 from gradientmail.run.committed import load_committed, read_committed

@@ -1,5 +1,7 @@
-"""`gradientmail export --hf DIR`: a run of a GPT-2 model as a Hugging Face model directory.
+"""`gradientmail export`: the newest committed model as one safetensors file
+(`write_safetensors`), or a run of a GPT-2 model as a Hugging Face model directory:
 
+    gradientmail export URL OUT.safetensors
     gradientmail export URL --hf DIR --config recipes/gpt2-124m.yaml
     gradientmail export URL --hf DIR --n-head 12
 
@@ -30,7 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gradientmail.errors import ConfigError, MissingExtra
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.serialization import TensorBytes, pack
 
 __all__ = [
     "EMBEDDING",
@@ -39,6 +41,7 @@ __all__ = [
     "hf_tensors",
     "read_config_file",
     "write_hf",
+    "write_safetensors",
 ]
 
 #: The parameter whose name locates the network in a run: `<prefix>transformer.wte.weight`.
@@ -216,7 +219,6 @@ def write_hf(directory: str, tensors: Mapping[str, TensorBytes], config: Mapping
              metadata: Mapping[str, str]) -> tuple[int, int]:
     """Write `config.json` and `model.safetensors` into `directory` (created, with its
     parents, when missing), each atomically; returns the two files' sizes."""
-    from gradientmail.app.cli import write_safetensors
 
     try:
         os.makedirs(directory, exist_ok=True)
@@ -234,3 +236,19 @@ def write_hf(directory: str, tensors: Mapping[str, TensorBytes], config: Mapping
     except OSError as exc:
         raise ConfigError(f"cannot write {directory!r}: {exc.strerror or exc}") from exc
     return len(text), size
+
+
+def write_safetensors(path: str, tensors: dict[str, TensorBytes],
+                      metadata: dict[str, str]) -> int:
+    """Write `tensors` as a safetensors file at `path` atomically; returns its size."""
+    blob = pack(tensors, metadata)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".gradientmail-export-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return len(blob)
