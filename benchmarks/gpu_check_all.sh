@@ -189,7 +189,8 @@ if ! {
     exit 1
 fi
 {
-    nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv 2>&1
+    # compute_mode: "Exclusive_Process" would refuse the 4 learners their shared GPU.
+    nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,compute_mode --format=csv 2>&1
     echo "cpus: $(nproc)"
     df -h /dev/shm /tmp 2>&1
     git status --short 2>/dev/null | sed 's/^/tree: /'

@@ -26,31 +26,37 @@ M·B windows from one seeded generator; the M learners each take their quarter o
   closers on a local-directory mailbox (without fsync, in /dev/shm when it has 8 GB free).
 Inner optimizer (every arm): AdamW lr `--lr`, betas (0.9, 0.95), weight decay 0.1, grad
 clip 1.0, a linear warmup over 5% of S then cosine decay to lr/10 (the DiLoCo paper's
-inner schedule, scaled to S); bf16 autocast on CUDA, F32 on the CPU. H = 30 is Scaling
-Laws for DiLoCo's setting at 35M. A DiLoCo arm is evaluated on its *committed* model:
-standard DiLoCo's step at a round's boundary returns once the commit is applied, so
-rank 0's parameters then are the commit's; the others are evaluated on their one process.
+inner schedule, scaled to S; lr 1e-3 at a 16,384-token batch is nanoGPT's
+character-level recipe, a byte model of this kind); bf16 autocast on CUDA, F32 on the
+CPU. One inner lr for every arm, untuned: an lr too low for the DDP equivalent favours
+DiLoCo, whose outer step extrapolates (the dry run's tiny model shows it). H = 30 is
+Scaling Laws for DiLoCo's setting at 35M. A DiLoCo arm is evaluated on its *committed*
+model: standard DiLoCo's step at a round's boundary returns once the commit is applied,
+so rank 0's parameters then are the commit's; the others are evaluated on their one
+process.
 
 Every arm runs at once, each in its own process(es) on the one device, under one wall
-clock: past `--time-limit` seconds from launch an arm ends at its next round boundary
-(the M learners together: rank 0 names the boundary in a stop file before it trains
-on, and no learner can pass that boundary before rank 0 has published there) and is
-evaluated there. The comparison is read at the largest token count that every arm
-reached; a worker still alive `--grace` seconds after the limit is killed, and what it
-evaluated until then (appended to a JSON-lines file as it went) still counts.
+clock: past `--time-limit` seconds from launch an arm ends at its next evaluation point
+(the M learners together: rank 0 names the point in a stop file before it trains on, and
+no learner can pass a boundary before rank 0 has published there). The comparison is
+read at the largest token count that every arm evaluated; a worker still alive `--grace`
+seconds after the limit is killed, and what it evaluated until then (appended to a
+JSON-lines file as it went) still counts.
 
 The GPU default budget, and why: S = 1200 steps of a 16,384-token global batch (64
 windows of 256 bytes), 19.7M tokens per arm, 59M for the three arms together; 40 rounds
-at H = 30; an evaluation every 8 rounds. Assumption: an H200 trains this 40M model in
-eager PyTorch with bf16 autocast at roughly 0.3-1M tokens/s in all (≈ 2.6e8 FLOP per
-token for forward and backward; 0.3M tokens/s is ≈ 10% of the bf16 peak, what a
-small-width eager model with six processes time-slicing one GPU may well fall to): the
-three arms then need 60-200 s, inside the 200 s limit, and a slower device truncates the
-arms rather than overrunning the stage. The round syncs (each learner publishes its
-160 MB F32 delta, the closer merges four, every learner loads the step) add to the
-M = 4 arm's wall time, not to its tokens. 19.7M tokens is ~0.5 token per parameter, far
-short of the papers' compute-optimal ~20: an early-training reading, in which DiLoCo's
-outer momentum has had few rounds.
+at H = 30; an evaluation every 4 rounds (120 steps, 2M tokens). Assumption: an H200
+trains this 40M model in eager PyTorch with bf16 autocast at roughly 0.3-1M tokens/s in
+all (≈ 2.6e8 FLOP per token for forward and backward; 0.3M tokens/s is ≈ 10% of the bf16
+peak, what a small-width eager model with six processes time-slicing one GPU may well
+fall to): the three arms then need 60-200 s, inside the 200 s limit, and a slower device
+truncates the arms rather than overrunning the stage. The round syncs (each learner
+publishes its 160 MB F32 delta, the closer merges four, every learner loads the step)
+add to the M = 4 arm's wall time, not to its tokens: on 2 busy CPU cores here a round at
+this size took ~6 s with four learners and ~1.6 s with one; on the GPU machine's 16
+cores, 1-3 s is expected, 40-120 s over the 40 rounds, while the other arms use the GPU.
+19.7M tokens is ~0.5 token per parameter, far short of the papers' compute-optimal ~20:
+an early-training reading, in which DiLoCo's outer momentum has had few rounds.
 
 Writes to `--out`: convergence.md (settings, the loss-against-tokens table, each arm's
 throughput, the goals), convergence.csv (arm, step, tokens, held-out loss, training
@@ -94,7 +100,7 @@ class Settings:
     learners: int = 4
     sync_every: int = 30
     tokens: int = 19_660_800
-    eval_rounds: int = 8
+    eval_rounds: int = 4
     val_blocks: int = 512
     text_mb: float = 64.0
     lr: float = 1e-3
@@ -198,6 +204,11 @@ def lr_factor(s: Settings, step: int) -> float:
         return (step + 1) / warm
     done = min((step - warm) / max(s.steps - warm, 1), 1.0)
     return 0.1 + 0.45 * (1.0 + math.cos(math.pi * done))
+
+
+def grid_at_or_after(s: Settings, step: int) -> int:
+    """The first evaluation step at or after `step` (S at most)."""
+    return min(-(-step // s.eval_every) * s.eval_every, s.steps)
 
 
 def evaluate(model: Any, val: Any, autocast: Any) -> float:
@@ -318,15 +329,19 @@ def worker(arm: str, rank: int, workdir: Path) -> None:
                     learner.step(int(ids.numel()))
         sync_device()
         train_s += time.perf_counter() - t0
-        # Past the limit: one-process arms end here; the learners of an arm end together
-        # at the next boundary, which rank 0 names before it trains on.
-        if stop_at == s.steps and time.time() > s.deadline and step < s.steps:
+        # Past the limit an arm ends at its next evaluation (so that every arm's last
+        # point is on the common grid); the learners of an arm together, at the first
+        # one past the next boundary, which rank 0 names before it trains on (no learner
+        # can pass a boundary before rank 0 has published there).
+        if stop_at == s.steps and step < s.steps and time.time() > s.deadline:
             if m == 1:
-                stop_at, ended = step, "time limit"
+                stop_at, ended = grid_at_or_after(s, step), "time limit"
             elif rank == 0 and not stop_file.exists():
-                stop_file.write_text(str(step + s.sync_every))
-        if m > 1 and stop_file.exists() and stop_at == s.steps:
-            named = int(stop_file.read_text() or s.steps)
+                tmp = stop_file.with_suffix(".tmp")
+                tmp.write_text(str(grid_at_or_after(s, step + s.sync_every)))
+                tmp.replace(stop_file)
+        if m > 1 and stop_at == s.steps and stop_file.exists():
+            named = int(stop_file.read_text())
             if named < s.steps:
                 stop_at, ended = max(named, step), "time limit"
         if step == stop_at:
@@ -435,7 +450,8 @@ def tables(s: Settings, arms: list[str], points: dict[str, list[dict[str, Any]]]
             goals.append(f"{a} held-out loss ≤ {bound:.2f}× DDP-equivalent's {where}: "
                          f"{r:.4f}× ({'met' if r <= bound else 'NOT met'})")
     else:
-        goals.append("no token count that every arm evaluated: no comparison (see the logs)")
+        goals.append("no token count past 0 that every arm evaluated: no comparison (see "
+                     "the logs)")
     runs = ["| arm | processes | steps / planned | tokens | training s | tokens/s | of which "
             "round syncs s (rank 0) | rounds published (rank 0) | MB sent per round per learner"
             " | ended | exit |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
