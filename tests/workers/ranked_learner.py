@@ -71,7 +71,7 @@ def main() -> None:
     sync.start(lambda: Learner(parted.learner_adapter(), alg, args.mailbox, args.learner_id,
                                poll_interval=0.01, lease_every=2.0, lease_timeout=30.0,
                                on_event=on_event, compression=args.compression))
-    assert sync.wait_for_learners(args.learners, timeout=240)
+    sync.wait_for_learners(args.learners, timeout=240)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     for step in range(args.steps):
         inner_step(model, opt, args.worker, step)
