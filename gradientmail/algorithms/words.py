@@ -92,8 +92,9 @@ def _word(v: Any, where: str, key: str, canonical: tuple[str, ...], old: Mapping
 def merge_from_words(merge: Any = "rda", direct_pattern: Any = _DEFAULT_DIRECT, *,
                      where: str = "merge", pattern_given: bool = False) -> Merge:
     """`merge` "rda" (tensors whose name contains `direct_pattern` merged by weighted
-    mean; None: no pattern) or "mean"; a Merge object is returned as is. `pattern_given`
-    says the caller set `direct_pattern`, which only rda takes."""
+    mean; None: no pattern) or "mean" (which has no pattern: one given is unused); a
+    Merge object is returned as is. `pattern_given` says the caller set
+    `direct_pattern`."""
     if isinstance(merge, Rda | WeightedMean):
         if pattern_given:
             raise ConfigError(f"{where}: direct_pattern is given with merge={merge!r}; "
@@ -105,11 +106,8 @@ def merge_from_words(merge: Any = "rda", direct_pattern: Any = _DEFAULT_DIRECT, 
     if has:
         direct_pattern, pattern_given = value, True
     if word == "mean":
-        if pattern_given:
-            raise ConfigError(
-                f"{where}: direct_pattern={direct_pattern!r} applies to merge: rda only; "
-                "leave it out with merge: mean"
-            )
+        # rda's option, beside a mean: a file's pattern stays when a variable switches
+        # its merge to mean (GRADIENTMAIL_MERGE=mean), as a recipe's default does.
         return WeightedMean()
     try:
         return Rda(direct_pattern=direct_pattern)
@@ -119,9 +117,9 @@ def merge_from_words(merge: Any = "rda", direct_pattern: Any = _DEFAULT_DIRECT, 
 
 def partition_from_words(partition: Any = "bytes", block_pattern: Any = _DEFAULT_BLOCK, *,
                          where: str = "partition", pattern_given: bool = False) -> Partition:
-    """`partition` "bytes" or "strided" (blocks whose index `block_pattern` captures,
-    dealt round-robin); a Partition object is returned as is. `pattern_given` says the
-    caller set `block_pattern`, which only strided takes."""
+    """`partition` "bytes" (which has no pattern: one given is unused) or "strided"
+    (blocks whose index `block_pattern` captures, dealt round-robin); a Partition object
+    is returned as is. `pattern_given` says the caller set `block_pattern`."""
     if isinstance(partition, ByBytes | Strided):
         if pattern_given:
             raise ConfigError(f"{where}: block_pattern is given with partition={partition!r}; "
@@ -134,12 +132,8 @@ def partition_from_words(partition: Any = "bytes", block_pattern: Any = _DEFAULT
     if has:
         block_pattern, pattern_given = value, True
     if word == "bytes":
-        if pattern_given:
-            raise ConfigError(
-                f"{where}: block_pattern={block_pattern!r} applies to partition: strided "
-                "only; leave it out with partition: bytes"
-            )
-        return ByBytes()
+        return ByBytes()  # strided's option is left unused, as rda's by mean
+
     try:
         return Strided(block_pattern)
     except ConfigError as exc:

@@ -73,8 +73,8 @@ class LearnerOptions:
             object.__setattr__(self, name, _seconds(name, getattr(self, name)))
         if self.lease_timeout <= self.lease_every:
             raise ConfigError(
-                f"lease_timeout={self.lease_timeout:g} must exceed lease_every="
-                f"{self.lease_every:g}, or every learner looks dead between two beats; use "
+                f"lease_timeout={self.lease_timeout} must exceed lease_every="
+                f"{self.lease_every}, or every learner looks dead between two beats; use "
                 "about twice lease_every"
             )
         if self.compression not in COMPRESSIONS:
