@@ -100,8 +100,8 @@ _DILOCO_KINDS = {
     "delta_dtype": "str?",
     "commit_dtype": "str?",
     "flush_on_close": "bool",
-    "rebase": "bool?",
     "outlier_factor": "float?",
+    "rebase": "bool?",
     "checkpoint_every": "int",
     "keep_rounds": "int?",
 }
