@@ -195,10 +195,10 @@ def test_the_old_spellings_read_the_same_with_a_warning_naming_the_new(tmp_path:
 
 def test_learner_settings_by_name_are_deprecated_and_build_the_options() -> None:
     with pytest.warns(DeprecationWarning, match=r"pass options=LearnerOptions\(poll_interval=0.5"):
-        plugin = DiLoCoPlugin("m", poll_interval=0.5)  # type: ignore[call-arg]
+        plugin = DiLoCoPlugin("m", poll_interval=0.5)
     assert plugin == DiLoCoPlugin("m", options=LearnerOptions(poll_interval=0.5))
     with pytest.raises(TypeError, match="unexpected keyword arguments"):
-        DiLoCoPlugin("m", poll_intervall=0.5)  # type: ignore[call-arg]
+        DiLoCoPlugin("m", poll_intervall=0.5)
 
 
 def bad_yaml(tmp_path: Path, text: str) -> str:
