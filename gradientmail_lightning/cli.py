@@ -5,7 +5,8 @@
 
 The YAML has LightningCLI's `trainer:`, `model:` (GPT2Module) and `data:`
 (TextDataModule) sections plus `diloco:`, whose keys are the arguments of
-`diloco_callback`: the mailbox URL, the learner id and the DiLoCo fields, flat.
+`diloco_callback`: the mailbox URL, the learner id, the DiLoCo fields and the
+LearnerOptions settings, flat, with their defaults (docs/configuration.md).
 `data.vocab_size` and `data.block_size` are linked into the model, and
 `diloco.learner_id` into the data module (which derives the learner's shard from it).
 The run key of an authenticated run comes from `GRADIENTMAIL_RUN_KEY`, as for the

@@ -164,6 +164,14 @@ class DiLoCo:
     readers that fell behind. K = 1 uploads theta and the outer state with every commit
     (runs created before replication read as K = 1: their JSON has no such field).
 
+    Every field has a default, the same at every entry point (Python, recipes, the
+    Accelerate YAML; docs/configuration.md): `DiLoCo()` is Decoupled DiLoCo with H = 100,
+    one fragment, quorum 1 and no barrier. One fragment because it is valid for every H
+    (P <= H) and every model, and streaming is a choice that depends on the model's size
+    and the link (the recipes set P = 2-8); `in_flight=None` resolves to min(2,
+    fragments), so `DiLoCo(H, fragments=P)` keeps the τ = 2 it always had for P >= 2,
+    and its record.
+
     `keep_rounds` K makes the run auditable while it trains: the sweep keeps the
     contributions (records and payloads) of the newest K rounds and the outer state
     before them, so `gradientmail verify` can re-derive those commits, and its learners
