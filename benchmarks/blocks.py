@@ -1,4 +1,4 @@
-"""What block digests cost a sharded learner's ranged reads (docs/sharded.md §2, issue #15).
+"""What block digests cost a sharded learner's ranged reads (docs/design/sharded.md §2, issue #15).
 
     python benchmarks/blocks.py [--layers 4] [--embd 1600] [--dtype BF16] [--ranks 2 4 8 16]
                                 [--blocks 16 32 64 256] [--no-append]

@@ -56,7 +56,8 @@ TABLE_HEADER = ["round", "fragment", "version", "closer", "participants", "token
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, int]]:
-    """Two demo learners, 8 steps at H=4: two rounds committed in a local directory."""
+    """Two demo learners of standard DiLoCo, 8 steps at H=4: two rounds committed in a
+    local directory."""
     tmp = tmp_path_factory.mktemp("history")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     text = "\n".join((stdlib / name).read_text() for name in ("textwrap.py", "bisect.py"))
@@ -66,9 +67,9 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, i
         mp.setenv("XDG_CACHE_HOME", str(tmp / "cache"))
         mp.setenv("HF_HUB_OFFLINE", "1")
         cfg = DemoConfig(learners=2, steps=8, data=str(corpus), sync_every=4, vocab=512,
-                         batch=4, block=32, mailbox=str(tmp / "box"))
+                         batch=4, block=32, mailbox=str(tmp / "box"), systems=("standard",))
         summary = run_demo(cfg, out=io.StringIO())
-    yield tmp / "box", int(summary["rounds_committed"])
+    yield tmp / "box" / "standard", int(summary["runs"]["standard"]["rounds_committed"])
 
 
 def records_of(box: Path) -> list[RoundRecord]:

@@ -1,4 +1,4 @@
-"""Θ⁰ in parts (docs/sharded.md §3): a creator whose ranks each hold a shard uploads its
+"""Θ⁰ in parts (docs/design/sharded.md §3): a creator whose ranks each hold a shard uploads its
 rows of each fragment's Θ⁰ as `init/<attempt>/<fragment>/<k>-of-<n><ext>`, and the
 manifest names them (`Manifest.init_parts`, `init[p]` None).
 

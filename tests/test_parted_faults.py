@@ -1,7 +1,7 @@
 """A learner whose ranks read their rows of each commit by ranged GETs, with some of those
 reads failing or coming back corrupted (`FaultyMailbox`, op "get_range"), ends where it
 ends without faults: each failed read, and each corrupted one (found by the payload's
-block digests or its header's digest, docs/sharded.md §2), fails its commit's read on
+block digests or its header's digest, docs/design/sharded.md §2), fails its commit's read on
 every rank, the commit is read again on a later poll, and every rank ends on the newest
 commits with the oracle's parameters.
 

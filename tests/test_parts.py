@@ -1,4 +1,4 @@
-"""Contributions made of parts (docs/sharded.md §3): each of a learner's ranks uploads its
+"""Contributions made of parts (docs/design/sharded.md §3): each of a learner's ranks uploads its
 rows of the fragment as `parts/<round>/<learner>/<k>-of-<n><ext>`, and one record names
 them all.
 

@@ -1,4 +1,4 @@
-"""The closer's windowed merge (docs/sharded.md §3): a contribution made of parts is merged
+"""The closer's windowed merge (docs/design/sharded.md §3): a contribution made of parts is merged
 from its `RowPieces` where they lie, never joined, and gives the bytes of the same delta
 merged whole.
 

@@ -1062,6 +1062,30 @@ def test_a_standalone_closer_gone_without_a_word_costs_a_round_a_backups_head_st
     run(main())
 
 
+def test_a_standalone_closers_lease_outlives_any_learners_judgement(mailbox: Mailbox) -> None:
+    """It beats every 10 s whatever its own lease timeout, and learners judge it over at
+    least 3 beats: a learner with a 30 s lease timeout (the tiny recipe's) never sees a
+    live standalone closer lapse, and one with 120 s judges it by 120 s."""
+    from gradientmail.syncer.standalone import BEAT_EVERY, CloserLease, closer_timeout
+
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=1))
+        lease = CloserLease(r.ex, "sync-1", fake(r), lease_timeout=120.0, on_event=print)
+        counters = []
+        for _ in range(7):
+            await lease.beat()
+            counters.append((await r.ex.leases("closers"))["sync-1"])
+            fake(r).advance(5.0)
+        assert counters == [0, 0, 1, 1, 2, 2, 3]  # a beat every 10 s, not every 60 s
+        await lease.release()
+        assert await r.ex.leases("closers") == {}
+        assert BEAT_EVERY == 10.0
+        assert closer_timeout(30.0) == 30.0 and closer_timeout(5.0) == 30.0
+        assert closer_timeout(120.0) == 120.0
+
+    run(main())
+
+
 def test_a_standalone_syncer_holds_a_closer_lease_while_it_runs(mailbox: Mailbox) -> None:
     async def main() -> None:
         r = Run(mailbox, algorithm(fragments=1, quorum_size=1))

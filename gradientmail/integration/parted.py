@@ -1,4 +1,4 @@
-"""The ranks of one learner that each mail their own rows (docs/sharded.md §3).
+"""The ranks of one learner that each mail their own rows (docs/design/sharded.md §3).
 
 Every rank holds a `ShardedAdapter` (FSDP2 shards, or a DDP group splitting its upload);
 rank 0 runs the `Learner` over a `RankAdapter`, whose values are `Handle`s: an id that

@@ -47,6 +47,7 @@ from gradientmail.run.protocol import MANIFEST_KEY, Exchange
 from gradientmail.run.replica import Replica
 from gradientmail.run.rollcall import READ_EVERY, Call, reply
 from gradientmail.syncer.runtime import Syncer
+from gradientmail.syncer.standalone import closer_timeout
 from gradientmail.wire.auth import HmacSeal
 from gradientmail.wire.records import Manifest, PayloadRef, RoundRecord
 
@@ -141,7 +142,8 @@ class Mailman:
         self._wake: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._tracker = LeaseTracker(options.lease_timeout)
-        self._closers = LeaseTracker(options.lease_timeout)  # the standalone closers' leases
+        # The standalone closers' leases, judged by a timeout they are known to beat in.
+        self._closers = LeaseTracker(closer_timeout(options.lease_timeout))
         self._syncer: Syncer | None = None  # the embedded closer, once the receive loop runs
         self._replica: Replica | None = None  # each fragment's state (shared with the closer)
         self._plan: tuple[tuple[str, ...], ...] = ()

@@ -1,4 +1,4 @@
-"""A part of a contribution written in place (docs/sharded.md §3): the rank's rows of the
+"""A part of a contribution written in place (docs/design/sharded.md §3): the rank's rows of the
 delta go straight into the payload's own buffer, one tensor at a time.
 
 `Exchange.put_part` encodes tensors that already exist, so a rank would hold its whole

@@ -1,4 +1,4 @@
-"""One rank's rows of each fragment's state, followed commit by commit (docs/sharded.md §4).
+"""One rank's rows of each fragment's state, followed commit by commit (docs/design/sharded.md §4).
 
 A learner whose ranks each hold a shard (FSDP2) reads commits by rows: no rank may hold a
 fragment whole. With a replicated outer step (`checkpoint_every` K > 1) a commit carries

@@ -27,7 +27,7 @@ __all__ = ["RANGED_AREAS", "RunStore"]
 
 _R = TypeVar("_R", bound=Record)
 
-#: Payloads a sharded learner's ranks read by ranges (docs/sharded.md §2): Θ⁰, a commit's
+#: Payloads a sharded learner's ranks read by ranges (docs/design/sharded.md §2): Θ⁰, a commit's
 #: theta and outer state, a replicated commit's step. Written with block digests
 #: (`gradientmail.wire.blocks`) when uncompressed. Not contributions or their parts (the
 #: closer reads them whole and checks their SHA-256) nor updates (read whole).

@@ -194,8 +194,8 @@ class Syncer:
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Poll until `stop` is set (or forever); a failed poll is logged and retried.
 
-        A standalone syncer also holds a lease under `closers/` (beaten every half
-        `lease_timeout` from the start, released when `stop` ends the loop): the
+        A standalone syncer also holds a lease under `closers/` (`CloserLease`: beaten
+        from the start, released when `stop` ends the loop): the
         learners' embedded closers see it and leave the rounds to it, so that no round
         is funnelled through one learner's link while a closer next to the bucket runs.
         """

@@ -2,7 +2,7 @@
 
 A record pins a payload by its SHA-256, which only a reader of the whole payload can
 check. A writer that expects ranged readers (the closer's theta, steps and outer state,
-Θ⁰: docs/sharded.md §2) also puts into the payload's metadata the SHA-256 of every block
+Θ⁰: docs/design/sharded.md §2) also puts into the payload's metadata the SHA-256 of every block
 of every tensor's data, and the record's `PayloadRef` pins the header by its own SHA-256
 (`header_sha256`). A ranged reader then checks the header against the record, rounds
 each range out to whole blocks of its tensor, and checks every block it read.
@@ -45,7 +45,7 @@ BLOCKS_KEY = "gradientmail.blocks"
 #: of the data in the header, which every rank reads whole; a rank's range of a tensor
 #: grows by less than 2 blocks. Smaller blocks grow the header, larger ones the ranges:
 #: for GPT-2 XL-shaped BF16 fragments at 2-16 ranks the sum is least at 16-32 KiB
-#: (benchmarks/blocks.py; docs/sharded.md §2 has the numbers).
+#: (benchmarks/blocks.py; docs/design/sharded.md §2 has the numbers).
 BLOCK_BYTES = 1 << 15
 #: Bound on the block size a reader accepts (a block is hashed as one buffer).
 MAX_BLOCK_BYTES = 1 << 30

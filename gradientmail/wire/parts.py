@@ -1,7 +1,7 @@
 """A contribution made of parts: each part holds some rows of each tensor, the parts
 together hold every row exactly once.
 
-A learner whose ranks each mail their own rows (docs/sharded.md §3) uploads one payload
+A learner whose ranks each mail their own rows (docs/design/sharded.md §3) uploads one payload
 per rank. Each part is an ordinary payload whose tensors keep their full names, shaped as
 the rows it holds, with the metadata entry `gradientmail.rows`: the canonical JSON
 `{"name": [start, stop], ...}`. Quantized formats quantize each part on its own (its own

@@ -11,7 +11,7 @@ header, not the fragment.
 Framework-free: `Rows` is a slice of a full tensor as `TensorBytes`, what sharded
 adapters produce and consume.
 
-Limits of this first version (docs/sharded.md says how they are to be lifted):
+Limits of this first version (docs/design/sharded.md says how they are to be lifted):
 - A `zstd` payload is one compressed frame: no range of it can be decoded alone, so
   `fetch_rows` downloads and decodes it whole, then slices.
 - Ranged bytes cannot be checked against the payload's SHA-256 (that covers the whole

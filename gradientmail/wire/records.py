@@ -147,7 +147,7 @@ class Manifest(Record):
 
     A creator whose ranks each hold a shard uploads Θ⁰ of a fragment as parts instead
     (`init/<attempt>/<fragment>/<k>-of-<n><ext>`, in k order, each holding the rows of
-    `wire.parts`; docs/sharded.md §3): `init[p]` is then None and `init_parts[p]` lists
+    `wire.parts`; docs/design/sharded.md §3): `init[p]` is then None and `init_parts[p]` lists
     them. Each fragment has its payload or its parts, never both. `init_parts` is () when
     no fragment has parts, and is then left out of the JSON, so manifests without parts
     keep their bytes (and an older reader, strict, refuses a manifest with parts rather
@@ -282,7 +282,7 @@ class SnapshotRecord(Record):
     when None, so records without it keep their bytes).
 
     A learner whose ranks each mail their own rows sends its delta as `parts` instead
-    (`parts/<round>/<learner>/<k>-of-<n><ext>`, in k order; docs/sharded.md): a record
+    (`parts/<round>/<learner>/<k>-of-<n><ext>`, in k order; docs/design/sharded.md): a record
     holds `payload` or `parts`, never both, and one with parts writes no `payload` field,
     so records without parts keep their bytes (and an older closer, strict, drops a
     record with parts as unreadable rather than misread it).

@@ -1,6 +1,6 @@
 """`RowPieces`: a tensor held as consecutive row ranges of other tensors, never joined.
 
-A contribution made of parts (docs/sharded.md §3) arrives as each rank's rows of each
+A contribution made of parts (docs/design/sharded.md §3) arrives as each rank's rows of each
 tensor. The closer merges them where they lie: the numpy backend reads each window of
 the logical tensor from the piece that covers it (a view), copying only a window that
 straddles two pieces, so no full copy of the tensor is made for the merge. Pieces of
