@@ -30,6 +30,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from gradientmail.learner.options import LearnerOptions
+
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 H = 4
 WIDTH = 1024  # a 1024×1024 F32 weight: B = 4 MiB (the bias adds 4 KiB)
@@ -93,8 +95,14 @@ def run_arm(learners: int, rounds: int, checkpoint_every: int,
         torch.manual_seed(0)  # every learner starts from the same Θ⁰
         models.append(torch.nn.Linear(width, width))
     ids = [f"learner-{w}" for w in range(learners)]
-    crowd = [Learner(TorchAdapter(m), alg, boxes[w], ids[w], poll_interval=0.005,
-                     lease_every=5.0, lease_timeout=60.0, on_event=lambda e: None)
+    crowd = [Learner(
+        TorchAdapter(m),
+        alg,
+        boxes[w],
+        ids[w],
+        on_event=lambda e: None,
+        options=LearnerOptions(poll_interval=0.005, lease_every=5.0, lease_timeout=60.0),
+    )
              for w, m in enumerate(models)]
     joined = threading.Barrier(learners)
     errors: list[BaseException] = []

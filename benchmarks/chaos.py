@@ -52,6 +52,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gradientmail.learner.options import LearnerOptions
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import convergence as conv  # benchmarks/ is not a package
@@ -128,10 +130,19 @@ def _slot_worker(job: SlotJob) -> None:
     rows = data[job.slot :: cs.learners]
     model = conv.build_model(s, int(torch.load(wd / "vocab.pt")))
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.1)
-    learner = Learner(TorchAdapter(model), _algorithm(cs), job.mailbox, f"learner-{job.slot}",
-                      poll_interval=cs.poll, lease_every=cs.lease_every,
-                      lease_timeout=cs.lease_timeout, keep_versions=10**6,
-                      on_event=on_event)
+    learner = Learner(
+        TorchAdapter(model),
+        _algorithm(cs),
+        job.mailbox,
+        f"learner-{job.slot}",
+        on_event=on_event,
+        options=LearnerOptions(
+            poll_interval=cs.poll,
+            lease_every=cs.lease_every,
+            lease_timeout=cs.lease_timeout,
+            keep_versions=10**6,
+        ),
+    )
     learner.start()
     if job.wait_for:
         learner.wait_for_learners(job.wait_for, timeout=300)

@@ -47,6 +47,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gradientmail.learner.options import LearnerOptions
+
 __all__ = [
     "ARMS", "PRESETS", "Arm", "Job", "Settings", "algorithm", "build_model", "committed_state",
     "evaluate", "image_link", "jobs_of", "launch", "load_into", "main", "plot", "prepare_data",
@@ -217,10 +219,20 @@ def _worker(job: Job) -> None:
             if isinstance(e, SnapshotPublished):
                 published.append((e.round, e.bytes))
 
-        learner = Learner(TorchAdapter(model), algorithm(arm.name, s), str(wd / arm.name),
-                          f"learner-{job.rank}", poll_interval=0.2, lease_every=5.0,
-                          lease_timeout=20.0, keep_versions=10**6, on_event=on_event,
-                          compression="zstd" if arm.name == "f4" else "off")
+        learner = Learner(
+            TorchAdapter(model),
+            algorithm(arm.name, s),
+            str(wd / arm.name),
+            f"learner-{job.rank}",
+            on_event=on_event,
+            options=LearnerOptions(
+                poll_interval=0.2,
+                lease_every=5.0,
+                lease_timeout=20.0,
+                keep_versions=10**6,
+                compression="zstd" if arm.name == "f4" else "off",
+            ),
+        )
         learner.start()
         learner.wait_for_learners(s.learners, timeout=600)
     g = torch.Generator().manual_seed(s.seed + 1 + job.rank)

@@ -49,6 +49,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gradientmail.learner.options import LearnerOptions
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import convergence as conv  # benchmarks/ is not a package
@@ -109,8 +111,14 @@ def _worker(case: Case) -> None:
         if isinstance(e, RoundRecorded):
             commits.append((e.round, time.time()))
 
-    learner = Learner(TorchAdapter(model), algorithm(case), str(wd / case.name),
-                      f"learner-{case.rank}", on_event=on_event, keep_versions=10**6)
+    learner = Learner(
+        TorchAdapter(model),
+        algorithm(case),
+        str(wd / case.name),
+        f"learner-{case.rank}",
+        on_event=on_event,
+        options=LearnerOptions(keep_versions=10**6),
+    )
     learner.start()
     if case.arm == "standard":
         learner.wait_for_learners(s.learners, timeout=600)

@@ -81,6 +81,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gradientmail.learner.options import LearnerOptions
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 VOCAB = 256  # bytes
@@ -271,10 +273,14 @@ def worker(arm: str, rank: int, workdir: Path) -> None:
             if isinstance(e, SnapshotPublished):
                 published.append(e.bytes)
 
-        learner = Learner(TorchAdapter(model), DiLoCo.standard(s.sync_every, m),
-                          LocalMailbox(workdir / arm, fsync=False), f"learner-{rank}",
-                          poll_interval=0.05, lease_every=5.0, lease_timeout=30.0,
-                          on_event=on_event)
+        learner = Learner(
+            TorchAdapter(model),
+            DiLoCo.standard(s.sync_every, m),
+            LocalMailbox(workdir / arm, fsync=False),
+            f"learner-{rank}",
+            on_event=on_event,
+            options=LearnerOptions(poll_interval=0.05, lease_every=5.0, lease_timeout=30.0),
+        )
         learner.start()
         learner.wait_for_learners(m, timeout=300)
     log = (workdir / f"{arm}-{rank}.jsonl").open("a")

@@ -32,6 +32,7 @@ import torch
 
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
@@ -123,8 +124,14 @@ def main() -> None:
     model = gpt2(args.model, dev)
     rss0 = rss_mib()
     alg = DiLoCo(sync_every=10**6, fragments=4, in_flight=1)  # nothing due on its own
-    learner = Learner(TorchAdapter(model), alg, os.path.join(tmp, "idle"), "bench",
-                      on_event=lambda e: None, poll_interval=0.02)
+    learner = Learner(
+        TorchAdapter(model),
+        alg,
+        os.path.join(tmp, "idle"),
+        "bench",
+        on_event=lambda e: None,
+        options=LearnerOptions(poll_interval=0.02),
+    )
     learner.start()
     idle = []
     for _ in range(200 if args.quick else 2000):
@@ -138,8 +145,14 @@ def main() -> None:
     # The floor is a plain clone of the same fragment on the same device.
     params = dict(model.named_parameters())
     due_alg = DiLoCo(sync_every=4, fragments=4, in_flight=2)
-    learner = Learner(TorchAdapter(model), due_alg, os.path.join(tmp, "due"), "bench-due",
-                      on_event=lambda e: None, poll_interval=0.02)
+    learner = Learner(
+        TorchAdapter(model),
+        due_alg,
+        os.path.join(tmp, "due"),
+        "bench-due",
+        on_event=lambda e: None,
+        options=LearnerOptions(poll_interval=0.02),
+    )
     learner.start()
     due, clone = [], []
     for _ in range(60 if args.quick else 200):
@@ -187,9 +200,14 @@ def main() -> None:
     added_mib = 0.0
     for closer in ("embedded", "process"):
         box = os.path.join(tmp, f"run-{closer}")
-        with_l = Learner(TorchAdapter(model), run_alg, box, f"bench-{closer}",
-                         on_event=lambda e: None, poll_interval=0.5,
-                         sync=closer == "embedded")
+        with_l = Learner(
+            TorchAdapter(model),
+            run_alg,
+            box,
+            f"bench-{closer}",
+            on_event=lambda e: None,
+            options=LearnerOptions(poll_interval=0.5, sync=closer == "embedded"),
+        )
         with_l.start()
         proc = None
         if closer == "process":

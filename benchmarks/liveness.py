@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gradientmail.learner.options import LearnerOptions
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import convergence as conv  # benchmarks/ is not a package
@@ -97,9 +99,14 @@ def _worker(job: Job) -> None:
     rows = data[job.rank :: s.learners]
     model = conv.build_model(s, int(torch.load(wd / "vocab.pt")))
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.1)
-    learner = Learner(TorchAdapter(model), DiLoCo.standard(s.sync_every, s.learners),
-                      job.box, f"learner-{job.rank}", on_event=on_event,
-                      keep_versions=10**6)  # the library's defaults otherwise
+    learner = Learner(
+        TorchAdapter(model),
+        DiLoCo.standard(s.sync_every, s.learners),
+        job.box,
+        f"learner-{job.rank}",
+        on_event=on_event,
+        options=LearnerOptions(keep_versions=10**6),
+    )  # the library's defaults otherwise
     learner.start()
     learner.wait_for_learners(s.learners, timeout=600)
     g = torch.Generator().manual_seed(s.seed + 1 + job.rank)

@@ -59,6 +59,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gradientmail.learner.options import LearnerOptions
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "RESULTS.md"
@@ -299,9 +301,13 @@ def rank_worker(args: argparse.Namespace) -> None:
     PartedRanks._replay = timed_replay  # type: ignore[method-assign]
     Learner._hand_over = timed_hand_over  # type: ignore[method-assign]
     sync = RankSync(ranks, model, parted=parted)
-    sync.start(lambda: Learner(parted.learner_adapter(), alg, args.mailbox, "sharded",
-                               sync=False, poll_interval=0.02, lease_every=5.0,
-                               lease_timeout=60.0))
+    sync.start(lambda: Learner(
+        parted.learner_adapter(),
+        alg,
+        args.mailbox,
+        "sharded",
+        options=LearnerOptions(sync=False, poll_interval=0.02, lease_every=5.0, lease_timeout=60.0),
+    ))
     dist.barrier()
     joined = dict(moved)
     moved.update(up=0, down=0)
@@ -352,9 +358,18 @@ def throughput_worker(args: argparse.Namespace) -> None:
     ranks = TorchRanks(device(args))
     parted = PartedRanks.create(model, args.mailbox, timeout=600.0, ranks=ranks)
     sync = RankSync(ranks, model, parted=parted)
-    sync.start(lambda: Learner(parted.learner_adapter(), alg, args.mailbox, "sharded",
-                               sync=args.closer == "embedded", poll_interval=2.0,
-                               lease_every=30.0, lease_timeout=90.0))
+    sync.start(lambda: Learner(
+        parted.learner_adapter(),
+        alg,
+        args.mailbox,
+        "sharded",
+        options=LearnerOptions(
+            sync=args.closer == "embedded",
+            poll_interval=2.0,
+            lease_every=30.0,
+            lease_timeout=90.0,
+        ),
+    ))
 
     cpu: dict[str, list[tuple[float, float]]] = {"plain": [], "learner": []}
 

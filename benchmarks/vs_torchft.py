@@ -87,6 +87,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from gradientmail.learner.options import LearnerOptions
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import convergence as conv  # benchmarks/ is not a package
@@ -227,9 +229,17 @@ def _gradientmail_worker(job: Job, model: Any, opt: Any, batches: Iterator[Any])
         log_events(e)
 
     box = CountingMailbox(_mailbox(job))
-    learner = Learner(TorchAdapter(model), _algorithm(job.arm.config, job.settings), box,
-                      f"learner-{job.rank}", poll_interval=job.poll, on_event=on_event,
-                      compression="zstd" if job.arm.config == "f4" else "off")
+    learner = Learner(
+        TorchAdapter(model),
+        _algorithm(job.arm.config, job.settings),
+        box,
+        f"learner-{job.rank}",
+        on_event=on_event,
+        options=LearnerOptions(
+            poll_interval=job.poll,
+            compression="zstd" if job.arm.config == "f4" else "off",
+        ),
+    )
     learner.start()
     learner.wait_for_learners(job.settings.learners, timeout=600)
     box.reset()  # joining (Θ⁰ up for the creator, down for the other) is not counted

@@ -8,6 +8,7 @@ coordination.
 
 from gradientmail.algorithms.diloco import ByBytes, DiLoCo, Rda, Strided, WeightedMean
 from gradientmail.errors import GradientmailError
+from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import open_mailbox
 from gradientmail.run.committed import CommittedModel, load_committed, read_committed
@@ -21,6 +22,7 @@ __all__ = [
     "DiLoCo",
     "GradientmailError",
     "Learner",
+    "LearnerOptions",
     "Rda",
     "Strided",
     "Syncer",

@@ -1,4 +1,4 @@
-"""`DiLoCoPlugin`: what the Accelerate wrapper needs to run a learner, as one dataclass.
+r"""`DiLoCoPlugin`: what the Accelerate wrapper needs to run a learner, as one dataclass.
 
 Accelerate refuses custom `kwargs_handlers` and its config YAML rejects unknown keys, so
 gradientmail's settings live apart: in a `DiLoCoPlugin` built in code, or read by
@@ -6,46 +6,45 @@ gradientmail's settings live apart: in a `DiLoCoPlugin` built in code, or read b
 `GRADIENTMAIL_*` variables (a variable overrides the same key of the file). This module is
 the one place the wrapper reads the environment.
 
-The YAML file::
+The YAML file (every key is in docs/configuration.md)::
 
     mailbox: runs/demo            # a directory, file:///dir, s3://bucket/prefix
     learner_id: node-3            # optional; default <host>-<pid> of rank 0
-    poll_interval: 0.5            # and sync, compression, tokens_per_step, lease_every,
-                                  # lease_timeout, prefix, wait_for_learners,
-                                  # wait_timeout
-    diloco:                       # the fields of gradientmail.DiLoCo
+    poll_interval: 0.5            # and every other LearnerOptions setting: sync,
+                                  # hold_own, compression, lease_every, lease_timeout,
+                                  # prefix, keep_versions, prices, wait_for_learners,
+                                  # wait_timeout; and tokens_per_step
+    diloco:                       # the fields of gradientmail.DiLoCo, as a recipe's
       sync_every: 50
       fragments: 2
-      merge: {type: rda, direct_pattern: embed}   # or: rda, weighted_mean
-      partition: by_bytes                         # or: {type: strided, block_pattern: ...}
+      merge: rda                  # or mean
+      direct_pattern: embed       # rda's: tensors merged by weighted mean
+      partition: bytes            # or strided, with block_pattern: '\.(\d+)\.'
 
-Missing `diloco` fields take `DEFAULT_ALGORITHM`'s values, except that `fragments`
-defaults to min(4, sync_every) and `in_flight` to min(2, fragments). Each key has a
-variable: `GRADIENTMAIL_MAILBOX`, `GRADIENTMAIL_SYNC_EVERY`, `GRADIENTMAIL_MERGE` (`rda`,
-`weighted_mean` or a YAML flow mapping such as `{type: rda, direct_pattern: null}`), ...;
-`none` (or an empty value) sets an optional field to None. The run key of an authenticated
-run comes from `GRADIENTMAIL_RUN_KEY` only (a secret does not belong in a config file), as
-for the `gradientmail` command.
+Missing settings take `DiLoCo`'s and `LearnerOptions`' own defaults. Each key has a
+variable: `GRADIENTMAIL_MAILBOX`, `GRADIENTMAIL_SYNC_EVERY`, `GRADIENTMAIL_MERGE`,
+`GRADIENTMAIL_PRICES` (a YAML flow mapping such as `{egress_per_gb: 0}`), ...; `none`
+(or an empty value) sets an optional field to None. The spellings of earlier releases
+(`merge: {type: rda, direct_pattern: ...}`, `weighted_mean`, `by_bytes`,
+`{type: strided, block_pattern: ...}`) still read, with a DeprecationWarning. The run
+key of an authenticated run comes from `GRADIENTMAIL_RUN_KEY` only (a secret does not
+belong in a config file), as for the `gradientmail` command.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from gradientmail.algorithms.diloco import ByBytes, DiLoCo, Rda, Strided, WeightedMean
-from gradientmail.algorithms.merge import Merge
-from gradientmail.algorithms.partition import Partition
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.words import DILOCO_KEYS, diloco_from_mapping
 from gradientmail.errors import ConfigError, MissingExtra
-from gradientmail.integration.together import check_wait
-from gradientmail.learner.runtime import WAIT_TIMEOUT
+from gradientmail.learner.options import LearnerOptions
 from gradientmail.mailbox.base import Mailbox
-from gradientmail.traffic import S3_STANDARD, Prices
 from gradientmail.wire.auth import RUN_KEY_VARIABLE, env_run_key
 
 __all__ = [
@@ -56,55 +55,62 @@ __all__ = [
     "algorithm_from_mapping",
 ]
 
-#: The algorithm of a plugin built without one: Streaming + Decoupled DiLoCo, H = 100.
-DEFAULT_ALGORITHM = DiLoCo(sync_every=100, fragments=4)
+#: The algorithm of a plugin built without one: DiLoCo's defaults, as everywhere.
+DEFAULT_ALGORITHM = DiLoCo()
 ENV_PREFIX = "GRADIENTMAIL_"
 #: Variables of the GRADIENTMAIL_ namespace that belong to other parts of the package.
 _OTHER_VARIABLES = frozenset({"CONFIG", "RUN_KEY", "REGOLD"})
 
 # Each setting's kind, shared by the YAML reader (typed values) and the environment
-# reader (strings): "int", "int?", "float", "bool", "bool?", "str", "str?", "merge",
-# "partition".
-_PLUGIN_KINDS = {
+# reader (strings): "int", "int?", "float", "float?", "bool", "bool?", "str", "str?",
+# "spec" (a word or an old-style flow mapping), "mapping".
+_OWN_KINDS = {
     "mailbox": "str",
     "learner_id": "str?",
     "tokens_per_step": "int?",
+}
+_OPTION_KINDS = {
     "sync": "bool",
+    "hold_own": "bool",
     "poll_interval": "float",
-    "compression": "str",
     "lease_every": "float",
     "lease_timeout": "float",
+    "compression": "str",
     "prefix": "str",
+    "keep_versions": "int",
+    "prices": "mapping",
     "wait_for_learners": "int?",
     "wait_timeout": "float",
 }
+_PLUGIN_KINDS = {**_OWN_KINDS, **_OPTION_KINDS}
 _DILOCO_KINDS = {
     "sync_every": "int",
     "fragments": "int",
-    "in_flight": "int",
+    "in_flight": "int?",
     "overlap_steps": "int?",
     "mixing": "float",
     "quorum_size": "int",
     "outer_lr": "float",
     "outer_momentum": "float",
-    "merge": "merge",
-    "partition": "partition",
+    "merge": "spec",
+    "direct_pattern": "str?",
+    "partition": "spec",
+    "block_pattern": "str",
     "global_batch_size": "int?",
     "delta_dtype": "str?",
     "commit_dtype": "str?",
     "flush_on_close": "bool",
-    "rebase": "bool?",
     "outlier_factor": "float?",
+    "rebase": "bool?",
     "checkpoint_every": "int",
     "keep_rounds": "int?",
 }
 _YAML_KEYS = (*_PLUGIN_KINDS, "diloco")
-_COMPRESSIONS = ("off", "zstd")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class DiLoCoPlugin:
     """The wrapper's settings: where the run lives and how this learner takes part.
 
@@ -112,35 +118,61 @@ class DiLoCoPlugin:
     `DEFAULT_ALGORITHM`); `learner_id` (None: `<host>-<pid>` of rank 0, or the id a loaded
     checkpoint carries); `tokens_per_step`: tokens one process consumes per optimizer
     step, an int or a callable returning this step's count (None: count with
-    `DiLoCo.count(batch)`, or 0, which merges learners as equals); `sync` runs a syncer
-    in the learner; `wait_for_learners` learners (this one included; None: those a
-    barrier needs, `quorum_size` when `overlap_steps=0`; 0: none) are waited for at
-    `start()`, for up to `wait_timeout` seconds; the rest go to `gradientmail.Learner` as
-    they are.
+    `DiLoCo.count(batch)`, or 0, which merges learners as equals); `options` the
+    learner's settings (`LearnerOptions`: sync, leases, prices, and the
+    `wait_for_learners` learners waited for at `start()`, for up to `wait_timeout`
+    seconds); `run_key` (None: `GRADIENTMAIL_RUN_KEY`). The settings by name
+    (`poll_interval=0.5`, earlier releases' spelling) still build the options, with a
+    DeprecationWarning, for one release.
     """
 
     mailbox: Mailbox | str
-    algorithm: DiLoCo | None = None
-    learner_id: str | None = None
-    tokens_per_step: int | Callable[[], int] | None = None
-    sync: bool = True
-    poll_interval: float = 1.0
-    compression: str = "off"
-    lease_every: float = 60.0
-    lease_timeout: float = 120.0
-    prefix: str = ""
-    wait_for_learners: int | None = None
-    wait_timeout: float = WAIT_TIMEOUT
-    run_key: str | bytes | None = dataclasses.field(default=None, repr=False)
-    #: What the learner's traffic is priced at (`Learner.traffic`, the `diloco/cost_*`
-    #: metrics): S3 Standard by default.
-    prices: Prices = S3_STANDARD
+    algorithm: DiLoCo | None
+    learner_id: str | None
+    tokens_per_step: int | Callable[[], int] | None
+    options: LearnerOptions
+    run_key: str | bytes | None = dataclasses.field(repr=False)
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.prices, Prices):
+    def __init__(
+        self,
+        mailbox: Mailbox | str,
+        algorithm: DiLoCo | None = None,
+        learner_id: str | None = None,
+        tokens_per_step: int | Callable[[], int] | None = None,
+        *,
+        options: LearnerOptions | None = None,
+        run_key: str | bytes | None = None,
+        **deprecated: Any,
+    ) -> None:
+        unknown = sorted(set(deprecated) - set(LearnerOptions.names()))
+        if unknown:
+            raise TypeError(f"DiLoCoPlugin() got unexpected keyword arguments {unknown}")
+        if deprecated:
+            if options is not None:
+                raise ConfigError(f"DiLoCoPlugin got options= and {sorted(deprecated)}; put "
+                                  "them in the LearnerOptions")
+            spelled = ", ".join(f"{k}={v!r}" for k, v in deprecated.items())
+            warnings.warn(
+                f"DiLoCoPlugin({', '.join(f'{k}=' for k in deprecated)}...) is deprecated "
+                f"and will be refused in the next release; pass "
+                f"options=LearnerOptions({spelled})",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            options = LearnerOptions(**deprecated)
+        for name, value in (
+            ("mailbox", mailbox), ("algorithm", algorithm), ("learner_id", learner_id),
+            ("tokens_per_step", tokens_per_step),
+            ("options", options if options is not None else LearnerOptions()),
+            ("run_key", run_key),
+        ):
+            object.__setattr__(self, name, value)
+        self._check()
+
+    def _check(self) -> None:
+        if not isinstance(self.options, LearnerOptions):
             raise ConfigError(
-                f"prices={self.prices!r} must be a gradientmail.traffic.Prices, e.g. "
-                "Prices(egress_per_gb=0.0) for learners in the bucket's region"
+                f"options={self.options!r} must be a gradientmail.LearnerOptions or None"
             )
         if not isinstance(self.mailbox, Mailbox | str) or not self.mailbox:
             raise ConfigError(
@@ -160,33 +192,6 @@ class DiLoCoPlugin:
             )
         if isinstance(t, int) and t < 0:
             raise ConfigError(f"tokens_per_step={t} is negative; need tokens_per_step >= 0")
-        if not isinstance(self.sync, bool):
-            raise ConfigError(f"sync={self.sync!r} must be a bool")
-        for name in ("poll_interval", "lease_every", "lease_timeout"):
-            v = getattr(self, name)
-            if (
-                isinstance(v, bool)
-                or not isinstance(v, int | float)
-                or not (math.isfinite(v) and v > 0)
-            ):
-                raise ConfigError(f"{name}={v!r} must be a finite number of seconds > 0")
-        if self.lease_timeout <= self.lease_every:
-            raise ConfigError(
-                f"lease_timeout={self.lease_timeout} must exceed lease_every="
-                f"{self.lease_every}; use about twice lease_every"
-            )
-        if self.compression not in _COMPRESSIONS:
-            hint = (
-                ' (YAML reads a bare off as false: write compression: "off")'
-                if self.compression is False  # type: ignore[comparison-overlap]
-                else ""
-            )
-            raise ConfigError(
-                f"compression={self.compression!r} is not a codec; use 'off' or 'zstd'{hint}"
-            )
-        check_wait(self.wait_for_learners, self.wait_timeout)
-        if not isinstance(self.prefix, str):
-            raise ConfigError(f"prefix={self.prefix!r} must be a string")
         if self.run_key is not None and not isinstance(self.run_key, str | bytes):
             raise ConfigError(
                 f"run_key must be a str, bytes or None, not {type(self.run_key).__name__}"
@@ -213,9 +218,11 @@ class DiLoCoPlugin:
                 f"{source}: 'mailbox' is required (a directory, file:///dir or "
                 "s3://bucket/prefix), or set GRADIENTMAIL_MAILBOX"
             )
-        kw: dict[str, Any] = {
-            k: _typed(k, v, _PLUGIN_KINDS[k], source) for k, v in data.items() if k != "diloco"
-        }
+        typed = {k: _typed(k, v, _PLUGIN_KINDS[k], source)
+                 for k, v in data.items() if k != "diloco"}
+        kw: dict[str, Any] = {k: v for k, v in typed.items() if k in _OWN_KINDS}
+        kw["options"] = LearnerOptions.from_mapping(
+            {k: v for k, v in typed.items() if k in _OPTION_KINDS}, source)
         if data.get("diloco") is not None:
             kw["algorithm"] = algorithm_from_mapping(data["diloco"], source)
         plugin: DiLoCoPlugin = _build(cls, kw, source)
@@ -277,18 +284,14 @@ class DiLoCoPlugin:
 
 
 def algorithm_from_mapping(data: Any, source: str = "config") -> DiLoCo:
-    """A DiLoCo configuration from a mapping of its fields (the YAML `diloco:` section)."""
+    """A DiLoCo configuration from a mapping of its fields (the YAML `diloco:` section,
+    in the recipes' words: `gradientmail.algorithms.words`); missing fields take
+    DiLoCo's defaults."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"{source}: diloco must be a mapping, got {_kind(data)}")
-    _check_keys(data, tuple(_DILOCO_KINDS), source, "diloco.")
+    _check_keys(data, DILOCO_KEYS, source, "diloco.")
     kw = {k: _typed(k, v, _DILOCO_KINDS[k], source, prefix="diloco.") for k, v in data.items()}
-    kw.setdefault("sync_every", DEFAULT_ALGORITHM.sync_every)
-    if "fragments" not in kw and isinstance(kw["sync_every"], int):
-        kw["fragments"] = max(1, min(DEFAULT_ALGORITHM.fragments, kw["sync_every"]))
-    if "in_flight" not in kw and isinstance(kw["fragments"], int):
-        kw["in_flight"] = max(1, min(2, kw["fragments"]))
-    algorithm: DiLoCo = _build(DiLoCo, kw, source, prefix="diloco.")
-    return algorithm
+    return diloco_from_mapping(kw, source)
 
 
 def _build(cls: Any, kw: dict[str, Any], source: str, prefix: str = "") -> Any:
@@ -358,58 +361,11 @@ def _typed(key: str, v: Any, kind: str, source: str, prefix: str = "") -> Any:
         if not isinstance(v, str):
             raise ConfigError(f"{name} must be a string{' or null' if kind[-1] == '?' else ''}")
         return v
-    if base == "merge":
-        return _merge(v, f"{source}: {prefix}merge")
-    return _partition(v, f"{source}: {prefix}partition")
-
-
-_MERGES: dict[str, tuple[type[Any], tuple[str, ...]]] = {
-    "rda": (Rda, ("direct_pattern",)),
-    "weighted_mean": (WeightedMean, ()),
-}
-_PARTITIONS: dict[str, tuple[type[Any], tuple[str, ...]]] = {
-    "by_bytes": (ByBytes, ()),
-    "strided": (Strided, ("block_pattern",)),
-}
-
-
-def _spec(v: Any, where: str, table: dict[str, tuple[type[Any], tuple[str, ...]]]) -> Any:
-    """`name` or `{type: name, option: value}` → the configured object."""
-    kinds = ", ".join(table)
-    if isinstance(v, tuple(cls for cls, _ in table.values())):
-        return v  # already built (a value from the environment)
-    if isinstance(v, str):
-        v = {"type": v}
-    if not isinstance(v, Mapping) or not isinstance(v.get("type"), str):
-        raise ConfigError(
-            f"{where}={v!r:.80} must be one of {kinds} or a mapping with a 'type' "
-            f"(e.g. {{type: {next(iter(table))}}})"
-        )
-    entry = table.get(v["type"])
-    if entry is None:
-        raise ConfigError(f"{where}: type {v['type']!r} is unknown; use one of {kinds}")
-    cls, options = entry
-    extra = [k for k in v if k != "type" and k not in options]
-    if extra:
-        allowed = ", ".join(options) if options else "none"
-        raise ConfigError(
-            f"{where}: unknown option{'s' if len(extra) > 1 else ''} {', '.join(map(str, extra))} "
-            f"for {v['type']}; its options: {allowed}"
-        )
-    try:
-        return cls(**{k: v[k] for k in options if k in v})
-    except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
-
-
-def _merge(v: Any, where: str) -> Merge:
-    merge: Merge = _spec(v, where, _MERGES)
-    return merge
-
-
-def _partition(v: Any, where: str) -> Partition:
-    partition: Partition = _spec(v, where, _PARTITIONS)
-    return partition
+    if base == "mapping":
+        if not isinstance(v, Mapping):
+            raise ConfigError(f"{name} must be a mapping, e.g. {{egress_per_gb: 0.0}}")
+        return v
+    return v  # a merge or partition: `diloco_from_mapping` reads its words
 
 
 def _from_string(raw: str, kind: str, var: str) -> Any:
@@ -438,13 +394,12 @@ def _from_string(raw: str, kind: str, var: str) -> Any:
         raise ConfigError(f"{where} is not a bool; use one of {', '.join(_TRUE + _FALSE)}")
     if base == "str":
         return text
-    if text.startswith("{"):
+    if text.startswith("{") or base == "mapping":
         import yaml
 
         try:
             parsed = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             raise ConfigError(f"{where} is not a YAML flow mapping: {exc}") from None
-    else:
-        parsed = text
-    return _merge(parsed, var) if base == "merge" else _partition(parsed, var)
+        return parsed
+    return text  # a merge or partition word

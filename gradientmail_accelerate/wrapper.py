@@ -54,7 +54,7 @@ from gradientmail.integration import (
 )
 from gradientmail.integration.parted import is_sharded
 from gradientmail.integration.together import learners_to_await
-from gradientmail.learner.runtime import WAIT_TIMEOUT, Learner
+from gradientmail.learner.runtime import Learner
 from gradientmail_accelerate.plugin import DiLoCoPlugin
 
 __all__ = ["STATE_VERSION", "DiLoCo", "count_tokens"]
@@ -159,7 +159,8 @@ class DiLoCo:
                 # A collective (the side group); the other ranks open the mailbox again.
                 p, ranks = self.plugin, self._sync.ranks
                 self._sync.parted = PartedRanks.create(
-                    self.module, p.mailbox, prefix=p.prefix, compression=p.compression,
+                    self.module, p.mailbox, prefix=p.options.prefix,
+                    compression=p.options.compression,
                     ranks=ranks if ranks.world_size > 1 else SingleRank())
             elif self._dist_type == "FSDP":
                 raise ConfigError(
@@ -173,7 +174,8 @@ class DiLoCo:
         p = self.plugin
         try:
             self._sync.wait_for_learners(
-                learners_to_await(p.wait_for_learners, p.resolved_algorithm), p.wait_timeout)
+                learners_to_await(p.options.wait_for_learners, p.resolved_algorithm),
+                p.options.wait_timeout)
         except BaseException:
             self._closed = True
             self._sync.abandon(self.abort_timeout)
@@ -277,12 +279,14 @@ class DiLoCo:
         names as the Lightning callback's (rank 0 knows them all)."""
         return self._sync.metrics()
 
-    def wait_for_learners(self, count: int, timeout: float = WAIT_TIMEOUT) -> bool:
+    def wait_for_learners(self, count: int, timeout: float | None = None) -> bool:
         """Wait until `count` learners (this one included) hold fresh leases, or `timeout`
-        seconds; True when they do. A collective: call it on every rank after `start()`
-        (which waits for the plugin's `wait_for_learners` already)."""
+        seconds (None: the plugin's `wait_timeout`); True when they do. A collective: call
+        it on every rank after `start()` (which waits for the plugin's `wait_for_learners`
+        already)."""
         try:
-            self._sync.wait_for_learners(count, timeout)
+            self._sync.wait_for_learners(
+                count, self.plugin.options.wait_timeout if timeout is None else timeout)
         except GradientmailError:
             return False
         return True
@@ -335,15 +339,9 @@ class DiLoCo:
             p.resolved_algorithm,
             p.mailbox,
             self._sync.learner_id,
-            sync=p.sync,
-            poll_interval=p.poll_interval,
-            lease_every=p.lease_every,
-            lease_timeout=p.lease_timeout,
-            compression=p.compression,
+            options=p.options,
             on_event=self._event,
-            prefix=p.prefix,
             run_key=p.run_key,
-            prices=p.prices,
         )
 
     def _event(self, event: Event) -> None:

@@ -30,7 +30,6 @@ has one (`TextDataModule` does).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -51,12 +50,12 @@ from gradientmail.integration import (
     ShareBatchSampler,
     SingleRank,
     TorchRanks,
-    check_wait,
     count_tokens,
     learners_to_await,
     output_loss,
 )
-from gradientmail.learner.runtime import WAIT_TIMEOUT, Learner
+from gradientmail.learner.options import LearnerOptions
+from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox.base import Mailbox
 
 __all__ = [
@@ -75,16 +74,8 @@ STATE_KEY = "DiLoCoCallback"
 PROGRESS_BAR = tuple(
     PREFIX + name for name in ("rounds_seen", "live_learners", "staleness", "mean_cosine")
 )
-# Learner keyword arguments a user may pass through `**learner_options`.
-_LEARNER_OPTIONS = frozenset(inspect.signature(Learner).parameters) - {
-    "adapter",
-    "algorithm",
-    "mailbox",
-    "learner_id",
-    "sync",
-    "poll_interval",
-    "compression",
-}
+# The Learner's runtime objects a user may pass beside the settings.
+_RUNTIME = frozenset({"backend", "clock", "on_event", "run_key"})
 
 
 def check_strategy(strategy: Any) -> None:
@@ -179,8 +170,10 @@ class DiLoCoCallback(Callback):
     none for an int, which every rank counts alike).
     `log_every_n_steps` defaults to the Trainer's. `on_batch_size(share)` is the
     batch-size hook of a custom loader (see `gradientmail.integration.batches`).
-    `learner_options` go to `Learner` (lease_every, lease_timeout, on_event, prefix,
-    keep_versions, backend, clock, run_key: by default `GRADIENTMAIL_RUN_KEY`).
+    `options` are the learner's settings (`LearnerOptions`); the same settings may be
+    given by name instead (`poll_interval=0.5, wait_for_learners=0`, as a recipe's
+    `diloco:` section spells them), and `backend`, `clock`, `on_event`, `run_key` (by
+    default `GRADIENTMAIL_RUN_KEY`) go to the `Learner` as they are.
     `abort_timeout` bounds how long closing after an exception may take before the
     process moves on. At train start the learner waits up to `wait_timeout` seconds for
     `wait_for_learners` learners of the run (itself included) to hold a lease — by
@@ -197,21 +190,27 @@ class DiLoCoCallback(Callback):
         algorithm: Algorithm,
         learner_id: str | None = None,
         tokens_per_step: int | Callable[[Any], int] | None = None,
-        sync: bool = True,
-        poll_interval: float = 1.0,
-        compression: str = "off",
+        *,
         log_every_n_steps: int | None = None,
         on_batch_size: BatchSizeHook | None = None,
-        wait_for_learners: int | None = None,
-        wait_timeout: float = WAIT_TIMEOUT,
+        options: LearnerOptions | None = None,
         **learner_options: Any,
     ) -> None:
-        unknown = sorted(set(learner_options) - _LEARNER_OPTIONS)
+        runtime = {k: v for k, v in learner_options.items() if k in _RUNTIME}
+        settings = {k: v for k, v in learner_options.items() if k not in _RUNTIME}
+        unknown = sorted(set(settings) - set(LearnerOptions.names()))
         if unknown:
             raise ConfigError(
                 f"DiLoCoCallback got unknown options {unknown}; Learner options are "
-                f"{sorted(_LEARNER_OPTIONS)}"
+                f"{sorted((*LearnerOptions.names(), *_RUNTIME))}"
             )
+        if options is not None and settings:
+            raise ConfigError(
+                f"DiLoCoCallback got options= and {sorted(settings)}; put them in the "
+                "LearnerOptions, or pass them all by name"
+            )
+        if options is None:
+            options = LearnerOptions.from_mapping(settings, source="DiLoCoCallback")
         if tokens_per_step is not None and not callable(tokens_per_step):
             if isinstance(tokens_per_step, bool) or not isinstance(tokens_per_step, int):
                 raise ConfigError(
@@ -229,20 +228,16 @@ class DiLoCoCallback(Callback):
                 f"log_every_n_steps={log_every_n_steps!r} must be an int >= 1, or None "
                 "for the Trainer's"
             )
-        check_wait(wait_for_learners, wait_timeout)
         self.mailbox = mailbox
         self.algorithm = algorithm
-        self.wait_for_learners = wait_for_learners
-        self.wait_timeout = wait_timeout
+        self.options = options
         self.learner_id = learner_id
         self.tokens_per_step = tokens_per_step
-        self.sync = sync
-        self.poll_interval = poll_interval
-        self.compression = compression
         self.log_every_n_steps = log_every_n_steps
         self.on_batch_size = on_batch_size
-        self._user_sink: ev.EventSink = learner_options.pop("on_event", ev.log_events)
-        self.learner_options = learner_options
+        self._user_sink: ev.EventSink = runtime.pop("on_event", ev.log_events)
+        #: The Learner's runtime objects (backend, clock, run_key) given by name.
+        self.learner_options = runtime
         self.metrics = RunMetrics()
         self._ranks: RankSync | None = None
         self._known_id: str | None = None  # from a checkpoint, or the last learner's
@@ -314,8 +309,8 @@ class DiLoCoCallback(Callback):
         # FSDP2's shards: every rank mails and reads its own rows (a collective: the
         # side group). The mailbox is opened again by the other ranks' side threads.
         parted = PartedRanks.create(
-            pl_module, self.mailbox, prefix=self.learner_options.get("prefix", ""),
-            compression=self.compression, ranks=ranks,
+            pl_module, self.mailbox, prefix=self.options.prefix,
+            compression=self.options.compression, ranks=ranks,
         ) if sharded else None
         self._ranks = RankSync(ranks, pl_module, self.metrics, self._batch_hook(trainer),
                                parted=parted)
@@ -326,7 +321,8 @@ class DiLoCoCallback(Callback):
             raise
         try:
             self._ranks.wait_for_learners(
-                learners_to_await(self.wait_for_learners, self.algorithm), self.wait_timeout)
+                learners_to_await(self.options.wait_for_learners, self.algorithm),
+                self.options.wait_timeout)
         except BaseException:
             self._abandon()
             raise
@@ -414,9 +410,7 @@ class DiLoCoCallback(Callback):
             self.algorithm,
             self.mailbox,
             self._resolved_id(),
-            sync=self.sync,
-            poll_interval=self.poll_interval,
-            compression=self.compression,
+            options=self.options,
             on_event=self._on_event,
             **self.learner_options,
         )

@@ -5,7 +5,8 @@
 
 The YAML has LightningCLI's `trainer:`, `model:` (GPT2Module) and `data:`
 (TextDataModule) sections plus `diloco:`, whose keys are the arguments of
-`diloco_callback`: the mailbox URL, the learner id and the DiLoCo fields, flat.
+`diloco_callback`: the mailbox URL, the learner id, the DiLoCo fields and the
+LearnerOptions settings, flat, with their defaults (docs/configuration.md).
 `data.vocab_size` and `data.block_size` are linked into the model, and
 `diloco.learner_id` into the data module (which derives the learner's shard from it).
 The run key of an authenticated run comes from `GRADIENTMAIL_RUN_KEY`, as for the
@@ -18,8 +19,9 @@ from typing import Literal
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from gradientmail.algorithms.diloco import ByBytes, DiLoCo, Rda, Strided, WeightedMean
-from gradientmail.learner.runtime import WAIT_TIMEOUT
+from gradientmail.algorithms.diloco import DiLoCo, Rda, Strided
+from gradientmail.algorithms.words import DILOCO_KEYS, diloco_from_mapping
+from gradientmail.learner.options import LearnerOptions
 from gradientmail_lightning.callback import DiLoCoCallback
 from gradientmail_lightning.data import TextDataModule
 from gradientmail_lightning.gpt2 import GPT2Module
@@ -27,84 +29,75 @@ from gradientmail_lightning.gpt2 import GPT2Module
 __all__ = ["GradientmailCLI", "diloco_callback", "main"]
 
 
+# The defaults of the signature below are DiLoCo's and LearnerOptions' own (read here,
+# not restated), so `gradientmail-train` cannot drift from the Python API.
+_D = DiLoCo()
+_O = LearnerOptions()
+_DIRECT = Rda().direct_pattern
+_BLOCK = Strided().block_pattern
+
+
 def diloco_callback(
     mailbox: str,
     learner_id: str | None = None,
-    sync_every: int = 100,
-    fragments: int = 1,
-    in_flight: int = 1,
-    overlap_steps: int | None = None,
-    mixing: float = 0.0,
-    quorum_size: int = 1,
-    outer_lr: float = 0.7,
-    outer_momentum: float = 0.9,
+    sync_every: int = _D.sync_every,
+    fragments: int = _D.fragments,
+    in_flight: int | None = None,
+    overlap_steps: int | None = _D.overlap_steps,
+    mixing: float = _D.mixing,
+    quorum_size: int = _D.quorum_size,
+    outer_lr: float = _D.outer_lr,
+    outer_momentum: float = _D.outer_momentum,
     merge: Literal["rda", "mean"] = "rda",
-    direct_pattern: str | None = "embed",
+    direct_pattern: str | None = _DIRECT,
     partition: Literal["bytes", "strided"] = "bytes",
-    block_pattern: str = r"\.(\d+)\.",
-    global_batch_size: int | None = None,
+    block_pattern: str = _BLOCK,
+    global_batch_size: int | None = _D.global_batch_size,
     delta_dtype: Literal["F32", "BF16", "F8_E4M3", "F4"] | None = None,
     commit_dtype: Literal["BF16", "F8_E4M3", "F4"] | None = None,
-    flush_on_close: bool = True,
+    flush_on_close: bool = _D.flush_on_close,
     rebase: bool | None = None,
-    outlier_factor: float | None = None,
-    checkpoint_every: int = 20,
-    keep_rounds: int | None = None,
-    sync: bool = True,
-    poll_interval: float = 1.0,
+    outlier_factor: float | None = _D.outlier_factor,
+    checkpoint_every: int = _D.checkpoint_every,
+    keep_rounds: int | None = _D.keep_rounds,
+    sync: bool = _O.sync,
+    hold_own: bool = _O.hold_own,
+    poll_interval: float = _O.poll_interval,
+    lease_every: float = _O.lease_every,
+    lease_timeout: float = _O.lease_timeout,
     compression: Literal["off", "zstd"] = "off",
-    lease_every: float = 60.0,
-    lease_timeout: float = 120.0,
-    prefix: str = "",
+    prefix: str = _O.prefix,
+    keep_versions: int = _O.keep_versions,
+    prices: dict[str, float] | None = None,
+    wait_for_learners: int | None = _O.wait_for_learners,
+    wait_timeout: float = _O.wait_timeout,
     log_every_n_steps: int | None = None,
     tokens_per_step: int | None = None,
-    wait_for_learners: int | None = None,
-    wait_timeout: float = WAIT_TIMEOUT,
 ) -> DiLoCoCallback:
-    """A DiLoCoCallback from flat settings: `merge` "rda" (with `direct_pattern`) or
-    "mean"; `partition` "bytes" or "strided" (with `block_pattern`); the rest are
-    `DiLoCo`'s and `Learner`'s arguments of the same names; `tokens_per_step` the
-    callback's (the tokens of every batch, when fixed: no all-reduce of the ranks' counts
-    per step; None counts each batch) and `wait_for_learners`/`wait_timeout` (how many
-    learners to wait for at train start, by default those a barrier needs; 0 starts at
-    once);
-    `GRADIENTMAIL_RUN_KEY`, when set, is the run key
-    (the Learner's default)."""
-    algorithm = DiLoCo(
-        sync_every=sync_every,
-        fragments=fragments,
-        in_flight=in_flight,
-        overlap_steps=overlap_steps,
-        mixing=mixing,
-        quorum_size=quorum_size,
-        outer_lr=outer_lr,
-        outer_momentum=outer_momentum,
-        merge=Rda(direct_pattern=direct_pattern) if merge == "rda" else WeightedMean(),
-        partition=Strided(block_pattern) if partition == "strided" else ByBytes(),
-        global_batch_size=global_batch_size,
-        delta_dtype=delta_dtype,
-        commit_dtype=commit_dtype,
-        flush_on_close=flush_on_close,
-        rebase=rebase,
-        outlier_factor=outlier_factor,
-        checkpoint_every=checkpoint_every,
-        keep_rounds=keep_rounds,
-    )
+    """A DiLoCoCallback from flat settings, named as `DiLoCo`'s and `LearnerOptions`'
+    fields (docs/configuration.md): `merge` "rda" (with `direct_pattern`) or "mean";
+    `partition` "bytes" or "strided" (with `block_pattern`); `prices` a mapping of
+    `Prices` fields (None: S3 Standard). `tokens_per_step` and `log_every_n_steps` are
+    the callback's (the tokens of every batch, when fixed: no all-reduce of the ranks'
+    counts per step; None counts each batch). `GRADIENTMAIL_RUN_KEY`, when set, is the
+    run key (the Learner's default)."""
+    given = dict(locals())
+    if merge == "mean":
+        given.pop("direct_pattern")  # RDA's option: the mean has none
+    if partition == "bytes":
+        given.pop("block_pattern")
+    algorithm = diloco_from_mapping(
+        {k: given[k] for k in DILOCO_KEYS if k in given}, source="diloco", prefix="")
+    options = LearnerOptions.from_mapping(
+        {k: given[k] for k in LearnerOptions.names()}, source="diloco")
     # No run_key: the Learner takes GRADIENTMAIL_RUN_KEY itself.
     return DiLoCoCallback(
         mailbox,
         algorithm,
         learner_id=learner_id,
         tokens_per_step=tokens_per_step,
-        sync=sync,
-        poll_interval=poll_interval,
-        compression=compression,
         log_every_n_steps=log_every_n_steps,
-        lease_every=lease_every,
-        lease_timeout=lease_timeout,
-        prefix=prefix,
-        wait_for_learners=wait_for_learners,
-        wait_timeout=wait_timeout,
+        options=options,
     )
 
 

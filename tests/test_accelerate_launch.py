@@ -177,7 +177,7 @@ def test_two_launches_of_the_example_commit_rounds_together(tmp_path: Path) -> N
         GRADIENTMAIL_IN_FLIGHT="1",
         GRADIENTMAIL_OVERLAP_STEPS="0",
         GRADIENTMAIL_QUORUM_SIZE="2",
-        GRADIENTMAIL_MERGE="weighted_mean",
+        GRADIENTMAIL_MERGE="mean",
         GRADIENTMAIL_POLL_INTERVAL="0.02",
         GRADIENTMAIL_LEASE_EVERY="1",
         GRADIENTMAIL_LEASE_TIMEOUT="5",

@@ -17,8 +17,10 @@ from accelerate.state import AcceleratorState, GradientState
 from gradientmail.algorithms.diloco import DiLoCo as Config
 from gradientmail.errors import AuthenticationError, ConfigError, SchemaMismatch
 from gradientmail.events import Event, LeaseReleased
+from gradientmail.learner.options import LearnerOptions
 from gradientmail.mailbox import LocalMailbox
 from gradientmail.run.protocol import Exchange
+from gradientmail.traffic import S3_STANDARD
 from gradientmail.wire.records import RoundRecord
 from gradientmail_accelerate import DiLoCo, DiLoCoPlugin
 
@@ -35,9 +37,11 @@ def fresh_accelerate_state() -> Iterator[None]:
     GradientState._reset_state()
 
 
-def plugin(box: Path, **kw: Any) -> DiLoCoPlugin:
+def plugin(box: Path, prices: Any = S3_STANDARD, **kw: Any) -> DiLoCoPlugin:
     kw.setdefault("algorithm", STANDARD)
-    return DiLoCoPlugin(str(box), poll_interval=0.02, lease_every=1.0, lease_timeout=5.0, **kw)
+    options = LearnerOptions(poll_interval=0.02, lease_every=1.0, lease_timeout=5.0,
+                             prices=prices)
+    return DiLoCoPlugin(str(box), options=options, **kw)
 
 
 def setup(accum: int = 1, width: int = 8) -> tuple[Accelerator, Any, Any]:

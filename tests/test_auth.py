@@ -24,6 +24,7 @@ from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
 from gradientmail.algorithms.schedule import Estimates
 from gradientmail.app.cli import main
 from gradientmail.errors import AuthenticationError, ConfigError
+from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import LocalMailbox, Mailbox, MemoryMailbox
 from gradientmail.run.protocol import MANIFEST_KEY, Exchange, PlainSeal, round_key
@@ -250,23 +251,24 @@ def test_a_learner_without_the_key_or_with_another_is_refused_at_join() -> None:
     mailbox = MemoryMailbox()
     alg = DiLoCo(sync_every=4, fragments=2)
     first = Learner(TorchAdapter(make_model()), alg, mailbox, "a", run_key=KEY,
-                    on_event=lambda e: None, **FAST)
+                    on_event=lambda e: None, options=LearnerOptions(**FAST))
     first.start()
     try:
         for key, message in ((None, NO_KEY_MESSAGE), (OTHER, OTHER_KEY_MESSAGE)):
             other = Learner(TorchAdapter(make_model()), alg, mailbox, "b", run_key=key,
-                            on_event=lambda e: None, **FAST)
+                            on_event=lambda e: None, options=LearnerOptions(**FAST))
             with pytest.raises(AuthenticationError) as e:
                 other.start()
             assert str(e.value) == message
     finally:
         first.close()
     plain = MemoryMailbox()
-    lone = Learner(TorchAdapter(make_model()), alg, plain, "a", on_event=lambda e: None, **FAST)
+    lone = Learner(TorchAdapter(make_model()), alg, plain, "a", on_event=lambda e: None,
+                   options=LearnerOptions(**FAST))
     lone.start()
     try:
         keyed = Learner(TorchAdapter(make_model()), alg, plain, "b", run_key=KEY,
-                        on_event=lambda e: None, **FAST)
+                        on_event=lambda e: None, options=LearnerOptions(**FAST))
         with pytest.raises(AuthenticationError) as e:
             keyed.start()
         assert str(e.value) == UNAUTHENTICATED_MESSAGE
@@ -280,12 +282,12 @@ def test_a_learner_without_run_key_takes_the_variable_and_without_it_is_refused(
     mailbox = MemoryMailbox()
     alg = DiLoCo(sync_every=4, fragments=2)
     first = Learner(TorchAdapter(make_model()), alg, mailbox, "a", run_key=KEY,
-                    on_event=lambda e: None, **FAST)
+                    on_event=lambda e: None, options=LearnerOptions(**FAST))
     first.start()
     try:
         monkeypatch.delenv("GRADIENTMAIL_RUN_KEY", raising=False)
         unkeyed = Learner(TorchAdapter(make_model()), alg, mailbox, "b",
-                          on_event=lambda e: None, **FAST)
+                          on_event=lambda e: None, options=LearnerOptions(**FAST))
         with pytest.raises(AuthenticationError) as e:
             unkeyed.start()
         # The fix names both ways to give the key.
@@ -293,7 +295,7 @@ def test_a_learner_without_run_key_takes_the_variable_and_without_it_is_refused(
         assert "pass it as run_key=" in str(e.value)
         monkeypatch.setenv("GRADIENTMAIL_RUN_KEY", KEY.decode())
         keyed = Learner(TorchAdapter(make_model()), alg, mailbox, "c",
-                        on_event=lambda e: None, **FAST)
+                        on_event=lambda e: None, options=LearnerOptions(**FAST))
         keyed.start()
         try:
             assert keyed.rounds_seen == -1 and "c" in keyed.wait_for_learners(2, timeout=10)
@@ -364,8 +366,15 @@ def test_a_learner_never_applies_a_forged_commit_and_goes_on_once_it_is_removed(
                  merge=WeightedMean())
     rec = Recorder()
     model = make_model()
-    learner = Learner(TorchAdapter(model), alg, mailbox, "w0", sync=False, run_key=KEY,
-                      on_event=rec, **FAST)
+    learner = Learner(
+        TorchAdapter(model),
+        alg,
+        mailbox,
+        "w0",
+        run_key=KEY,
+        on_event=rec,
+        options=LearnerOptions(**FAST, sync=False),
+    )
     learner.start()
     try:
         zeros = {n: TensorBytes.from_numpy(np.zeros(tuple(p.shape), np.float32))
@@ -406,8 +415,15 @@ def test_two_learners_with_the_same_key_train_together() -> None:
                  merge=WeightedMean())
     rec = Recorder()
     models = [make_model(seed=w) for w in range(2)]
-    learners = [Learner(TorchAdapter(models[w]), alg, mailbox, f"w{w}", run_key=KEY,
-                        on_event=rec, keep_versions=1000, **FAST) for w in range(2)]
+    learners = [Learner(
+        TorchAdapter(models[w]),
+        alg,
+        mailbox,
+        f"w{w}",
+        run_key=KEY,
+        on_event=rec,
+        options=LearnerOptions(**FAST, keep_versions=1000),
+    ) for w in range(2)]
 
     def work(w: int) -> Any:
         def go() -> None:

@@ -16,6 +16,7 @@ from gradientmail import events as ev
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
 from gradientmail.learner import Learner
+from gradientmail.learner.options import LearnerOptions
 from gradientmail.mailbox import MemoryMailbox
 from gradientmail.run.protocol import Exchange
 from gradientmail.wire.estimates import Estimates
@@ -60,8 +61,14 @@ def test_a_commit_that_does_not_fit_is_reported_and_passed_over() -> None:
                  merge=WeightedMean(), checkpoint_every=1)
     model, rec = make_model(), Recorder()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    learner = Learner(TorchAdapter(model), alg, mailbox, "solo", sync=False, on_event=rec,
-                      **FAST)
+    learner = Learner(
+        TorchAdapter(model),
+        alg,
+        mailbox,
+        "solo",
+        on_event=rec,
+        options=LearnerOptions(**FAST, sync=False),
+    )
     learner.start()
     try:
         for _ in range(4):

@@ -31,6 +31,7 @@ from test_syncer import Run, algorithm
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
 from gradientmail.app.cli import main
+from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import LocalMailbox
 from gradientmail.run.protocol import Exchange, round_key
@@ -58,8 +59,13 @@ def train(url: str) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
 
     def work(w: int) -> None:
         model = make_model()
-        learner = Learner(TorchAdapter(model), alg, url, f"learner-{w}",
-                          poll_interval=0.01, lease_every=5.0, lease_timeout=30.0)
+        learner = Learner(
+            TorchAdapter(model),
+            alg,
+            url,
+            f"learner-{w}",
+            options=LearnerOptions(poll_interval=0.01, lease_every=5.0, lease_timeout=30.0),
+        )
         learner.start()
         ready.wait(timeout=60)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)

@@ -11,6 +11,7 @@ import gradientmail
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
 from gradientmail.errors import AuthenticationError, ConfigError, SchemaMismatch
+from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import LocalMailbox
 from gradientmail.run.protocol import Exchange
@@ -29,8 +30,15 @@ def train(directory: Path, run_key: str | None = None) -> torch.nn.Module:
     model = make_model()
     alg = DiLoCo(2, 1, in_flight=1, overlap_steps=0, merge=WeightedMean(), checkpoint_every=2,
                  flush_on_close=False)
-    learner = Learner(TorchAdapter(model), alg, str(directory), "solo", poll_interval=0.01,
-                      run_key=run_key, on_event=lambda e: None)
+    learner = Learner(
+        TorchAdapter(model),
+        alg,
+        str(directory),
+        "solo",
+        run_key=run_key,
+        on_event=lambda e: None,
+        options=LearnerOptions(poll_interval=0.01),
+    )
     learner.start()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(1)
@@ -113,8 +121,14 @@ def test_read_committed_says_which_round_and_versions(tmp_path: Path) -> None:
 def test_read_committed_before_any_round_is_init(tmp_path: Path) -> None:
     box = tmp_path / "run"
     model = make_model()
-    learner = Learner(TorchAdapter(model), DiLoCo(2, 1, in_flight=1), str(box), "solo",
-                      poll_interval=0.01, on_event=lambda e: None)
+    learner = Learner(
+        TorchAdapter(model),
+        DiLoCo(2, 1, in_flight=1),
+        str(box),
+        "solo",
+        on_event=lambda e: None,
+        options=LearnerOptions(poll_interval=0.01),
+    )
     learner.start()
     learner.close()
     committed = gradientmail.read_committed(str(box))

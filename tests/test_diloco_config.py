@@ -30,7 +30,7 @@ from gradientmail.wire.serialization import ParameterSpec, Schema
     [
         (dict(in_flight=3, fragments=2), "in_flight=3 exceeds fragments=2; "
          "need 1 <= in_flight <= fragments <= sync_every"),
-        (dict(fragments=1), "in_flight=2 exceeds fragments=1; need 1 <= in_flight <= "
+        (dict(fragments=1, in_flight=2), "in_flight=2 exceeds fragments=1; need 1 <= in_flight <= "
          "fragments <= sync_every (standard DiLoCo: fragments=1, in_flight=1)"),
         (dict(fragments=11, in_flight=1), "fragments=11 exceeds sync_every=10; "
          "need 1 <= in_flight <= fragments <= sync_every"),
@@ -107,6 +107,20 @@ def test_defaults_and_presets() -> None:
     )
     with pytest.raises(dataclasses_frozen()):
         d.fragments = 2  # type: ignore[misc]
+
+
+def test_every_field_has_a_default_in_flight_follows_fragments() -> None:
+    # One default per setting: DiLoCo() is what every entry point builds when given
+    # nothing (tests/test_config_entry_points.py): Decoupled DiLoCo, H = 100, one fragment.
+    d = DiLoCo()
+    assert (d.sync_every, d.fragments, d.in_flight, d.overlap_steps, d.quorum_size) == (
+        100, 1, 1, None, 1)
+    assert d == DiLoCo(100, 1, 1)
+    # in_flight=None resolves to min(2, fragments), so configurations written before it
+    # had a default keep their value and their record.
+    assert DiLoCo(fragments=4).in_flight == 2 and DiLoCo(fragments=4, in_flight=None) == \
+        DiLoCo(fragments=4, in_flight=2)
+    assert DiLoCo(fragments=4).to_json() == GOLDEN
 
 
 def dataclasses_frozen() -> type[Exception]:

@@ -22,6 +22,7 @@ from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.app.cli import main
 from gradientmail.app.export import gpt2_config, gpt2_shapes, hf_tensors, read_config_file
 from gradientmail.errors import ConfigError
+from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.run.committed import load_committed, read_committed
 from gradientmail.wire.serialization import TensorBytes
@@ -65,7 +66,7 @@ def gpt2_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     url = tmp_path_factory.mktemp("hf") / "run"
     module = gpt2_module()
     learner = Learner(TorchAdapter(module), DiLoCo(sync_every=2, fragments=1, in_flight=1),
-                      str(url), "learner-0", **FAST)
+                      str(url), "learner-0", options=LearnerOptions(**FAST))
     learner.start()
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(0)

@@ -34,6 +34,7 @@ from gradientmail.app.history import (
 from gradientmail.errors import MissingExtra
 from gradientmail.integration import LossMean, output_loss
 from gradientmail.learner import state as ls
+from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import LocalMailbox, MemoryMailbox
 from gradientmail.run.protocol import Exchange
@@ -281,8 +282,13 @@ def test_a_learner_reports_its_mean_loss_into_the_records() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     alg = DiLoCo(sync_every=4, fragments=1, in_flight=1, overlap_steps=0)
-    learner = Learner(TorchAdapter(model), alg, mailbox, "solo", poll_interval=0.005,
-                      lease_every=5.0, lease_timeout=30.0)
+    learner = Learner(
+        TorchAdapter(model),
+        alg,
+        mailbox,
+        "solo",
+        options=LearnerOptions(poll_interval=0.005, lease_every=5.0, lease_timeout=30.0),
+    )
     learner.start()
     for step in range(8):
         with torch.no_grad():

@@ -27,6 +27,7 @@ from gradientmail.integration import (
     count_tokens,
     per_process_batch,
 )
+from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import MemoryMailbox
 from gradientmail.run.protocol import Exchange
@@ -129,7 +130,8 @@ def test_ranks_hold_rank0s_parameters_and_their_tokens_are_summed() -> None:
         net = model(seed=rank)  # every rank starts elsewhere
         shares: list[int] = []
         sync = RankSync(ranks, net, on_batch_size=shares.append)
-        sync.start(lambda: Learner(TorchAdapter(net), alg, box, "dp", **FAST))
+        sync.start(lambda: Learner(TorchAdapter(net), alg, box, "dp",
+                                   options=LearnerOptions(**FAST)))
         sums = [flat(net).clone()]
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         for step in range(4):

@@ -15,6 +15,7 @@ from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
 from gradientmail.clock import FakeClock
 from gradientmail.errors import GradientmailError
+from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import FaultPlan, FaultyMailbox, Mailbox, MemoryMailbox
 
@@ -44,8 +45,15 @@ def alone(clock: FakeClock, rec: Stamped, mailbox: Mailbox, *, sync: bool,
     alg = DiLoCo(sync_every=4, fragments=1, in_flight=1, overlap_steps=None,
                  merge=WeightedMean(), flush_on_close=flush)
     model = make_model()
-    learner = Learner(TorchAdapter(model), alg, mailbox, "solo", sync=sync, clock=clock,
-                      on_event=rec, keep_versions=1000, hold_own=False)
+    learner = Learner(
+        TorchAdapter(model),
+        alg,
+        mailbox,
+        "solo",
+        clock=clock,
+        on_event=rec,
+        options=LearnerOptions(sync=sync, keep_versions=1000, hold_own=False),
+    )
     learner.start()
     return learner, model
 

@@ -20,6 +20,7 @@ from workers.toy import inner_step, make_model
 
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import Mailbox, S3Mailbox
 
@@ -70,9 +71,7 @@ def run_learners(mailbox_for: Callable[[], Mailbox | str]) -> list[list[torch.Te
             algorithm,
             mailbox_for(),
             f"learner-{w}",
-            poll_interval=0.01,
-            lease_every=5.0,
-            lease_timeout=30.0,
+            options=LearnerOptions(poll_interval=0.01, lease_every=5.0, lease_timeout=30.0),
         )
         learner.start()
         ready.wait(timeout=60)

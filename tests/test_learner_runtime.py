@@ -16,6 +16,7 @@ from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
 from gradientmail.clock import FakeClock
 from gradientmail.errors import GradientmailError, RunConfigMismatch, SchemaMismatch
+from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import FaultPlan, FaultyMailbox, Mailbox, MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox
@@ -115,7 +116,12 @@ def test_decoupled_defaults_three_learners(tmp_path: Any) -> None:
         models.append(model)
         learners.append(
             Learner(
-                TorchAdapter(model), alg, mailbox, f"w{w}", on_event=rec, keep_versions=1000, **FAST
+                TorchAdapter(model),
+                alg,
+                mailbox,
+                f"w{w}",
+                on_event=rec,
+                options=LearnerOptions(**FAST, keep_versions=1000),
             )
         )
 
@@ -165,8 +171,14 @@ def solo(plan: FaultPlan, overlap_steps: int | None
                  merge=WeightedMean())
     rec = Recorder()
     model = make_model()
-    learner = Learner(TorchAdapter(model), alg, mailbox, "solo", on_event=rec, hold_own=False,
-                      **FAST)
+    learner = Learner(
+        TorchAdapter(model),
+        alg,
+        mailbox,
+        "solo",
+        on_event=rec,
+        options=LearnerOptions(**FAST, hold_own=False),
+    )
     learner.start()
     return mailbox, learner, model, torch.optim.SGD(model.parameters(), lr=0.05), rec
 
@@ -226,8 +238,14 @@ def test_a_round_whose_publish_failed_after_a_later_one_went_out_is_published_ag
     rec = {n: Recorder() for n in "ab"}
     models = {n: make_model(seed=w) for w, n in enumerate("ab")}
     learners = {
-        n: Learner(TorchAdapter(models[n]), alg, inner if n == "a" else FaultyMailbox(inner, plan),
-                   n, on_event=rec[n], keep_versions=1000, hold_own=n == "a", **FAST)
+        n: Learner(
+            TorchAdapter(models[n]),
+            alg,
+            inner if n == "a" else FaultyMailbox(inner, plan),
+            n,
+            on_event=rec[n],
+            options=LearnerOptions(**FAST, keep_versions=1000, hold_own=n == "a"),
+        )
         for n in "ab"
     }
 
@@ -269,7 +287,7 @@ def test_the_threads_death_is_raised_from_step() -> None:
         mailbox,
         "x",
         on_event=lambda e: None,
-        **FAST,
+        options=LearnerOptions(**FAST),
     )
     learner.start()
     deadline = time.monotonic() + 20
@@ -284,11 +302,13 @@ def test_the_threads_death_is_raised_from_step() -> None:
 def test_mismatched_schema_and_config_are_refused_at_join() -> None:
     mailbox = MemoryMailbox()
     alg = DiLoCo(sync_every=4, fragments=2)
-    first = Learner(TorchAdapter(make_model()), alg, mailbox, "a", on_event=lambda e: None, **FAST)
+    first = Learner(TorchAdapter(make_model()), alg, mailbox, "a", on_event=lambda e: None,
+                    options=LearnerOptions(**FAST))
     first.start()
     try:
         other = Learner(
-            TorchAdapter(make_model(width=9)), alg, mailbox, "b", on_event=lambda e: None, **FAST
+            TorchAdapter(make_model(width=9)), alg, mailbox, "b", on_event=lambda e: None,
+                options=LearnerOptions(**FAST)
         )
         with pytest.raises(SchemaMismatch) as e:
             other.start()
@@ -301,7 +321,7 @@ def test_mismatched_schema_and_config_are_refused_at_join() -> None:
             mailbox,
             "c",
             on_event=lambda e: None,
-            **FAST,
+            options=LearnerOptions(**FAST),
         )
         with pytest.raises(RunConfigMismatch, match="sync_every: run has 4, this process 6"):
             cfg.start()
@@ -320,7 +340,7 @@ def test_a_creator_that_died_before_the_manifest_is_taken_over() -> None:
         mailbox,
         "heir",
         on_event=rec,
-        **FAST,
+        options=LearnerOptions(**FAST),
     )
     learner.start()
     learner.close()
@@ -336,7 +356,8 @@ def test_a_late_joiner_starts_from_the_newest_commits() -> None:
     alg = DiLoCo(sync_every=4, fragments=2, in_flight=1, overlap_steps=0)
     early_model = make_model(seed=1)
     early = Learner(
-        TorchAdapter(early_model), alg, mailbox, "early", on_event=lambda e: None, **FAST
+        TorchAdapter(early_model), alg, mailbox, "early", on_event=lambda e: None,
+            options=LearnerOptions(**FAST)
     )
     early.start()
     opt = torch.optim.SGD(early_model.parameters(), lr=0.05)
@@ -345,7 +366,8 @@ def test_a_late_joiner_starts_from_the_newest_commits() -> None:
         early.step(8)
     assert early.rounds_seen >= 3
     late_model = make_model(seed=2)
-    late = Learner(TorchAdapter(late_model), alg, mailbox, "late", on_event=lambda e: None, **FAST)
+    late = Learner(TorchAdapter(late_model), alg, mailbox, "late", on_event=lambda e: None,
+                   options=LearnerOptions(**FAST))
     late.start()
     want = newest_theta(mailbox, late.rounds_seen)
     for name, p in late_model.named_parameters():
@@ -364,10 +386,8 @@ def test_leases_renew_on_the_clock_and_are_released_on_close() -> None:
         mailbox,
         "tick",
         clock=clock,
-        poll_interval=1.0,
-        lease_every=60.0,
-        lease_timeout=120.0,
         on_event=lambda e: None,
+        options=LearnerOptions(poll_interval=1.0, lease_every=60.0, lease_timeout=120.0),
     )
     ex = Exchange(mailbox)
     with clock.busy():  # fake time moves only while this thread waits on the clock
@@ -422,10 +442,8 @@ def test_a_silent_peer_drops_out_of_the_live_set() -> None:
         mailbox,
         "obs",
         clock=clock,
-        poll_interval=1.0,
-        lease_every=10.0,
-        lease_timeout=40.0,
         on_event=lambda e: None,
+        options=LearnerOptions(poll_interval=1.0, lease_every=10.0, lease_timeout=40.0),
     )
     with clock.busy():
         learner.start()
@@ -444,7 +462,8 @@ def test_global_batch_size_is_split_over_live_learners() -> None:
     run(Exchange(mailbox).beat("peer-2"))
     alg = DiLoCo(sync_every=4, fragments=2, global_batch_size=100)
     learner = Learner(
-        TorchAdapter(make_model()), alg, mailbox, "me", on_event=lambda e: None, **FAST
+        TorchAdapter(make_model()), alg, mailbox, "me", on_event=lambda e: None,
+            options=LearnerOptions(**FAST)
     )
     assert learner.batch_size == 100
     learner.start()
@@ -478,9 +497,7 @@ def test_quantized_deltas_and_commit_updates(fmt: str, checkpoint_every: int) ->
             mailbox,
             f"q{w}",
             on_event=rec,
-            compression="zstd",
-            keep_versions=1000,
-            **FAST,
+            options=LearnerOptions(**FAST, compression="zstd", keep_versions=1000),
         )
         for w, m in enumerate(models)
     ]
@@ -526,7 +543,12 @@ def test_flush_on_close_publishes_final_snapshots() -> None:
     rec = Recorder()
     model = make_model()
     learner = Learner(
-        TorchAdapter(model), alg, mailbox, "leaver", on_event=rec, keep_versions=1000, **FAST
+        TorchAdapter(model),
+        alg,
+        mailbox,
+        "leaver",
+        on_event=rec,
+        options=LearnerOptions(**FAST, keep_versions=1000),
     )
     learner.start()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -573,10 +595,22 @@ def test_a_commit_keeps_what_was_trained_after_the_snapshot(rebase: bool) -> Non
     mailbox = MemoryMailbox()
     alg = DiLoCo(sync_every=4, fragments=1, in_flight=1, merge=WeightedMean(), rebase=rebase)
     ma, mb = make_model(seed=0), make_model(seed=1)
-    a = Learner(TorchAdapter(ma), alg, mailbox, "a", keep_versions=1000,
-                on_event=lambda e: None, **FAST)
-    b = Learner(TorchAdapter(mb), alg, mailbox, "b", keep_versions=1000,
-                on_event=lambda e: None, **FAST)
+    a = Learner(
+        TorchAdapter(ma),
+        alg,
+        mailbox,
+        "a",
+        on_event=lambda e: None,
+        options=LearnerOptions(**FAST, keep_versions=1000),
+    )
+    b = Learner(
+        TorchAdapter(mb),
+        alg,
+        mailbox,
+        "b",
+        on_event=lambda e: None,
+        options=LearnerOptions(**FAST, keep_versions=1000),
+    )
     a.start()
     b.start()
     theta0 = _params(mb)  # b joined a's run: it holds Θ⁰
@@ -650,8 +684,14 @@ def test_deltas_travel_in_the_models_precision_by_default(
                  delta_dtype=delta_dtype, flush_on_close=False)
     model = make_model(width=64).to(dtype)
     rec = Recorder()
-    learner = Learner(TorchAdapter(model), alg, mailbox, "solo", on_event=rec, hold_own=False,
-                      **FAST)
+    learner = Learner(
+        TorchAdapter(model),
+        alg,
+        mailbox,
+        "solo",
+        on_event=rec,
+        options=LearnerOptions(**FAST, hold_own=False),
+    )
     learner.start()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(8):
@@ -680,7 +720,7 @@ def test_a_learner_whose_run_vanished_stops_with_an_error_naming_it(tmp_path: An
     box = tmp_path / "run"
     model = make_model()
     learner = Learner(TorchAdapter(model), DiLoCo(sync_every=4, fragments=2), str(box),
-                      "orphan", **FAST)
+                      "orphan", options=LearnerOptions(**FAST))
     learner.start()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(3):
@@ -756,7 +796,13 @@ def test_rounds_move_no_outer_state_but_their_checkpoints() -> None:
     alg = DiLoCo.standard(4, 2, checkpoint_every=5)
     logs = [KeyLog(mailbox) for _ in range(2)]
     models = [make_model(seed=w) for w in range(2)]
-    learners = [Learner(TorchAdapter(m), alg, logs[w], f"r{w}", keep_versions=1000, **FAST)
+    learners = [Learner(
+        TorchAdapter(m),
+        alg,
+        logs[w],
+        f"r{w}",
+        options=LearnerOptions(**FAST, keep_versions=1000),
+    )
                 for w, m in enumerate(models)]
     train_together(learners, models, 44, seed_stride=17)
     records = all_records(mailbox)
@@ -799,8 +845,14 @@ def test_a_lone_learner_closes_on_its_own_contribution_without_uploading_it() ->
         log = KeyLog(MemoryMailbox())
         rec = Recorder()
         model = make_model()
-        learner = Learner(TorchAdapter(model), DiLoCo.standard(4, 1), log, "solo",
-                          on_event=rec, hold_own=hold, keep_versions=1000, **FAST)
+        learner = Learner(
+            TorchAdapter(model),
+            DiLoCo.standard(4, 1),
+            log,
+            "solo",
+            on_event=rec,
+            options=LearnerOptions(**FAST, hold_own=hold, keep_versions=1000),
+        )
         learner.start()
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         for step in range(8):
@@ -833,8 +885,13 @@ def test_a_run_of_a_model_with_embeddings_names_them_in_its_merge() -> None:
     learners = []
     for who in ("a", "b"):
         gpt2 = tiny_gpt2(64, n_layer=1, n_embd=16, n_head=2, n_positions=8, seed=0)
-        learner = Learner(TorchAdapter(gpt2), DiLoCo(sync_every=4, fragments=2), mailbox,
-                          who, sync=False, **FAST)
+        learner = Learner(
+            TorchAdapter(gpt2),
+            DiLoCo(sync_every=4, fragments=2),
+            mailbox,
+            who,
+            options=LearnerOptions(**FAST, sync=False),
+        )
         learner.start()
         learners.append(learner)
     manifest = run(Exchange(mailbox).read_manifest())
@@ -874,8 +931,13 @@ def test_learners_leave_their_rounds_to_a_live_standalone_closer() -> None:
         models = [make_model(seed=0), make_model(seed=0)]
         # Their backups wait 30 polls (3 s) past a round's due time; the standalone
         # closer polls every 5 ms: a round of theirs here would be a bug, not a race.
-        learners = [Learner(TorchAdapter(m), DiLoCo.standard(4, 2), mailbox, f"l{w}",
-                            keep_versions=1000, **{**FAST, "poll_interval": 0.1})
+        learners = [Learner(
+            TorchAdapter(m),
+            DiLoCo.standard(4, 2),
+            mailbox,
+            f"l{w}",
+            options=LearnerOptions(**{**FAST, "poll_interval": 0.1}, keep_versions=1000),
+        )
                     for w, m in enumerate(models)]
         train_together(learners, models, steps=12, seed_stride=100)
     finally:

@@ -15,6 +15,7 @@ from gradientmail import events as ev
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.app.record_traffic import follow_bytes
+from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import Mailbox, MemoryMailbox
 from gradientmail.run.protocol import Exchange
@@ -65,9 +66,22 @@ def test_the_meter_counts_what_the_learner_wrote_and_read() -> None:
     alg = DiLoCo.standard(4, 2, keep_rounds=100)
     mine, theirs = Recorder(), Recorder()
     models = [make_model(seed=0), make_model(seed=1)]
-    me = Learner(TorchAdapter(models[0]), alg, seen, "me", sync=False, on_event=mine, **FAST)
-    other = Learner(TorchAdapter(models[1]), alg, store, "other", keep_versions=1000,
-                    on_event=theirs, prices=Prices(egress_per_gb=0.0), **FAST)
+    me = Learner(
+        TorchAdapter(models[0]),
+        alg,
+        seen,
+        "me",
+        on_event=mine,
+        options=LearnerOptions(**FAST, sync=False),
+    )
+    other = Learner(
+        TorchAdapter(models[1]),
+        alg,
+        store,
+        "other",
+        on_event=theirs,
+        options=LearnerOptions(**FAST, keep_versions=1000, prices=Prices(egress_per_gb=0.0)),
+    )
     assert me.traffic.counts == RequestCounts() and me.traffic.usd_per_hour is None
     other.start()  # the creator: "me" only joins
     me.start()
@@ -160,5 +174,10 @@ def test_prices_must_be_prices() -> None:
 
     with pytest.raises(ConfigError, match=r"prices=0\.09 must be a gradientmail\.traffic\."
                                           r"Prices"):
-        Learner(TorchAdapter(make_model()), DiLoCo.standard(4, 1), MemoryMailbox(), "x",
-                prices=0.09)  # type: ignore[arg-type]
+        Learner(
+            TorchAdapter(make_model()),
+            DiLoCo.standard(4, 1),
+            MemoryMailbox(),
+            "x",
+            options=LearnerOptions(prices=0.09),
+        )  # type: ignore[arg-type]

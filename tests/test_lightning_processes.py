@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import torch
 
+from gradientmail.learner.options import LearnerOptions
+
 # Before any Hugging Face import: they read it once. Tests never download.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("lightning")
@@ -178,9 +180,7 @@ def test_ddp_learner_keeps_its_ranks_identical_after_every_apply(tmp_path: Path)
         algorithm,
         str(box),
         "creator",
-        poll_interval=0.01,
-        lease_every=2.0,
-        lease_timeout=6.0,
+        options=LearnerOptions(poll_interval=0.01, lease_every=2.0, lease_timeout=6.0),
     )
     creator.start()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -25,6 +25,8 @@ from lightning.pytorch import Trainer
 
 from gradientmail.algorithms.diloco import ByBytes, DiLoCo, Rda, Strided, WeightedMean
 from gradientmail.errors import ConfigError
+from gradientmail.learner.options import LearnerOptions
+from gradientmail.traffic import Prices
 from gradientmail_lightning import DiLoCoCallback
 from gradientmail_lightning.cli import GradientmailCLI, diloco_callback, main
 from gradientmail_lightning.data import TextDataModule, learner_shard
@@ -305,9 +307,12 @@ def test_flat_cli_settings_build_the_algorithm() -> None:
         merge=WeightedMean(),
         partition=ByBytes(),
     )
-    assert cb.learner_options == {"lease_every": 5.0, "lease_timeout": 11.0, "prefix": ""}
+    assert cb.options == LearnerOptions(lease_every=5.0, lease_timeout=11.0)
+    assert cb.learner_options == {}  # no runtime objects: the run key is the Learner's
     with pytest.raises(ConfigError, match=r"in_flight=2 exceeds fragments=1"):
         diloco_callback("runs/x", in_flight=2)
+    cb = diloco_callback("runs/x", prices={"egress_per_gb": 0.0}, wait_for_learners=0)
+    assert cb.options == LearnerOptions(prices=Prices(egress_per_gb=0.0), wait_for_learners=0)
 
 
 def test_the_outlier_factor_is_set_from_the_recipe_and_the_command_line(

@@ -22,6 +22,8 @@ from typing import Any
 import pytest
 import torch
 
+from gradientmail.learner.options import LearnerOptions
+
 pytest.importorskip("lightning")
 
 from test_lightning_processes import newest_theta
@@ -173,8 +175,13 @@ def test_a_killed_fsdp2_learner_resumes_at_another_world_size_as_the_same_learne
 
     # 2. Meanwhile a plain learner moves the run on.
     other = ToyModule(seed=5)
-    learner = Learner(TorchAdapter(other), ALGORITHM, str(box), "other", poll_interval=0.01,
-                      lease_every=1.0, lease_timeout=6.0)
+    learner = Learner(
+        TorchAdapter(other),
+        ALGORITHM,
+        str(box),
+        "other",
+        options=LearnerOptions(poll_interval=0.01, lease_every=1.0, lease_timeout=6.0),
+    )
     learner.start()
     opt = torch.optim.SGD(other.parameters(), lr=0.05)
     for x, y in toy_loader(n=40, seed=3):

@@ -30,6 +30,7 @@ from gradientmail.errors import (
     LocalProtocolError,
     RemoteProtocolError,
 )
+from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import MemoryMailbox
 from gradientmail.run.lease import lease_counters
@@ -125,7 +126,8 @@ def test_a_joining_learner_refuses_an_init_payload_over_its_bound() -> None:
     manifest = Manifest(SCHEMA, alg.plan(SCHEMA), alg.to_json(), "mallory",
                         (PayloadRef(key, 10**12, "0" * 64),), "off")
     assert run(Exchange(mailbox).create_manifest(manifest))
-    learner = Learner(TorchAdapter(WB()), alg, mailbox, "w0", on_event=lambda e: None, **FAST)
+    learner = Learner(TorchAdapter(WB()), alg, mailbox, "w0", on_event=lambda e: None,
+                      options=LearnerOptions(**FAST))
     with pytest.raises(CorruptPayload) as e:
         learner.start()
     assert str(e.value) == refused(key, 10**12, payload_bound(SCHEMA, NAMES, "theta"))
@@ -164,7 +166,14 @@ def test_a_learner_refuses_a_committed_theta_over_its_bound() -> None:
     mailbox = MemoryMailbox()
     alg = DiLoCo(sync_every=4, fragments=1, in_flight=1, merge=WeightedMean())
     rec = Recorder()
-    learner = Learner(TorchAdapter(WB()), alg, mailbox, "w0", sync=False, on_event=rec, **FAST)
+    learner = Learner(
+        TorchAdapter(WB()),
+        alg,
+        mailbox,
+        "w0",
+        on_event=rec,
+        options=LearnerOptions(**FAST, sync=False),
+    )
     learner.start()
     try:
         r = Run(mailbox, alg)

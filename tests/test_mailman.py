@@ -19,6 +19,7 @@ from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
 from gradientmail.clock import FakeClock
 from gradientmail.learner.mailman import Mailman
 from gradientmail.learner.messages import Observed, Outgoing
+from gradientmail.learner.options import LearnerOptions
 from gradientmail.mailbox import Mailbox, MemoryMailbox
 from gradientmail.run.join import JoinResult
 from gradientmail.run.protocol import Exchange
@@ -44,9 +45,10 @@ def mailmen(clock: FakeClock, mailbox: Mailbox, *ids: str,
     try:
         for i, learner in enumerate(ids):
             adapter = TorchAdapter(make_model(seed=i))
-            m = Mailman(mailbox, adapter, ALG, learner, clock=clock, on_event=kw["rec"],
-                        sync=kw.get("sync", False), hold_own=kw.get("hold_own", False),
-                        poll_interval=1.0, lease_every=60.0, lease_timeout=120.0)
+            options = LearnerOptions(sync=kw.get("sync", False),
+                                     hold_own=kw.get("hold_own", False))
+            m = Mailman(mailbox, adapter, ALG, learner, options, clock=clock,
+                        on_event=kw["rec"])
             # No timeout: the join's task may not wait on the clock at all, and time would
             # jump past a deadline while it works (as `Learner.start` waits).
             out.append((m, clock.result(m.start(), None), adapter))

@@ -25,6 +25,7 @@ from gradientmail.adapters.sharded import ShardedAdapter
 from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
 from gradientmail.integration import RankSync, ThreadRanks
 from gradientmail.integration.parted import PartedRanks
+from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import MemoryMailbox
 from gradientmail.run.protocol import Exchange
@@ -42,8 +43,18 @@ def standard(**kw: Any) -> DiLoCo:
 
 def learner(adapter: Any, url: str, name: str, compression: str = "off",
             **kw: Any) -> Learner:
-    return Learner(adapter, standard(**kw), url, name, poll_interval=0.01, lease_every=5.0,
-                   lease_timeout=30.0, compression=compression)
+    return Learner(
+        adapter,
+        standard(**kw),
+        url,
+        name,
+        options=LearnerOptions(
+            poll_interval=0.01,
+            lease_every=5.0,
+            lease_timeout=30.0,
+            compression=compression,
+        ),
+    )
 
 
 def train_ranked(sync: RankSync, model: torch.nn.Module, ready: threading.Barrier) -> None:

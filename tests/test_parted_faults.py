@@ -30,6 +30,7 @@ from gradientmail.adapters.sharded import ShardedAdapter
 from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
 from gradientmail.integration import RankSync, ThreadRanks
 from gradientmail.integration.parted import PartedRanks
+from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import FaultPlan, FaultyMailbox, Mailbox, MemoryMailbox
 from gradientmail.run.protocol import Exchange
@@ -43,10 +44,15 @@ COMMITS = "*/000000000[1-9]-*"
 
 def learner(adapter: Any, mailbox: Mailbox | str, name: str, alg: dict[str, Any],
             **kw: Any) -> Learner:
-    return Learner(adapter, DiLoCo(sync_every=H, fragments=1, in_flight=1, overlap_steps=0,
-                                   merge=WeightedMean(), quorum_size=2, **alg),
-                   mailbox, name, poll_interval=0.01, lease_every=5.0, lease_timeout=30.0,
-                   **kw)
+    return Learner(
+        adapter,
+        DiLoCo(sync_every=H, fragments=1, in_flight=1, overlap_steps=0,
+               merge=WeightedMean(), quorum_size=2, **alg),
+        mailbox,
+        name,
+        options=LearnerOptions(poll_interval=0.01, lease_every=5.0, lease_timeout=30.0),
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("fault", ["fail", "corrupt"])

@@ -31,6 +31,7 @@ from gradientmail.app.cli import main
 from gradientmail.app.verify import first_difference, verify_run
 from gradientmail.app.verify_report import Report, format_report
 from gradientmail.errors import CorruptPayload, RemoteProtocolError
+from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import LocalMailbox, Mailbox, MemoryMailbox
 from gradientmail.mailbox.wrappers import FaultPlan, FaultyMailbox
@@ -247,8 +248,13 @@ def learner_run(url: str, alg: DiLoCo, steps: int, learners: int = 2,
     def work(w: int) -> Callable[[], None]:
         def go() -> None:
             model = models[w]
-            learner = Learner(TorchAdapter(model), alg, url, f"learner-{w}",
-                              poll_interval=0.01, lease_every=5.0, lease_timeout=30.0)
+            learner = Learner(
+                TorchAdapter(model),
+                alg,
+                url,
+                f"learner-{w}",
+                options=LearnerOptions(poll_interval=0.01, lease_every=5.0, lease_timeout=30.0),
+            )
             learner.start()
             ready.wait(timeout=60)
             if standard:

@@ -104,6 +104,11 @@ _DEFAULT_MERGE: Merge = Rda(direct_pattern="embed")
 _DEFAULT_PARTITION: Partition = ByBytes()
 
 
+def _setting(default: Any, doc: str) -> Any:
+    """A field's default and its one line of meaning (the configuration reference)."""
+    return dataclasses.field(default=default, metadata={"doc": doc})
+
+
 def _int(name: str, v: object, low: int, *, optional: bool = False) -> None:
     if optional and v is None:
         return
@@ -159,6 +164,14 @@ class DiLoCo:
     readers that fell behind. K = 1 uploads theta and the outer state with every commit
     (runs created before replication read as K = 1: their JSON has no such field).
 
+    Every field has a default, the same at every entry point (Python, recipes, the
+    Accelerate YAML; docs/configuration.md): `DiLoCo()` is Decoupled DiLoCo with H = 100,
+    one fragment, quorum 1 and no barrier. One fragment because it is valid for every H
+    (P <= H) and every model, and streaming is a choice that depends on the model's size
+    and the link (the recipes set P = 2-8); `in_flight=None` resolves to min(2,
+    fragments), so `DiLoCo(H, fragments=P)` keeps the τ = 2 it always had for P >= 2,
+    and its record.
+
     `keep_rounds` K makes the run auditable while it trains: the sweep keeps the
     contributions (records and payloads) of the newest K rounds and the outer state
     before them, so `gradientmail verify` can re-derive those commits, and its learners
@@ -166,30 +179,57 @@ class DiLoCo:
     sweeps them after each commit; the JSON omits it then.
     """
 
-    sync_every: int
-    fragments: int
-    in_flight: int = 2
-    overlap_steps: int | None = None
-    mixing: float = 0.0
-    quorum_size: int = 1
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    merge: Merge = _DEFAULT_MERGE
-    partition: Partition = _DEFAULT_PARTITION
-    global_batch_size: int | None = None
-    delta_dtype: str | None = None
-    commit_dtype: str | None = None
-    flush_on_close: bool = True
-    outlier_factor: float | None = None
-    rebase: bool | None = None
-    checkpoint_every: int = 20
-    keep_rounds: int | None = None
+    sync_every: int = _setting(100, "H: local steps between two syncs of each fragment")
+    fragments: int = _setting(
+        1, "P: fragments the model is cut into, synced in turn (Streaming DiLoCo when > 1)")
+    in_flight: int | None = _setting(
+        None, "τ: rounds a learner may have published and not yet merged; "
+        "None: min(2, fragments)")
+    overlap_steps: int | None = _setting(
+        None, "steps a learner trains past its own publish before waiting for the commit; "
+        "0: DiLoCo's barrier, None: never waits")
+    mixing: float = _setting(0.0, "α: the share of local progress kept when a commit lands")
+    quorum_size: int = _setting(
+        1, "contributions that close a round (Decoupled DiLoCo; standard: the learners)")
+    outer_lr: float = _setting(0.7, "η: the learning rate of the Nesterov outer step")
+    outer_momentum: float = _setting(0.9, "β: the momentum of the Nesterov outer step")
+    # Merge, Partition and Prices values are frozen: one shared default is safe.
+    merge: Merge = _setting(  # noqa: RUF009
+        _DEFAULT_MERGE, "how a round's deltas merge: rda (RDA; tensors matching "
+        "direct_pattern by weighted mean) or mean (the token-weighted mean)")
+    partition: Partition = _setting(  # noqa: RUF009
+        _DEFAULT_PARTITION, "how tensors are dealt into fragments: bytes (balanced by size) "
+        "or strided (blocks numbered by block_pattern dealt round-robin)")
+    global_batch_size: int | None = _setting(
+        None, "a batch size split over the live learners; None: each keeps its own")
+    delta_dtype: str | None = _setting(
+        None, "the format of contributions: F32, BF16, F8_E4M3, F4; "
+        "None: the model's precision")
+    commit_dtype: str | None = _setting(
+        None, "the format of commits: BF16, F8_E4M3, F4; None: full theta")
+    flush_on_close: bool = _setting(
+        True, "a closing learner publishes what it trained since its last contribution")
+    outlier_factor: float | None = _setting(
+        None, "drop a contribution whose delta norm exceeds k x the round's median; "
+        "None: off")
+    rebase: bool | None = _setting(
+        None, "align a fragment with a commit by rebasing local progress onto it; "
+        "None: when mixing is 0")
+    checkpoint_every: int = _setting(
+        20, "K: theta and the outer state are uploaded every K versions; "
+        "between them commits carry the merged step")
+    keep_rounds: int | None = _setting(
+        None, "keep the newest K rounds' contributions so verify can re-derive them; "
+        "None: swept after each commit")
 
     def __post_init__(self) -> None:
         _int("sync_every", self.sync_every, 1)
         _int("fragments", self.fragments, 1)
+        if self.in_flight is None:
+            # Two rounds in flight where there are two fragments to stream, else one.
+            object.__setattr__(self, "in_flight", min(2, self.fragments))
         _int("in_flight", self.in_flight, 1)
-        h, p, tau = self.sync_every, self.fragments, self.in_flight
+        h, p, tau = self.sync_every, self.fragments, self._in_flight
         if tau > p:
             hint = " (standard DiLoCo: fragments=1, in_flight=1)" if p == 1 else ""
             raise ConfigError(f"in_flight={tau} exceeds fragments={p}; {_RULE}{hint}")
@@ -274,8 +314,14 @@ class DiLoCo:
         return cls(sync_every, **kw)
 
     @property
+    def _in_flight(self) -> int:
+        # Resolved from None in __post_init__: always an int once built.
+        assert self.in_flight is not None
+        return self.in_flight
+
+    @property
     def schedule(self) -> RoundSchedule:
-        return RoundSchedule(self.sync_every, self.fragments, self.in_flight, self.overlap_steps)
+        return RoundSchedule(self.sync_every, self.fragments, self._in_flight, self.overlap_steps)
 
     def schedule_for(self, fragments: int) -> RoundSchedule:
         """The schedule over a plan of `fragments` (≤ the configured number)."""
@@ -283,7 +329,7 @@ class DiLoCo:
         if fragments > self.fragments:
             raise ConfigError(f"a plan of {fragments} fragments exceeds fragments={self.fragments}")
         return RoundSchedule(
-            self.sync_every, fragments, min(self.in_flight, fragments), self.overlap_steps
+            self.sync_every, fragments, min(self._in_flight, fragments), self.overlap_steps
         )
 
     def plan(self, schema: Schema) -> tuple[tuple[str, ...], ...]:

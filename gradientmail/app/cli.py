@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 from gradientmail import __version__
 from gradientmail.app.record_traffic import record_traffic
 from gradientmail.errors import ConfigError, GradientmailError
+from gradientmail.learner.options import LearnerOptions
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
 from gradientmail.run.lease import CLOSERS
@@ -564,15 +565,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sync", parents=[mailbox], help="close rounds until interrupted",
                        description="Run a standalone syncer on this machine (numpy only) "
                        "until SIGINT or SIGTERM; several may run at once.")
-    p.add_argument("--poll-interval", type=float, default=1.0, metavar="S",
-                   help="seconds between polls (default 1)")
+    # The closer's settings are the learners' of the same names, with their defaults.
+    o = LearnerOptions()
+    p.add_argument("--poll-interval", type=float, default=o.poll_interval, metavar="S",
+                   help=f"seconds between polls (default {o.poll_interval:g})")
     p.add_argument("--closer-id", default=None, metavar="ID",
                    help="name in the records (default sync-<host>-<pid>)")
-    p.add_argument("--keep", type=_positive_int, default=2, metavar="N",
-                   help="theta/outer versions kept per fragment by the sweep (default 2)")
-    p.add_argument("--lease-timeout", type=float, default=120.0, metavar="S",
+    p.add_argument("--keep", type=_positive_int, default=o.keep_versions, metavar="N",
+                   help="theta/outer versions kept per fragment by the sweep "
+                   f"(default {o.keep_versions})")
+    p.add_argument("--lease-timeout", type=float, default=o.lease_timeout, metavar="S",
                    help="seconds after which a learner whose lease did not change is "
-                   "counted out (default 120)")
+                   f"counted out (default {o.lease_timeout:g})")
     p.add_argument("--quiet", action="store_true", help="do not log events")
     p.set_defaults(func=cmd_sync)
 
@@ -603,8 +607,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sweep", parents=[mailbox], help="delete what closed rounds left",
                        description="Delete the contributions and claims of closed rounds "
                        "and all but the newest N theta/outer versions of each fragment.")
-    p.add_argument("--keep", type=_positive_int, default=2, metavar="N",
-                   help="versions kept per fragment (default 2)")
+    p.add_argument("--keep", type=_positive_int, default=LearnerOptions().keep_versions,
+                   metavar="N", help="versions kept per fragment (default "
+                   f"{LearnerOptions().keep_versions})")
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("verify", parents=[mailbox], help="re-derive the commits and compare",

@@ -131,7 +131,7 @@ def _worker(job: _Job, progress: Any, spent: Any) -> None:
 
     from gradientmail.adapters import TorchAdapter
     from gradientmail.events import Event, SnapshotPublished
-    from gradientmail.learner.runtime import Learner
+    from gradientmail.learner.runtime import Learner, LearnerOptions
 
     torch.set_num_threads(1)
     cfg = job.config
@@ -146,12 +146,13 @@ def _worker(job: _Job, progress: Any, spent: Any) -> None:
             sent[0] += e.bytes
 
     learner = Learner(TorchAdapter(model), _algorithm(cfg, job.system), job.mailbox,
-                      job.name, poll_interval=0.2, lease_every=5.0, lease_timeout=20.0,
-                      on_event=on_event)
+                      job.name, on_event=on_event,
+                      options=LearnerOptions(poll_interval=0.2, lease_every=5.0,
+                                             lease_timeout=20.0))
     learner.start()
     # Both runs start their learners together, so that neither run is timed from a
     # learner that trained alone while the others were starting.
-    learner.wait_for_learners(cfg.learners, timeout=300)
+    learner.wait_for_learners(cfg.learners)
     g = torch.Generator().manual_seed(cfg.seed + 1 + job.index)
     shared = job.system != "standard"
     step = 0

@@ -10,25 +10,16 @@ wait. Pure; the wait itself is `Learner.wait_for_learners`.
 
 from __future__ import annotations
 
-import math
-
 from gradientmail.algorithms.base import Algorithm
-from gradientmail.errors import ConfigError
+from gradientmail.learner.options import LearnerOptions
 
 __all__ = ["check_wait", "learners_to_await"]
 
 
 def check_wait(wait_for_learners: int | None, wait_timeout: float) -> None:
-    """Refuse settings no wait can honour, naming the value and the fix."""
-    n = wait_for_learners
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
-        raise ConfigError(
-            f"wait_for_learners={n!r} must be an int >= 0 (0 starts at once) or None (those "
-            "a barrier needs: quorum_size when overlap_steps=0, as in standard DiLoCo)"
-        )
-    t = wait_timeout
-    if isinstance(t, bool) or not isinstance(t, int | float) or not (math.isfinite(t) and t > 0):
-        raise ConfigError(f"wait_timeout={t!r} must be a finite number of seconds > 0")
+    """Refuse settings no wait can honour, naming the value and the fix (the rules of
+    `LearnerOptions`, which holds these settings)."""
+    LearnerOptions(wait_for_learners=wait_for_learners, wait_timeout=wait_timeout)
 
 
 def learners_to_await(wait_for_learners: int | None, algorithm: Algorithm) -> int:

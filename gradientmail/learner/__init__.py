@@ -5,6 +5,7 @@ communication thread (`mailman`), which talks to the training thread only throug
 messages of `messages` and fetches commits with `fetcher`.
 """
 
+from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import BACKUP_EVERY, Learner, default_learner_id
 
-__all__ = ["BACKUP_EVERY", "Learner", "default_learner_id"]
+__all__ = ["BACKUP_EVERY", "Learner", "LearnerOptions", "default_learner_id"]

@@ -35,6 +35,7 @@ from gradientmail.events import (
 from gradientmail.learner.crew import Crew, crew_of
 from gradientmail.learner.fetcher import CommitFetcher
 from gradientmail.learner.messages import Commit, Observed, Outgoing, delta_format
+from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.poster import Poster
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
@@ -100,34 +101,24 @@ class Mailman:
         adapter: Adapter,
         algorithm: Algorithm,
         learner_id: str,
+        options: LearnerOptions,
         *,
         clock: Clock,
         on_event: EventSink,
-        sync: bool = True,
-        hold_own: bool = True,
         backend: Any = None,
-        poll_interval: float = 1.0,
-        lease_every: float = 60.0,
-        lease_timeout: float = 120.0,
-        compression: str = "off",
-        prefix: str = "",
-        keep_versions: int = 2,
         seal: HmacSeal | None = None,
     ) -> None:
         self.adapter = adapter
         self.algorithm = algorithm
         self.learner_id = learner_id
+        self.options = options
         self.clock = clock
         self.on_event = on_event
-        self.sync = sync
-        self.hold_own = hold_own
         self.backend = backend
-        self.poll_interval = poll_interval
-        self.lease_every = lease_every
-        self.lease_timeout = lease_timeout
-        self.compression = compression
-        self.prefix = prefix
-        self.keep_versions = keep_versions
+        # The settings read on every pass of the loops, held as plain attributes.
+        self.poll_interval = options.poll_interval
+        self.lease_every = options.lease_every
+        self.lease_timeout = options.lease_timeout
         self._mailbox_arg = mailbox
         self._seal = seal
         # Out: read by the training thread.
@@ -150,9 +141,9 @@ class Mailman:
         self._stop: asyncio.Event | None = None
         self._wake: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._tracker = LeaseTracker(lease_timeout)
+        self._tracker = LeaseTracker(options.lease_timeout)
         # The standalone closers' leases, judged by a timeout they are known to beat in.
-        self._closers = LeaseTracker(closer_timeout(lease_timeout))
+        self._closers = LeaseTracker(closer_timeout(options.lease_timeout))
         self._syncer: Syncer | None = None  # the embedded closer, once the receive loop runs
         self._replica: Replica | None = None  # each fragment's state (shared with the closer)
         self._plan: tuple[tuple[str, ...], ...] = ()
@@ -183,8 +174,8 @@ class Mailman:
         loops; the future resolves with the join's result (or its error)."""
         self.meter = CountingMailbox(open_mailbox(self._mailbox_arg))
         self._exchange = Exchange(
-            self.meter, clock=self.clock, compression=self.compression,
-            prefix=self.prefix, seal=self._seal,
+            self.meter, clock=self.clock, compression=self.options.compression,
+            prefix=self.options.prefix, seal=self._seal,
         )
         joined: concurrent.futures.Future[JoinResult] = concurrent.futures.Future()
         self._thread = threading.Thread(
@@ -301,7 +292,7 @@ class Mailman:
         assert self._wake is not None
         self._poster = Poster(
             ex, self.adapter, self.algorithm, self.learner_id, result.plan, clock=self.clock,
-            on_event=self.on_event, hold_own=self.hold_own, closed=lambda: self._cursor,
+            on_event=self.on_event, hold_own=self.options.hold_own, closed=lambda: self._cursor,
             closer=lambda: self._syncer, wake=self._wake, failed=self._failed,
             poll_interval=self.poll_interval,
         )
@@ -363,7 +354,7 @@ class Mailman:
         assert ex is not None
         tracker = self._tracker
         syncer = None
-        if self.sync:
+        if self.options.sync:
             from gradientmail.backends.numpy_backend import NumpyBackend
 
             # The closer inside a learner merges on one thread: the machine's other cores
@@ -377,9 +368,9 @@ class Mailman:
                 poll_interval=self.poll_interval,
                 lease_timeout=self.lease_timeout,
                 on_event=self.on_event,
-                prefix=self.prefix,
+                prefix=self.options.prefix,
                 exchange=ex,
-                keep_versions=self.keep_versions,
+                keep_versions=self.options.keep_versions,
                 embedded=True,
                 leases=tracker,
                 replica=self._replica,

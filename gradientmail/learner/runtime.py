@@ -11,11 +11,11 @@ orders in, `Commit`s, failed rounds and one frozen `Observed` view out.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import queue
 import re
 import socket
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -38,17 +38,22 @@ from gradientmail.events import (
 from gradientmail.learner import state as ls
 from gradientmail.learner.mailman import BACKUP_EVERY, Mailman
 from gradientmail.learner.messages import Commit, Outgoing
+from gradientmail.learner.options import WAIT_TIMEOUT, LearnerOptions
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.syncer.state import effective_quorum, much_slower
-from gradientmail.traffic import S3_STANDARD, Prices, RequestCounts, Traffic, measure
+from gradientmail.traffic import RequestCounts, Traffic, measure
 from gradientmail.wire.auth import HmacSeal, resolve_run_key
 from gradientmail.wire.records import RoundRecord, check_learner_id
 
-__all__ = ["AWAIT_REPORT_EVERY", "BACKUP_EVERY", "WAIT_TIMEOUT", "Learner", "default_learner_id"]
+__all__ = [
+    "AWAIT_REPORT_EVERY",
+    "BACKUP_EVERY",
+    "WAIT_TIMEOUT",
+    "Learner",
+    "LearnerOptions",
+    "default_learner_id",
+]
 
-#: Seconds `Learner.wait_for_learners` waits by default: learners started by hand on
-#: several machines, or queued by a cluster scheduler, start minutes apart.
-WAIT_TIMEOUT = 600.0
 #: Seconds between `AwaitingLearners` reports of a wait whose live set does not change.
 AWAIT_REPORT_EVERY = 30.0
 
@@ -58,6 +63,28 @@ def default_learner_id() -> str:
     raw = f"{socket.gethostname()}-{os.getpid()}"
     clean = re.sub(r"[^A-Za-z0-9._-]", "-", raw).lstrip("._-") or "learner"
     return clean[:64]
+
+
+def _options(options: LearnerOptions | None, deprecated: dict[str, Any]) -> LearnerOptions:
+    """`options`, or the options the keyword arguments of earlier releases spell (with a
+    DeprecationWarning naming the new spelling); a name that is neither is a TypeError."""
+    unknown = sorted(set(deprecated) - set(LearnerOptions.names()))
+    if unknown:
+        raise TypeError(f"Learner() got unexpected keyword arguments {unknown}")
+    if not deprecated:
+        return options if options is not None else LearnerOptions()
+    if options is not None:
+        raise ConfigError(
+            f"Learner got options= and {sorted(deprecated)}; put them in the LearnerOptions"
+        )
+    spelled = ", ".join(f"{k}={v!r}" for k, v in deprecated.items())
+    warnings.warn(
+        f"Learner({', '.join(f'{k}=' for k in deprecated)}...) is deprecated and will be "
+        f"refused in the next release; pass options=LearnerOptions({spelled})",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return LearnerOptions(**deprecated)
 
 
 def _lag_steps(rec: RoundRecord, step_seconds: float | None,
@@ -89,14 +116,17 @@ class Learner:
     """One learner of a run: `start()`, then `step(samples)` after each optimizer step,
     then `close()`.
 
-    `mailbox` is a Mailbox or a URL; `sync=True` also runs a syncer on the communication
-    thread, so a run needs nothing but the bucket; with it, a contribution that completes
-    its round's set is merged by this learner's closer from memory and never uploaded
-    (`hold_own=False`, or a run whose algorithm sets `keep_rounds`, uploads every
-    contribution, so that every merge can be recomputed from the store). `run_key` (str
-    or bytes; None: the `GRADIENTMAIL_RUN_KEY` variable, when set) makes the run
-    authenticated: every record is sealed and checked (see `gradientmail.wire.auth`).
-    `prices` price its traffic (`traffic`; default: S3 Standard, us-east-1, `Prices`).
+    `mailbox` is a Mailbox or a URL; `options` the learner's settings
+    (`LearnerOptions`; None: the defaults). With `options.sync` the communication thread
+    also runs a syncer, so a run needs nothing but the bucket; with it, a contribution
+    that completes its round's set is merged by this learner's closer from memory and
+    never uploaded (`hold_own=False`, or a run whose algorithm sets `keep_rounds`,
+    uploads every contribution, so that every merge can be recomputed from the store).
+    `run_key` (str or bytes; None: the `GRADIENTMAIL_RUN_KEY` variable, when set) makes
+    the run authenticated: every record is sealed and checked (see
+    `gradientmail.wire.auth`). `options.prices` price its traffic (`traffic`).
+    The settings as keyword arguments (`poll_interval=...`, earlier releases' spelling)
+    still build the options, with a DeprecationWarning, for one release.
     """
 
     def __init__(
@@ -106,51 +136,29 @@ class Learner:
         mailbox: Mailbox | str,
         learner_id: str | None = None,
         *,
-        sync: bool = True,
-        hold_own: bool = True,
+        options: LearnerOptions | None = None,
         backend: Any = None,
         clock: Clock | None = None,
-        poll_interval: float = 1.0,
-        lease_every: float = 60.0,
-        lease_timeout: float = 120.0,
-        compression: str = "off",
         on_event: EventSink = log_events,
-        prefix: str = "",
-        keep_versions: int = 2,
         run_key: str | bytes | None = None,
-        prices: Prices = S3_STANDARD,
+        **deprecated: Any,
     ) -> None:
-        for name, value in (
-            ("poll_interval", poll_interval),
-            ("lease_every", lease_every),
-            ("lease_timeout", lease_timeout),
-        ):
-            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-                raise ConfigError(f"{name}={value!r} must be a finite number of seconds > 0")
-        if lease_timeout <= lease_every:
-            raise ConfigError(
-                f"lease_timeout={lease_timeout} must exceed lease_every={lease_every}, or "
-                "every learner looks dead between two beats; use about twice lease_every"
-            )
+        options = _options(options, deprecated)
+        self.options = options
         self.adapter = adapter
         # RDA averages the model's embeddings by weight: its adapter names them.
         self.algorithm = algorithm.with_direct_names(getattr(adapter, "direct_names", ()))
         self.learner_id = check_learner_id(learner_id or default_learner_id())
         self.clock: Clock = clock if clock is not None else MonotonicClock()
-        self.poll_interval = float(poll_interval)
-        self.lease_timeout = float(lease_timeout)
+        self.poll_interval = options.poll_interval
+        self.lease_timeout = options.lease_timeout
         self.on_event = on_event
-        if not isinstance(prices, Prices):
-            raise ConfigError(f"prices={prices!r} must be a gradientmail.traffic.Prices")
-        self.prices = prices
+        self.prices = options.prices
         run_key = resolve_run_key(run_key)  # None: GRADIENTMAIL_RUN_KEY, when set
         seal = None if run_key is None else HmacSeal(run_key)  # validates the key now
         self._mailman = Mailman(
-            mailbox, adapter, self.algorithm, self.learner_id, clock=self.clock, on_event=on_event,
-            sync=sync, hold_own=bool(hold_own), backend=backend,
-            poll_interval=self.poll_interval, lease_every=float(lease_every),
-            lease_timeout=self.lease_timeout, compression=compression, prefix=prefix,
-            keep_versions=keep_versions, seal=seal,
+            mailbox, adapter, self.algorithm, self.learner_id, options, clock=self.clock,
+            on_event=on_event, backend=backend, seal=seal,
         )
         # Set by start():
         self._schedule: RoundSchedule | None = None
@@ -213,14 +221,17 @@ class Learner:
         end = self._stopped_at if self._stopped_at is not None else self.clock.now()
         return measure(counts, end - self._started_at, self.prices)
 
-    def wait_for_learners(self, n: int, timeout: float = WAIT_TIMEOUT) -> frozenset[str]:
+    def wait_for_learners(self, n: int, timeout: float | None = None) -> frozenset[str]:
         """Block until at least `n` learners hold a lease (this one included), listing
         the leases meanwhile as often as it looks for a commit it waits for; returns them.
         Standard DiLoCo, whose rounds wait for every learner, starts all of them this way
         so that none runs ahead alone. An `AwaitingLearners` event reports the wait when
         it begins, whenever the live set changes and every `AWAIT_REPORT_EVERY` seconds;
-        `GradientmailError` after `timeout` seconds, naming who is live."""
+        `GradientmailError` after `timeout` seconds (None: `options.wait_timeout`), naming
+        who is live."""
         self._require_started()
+        if timeout is None:
+            timeout = self.options.wait_timeout
         # The mailman looks for them as for a commit (`poll_delay`): learners that start
         # together leave this wait within milliseconds of each other, not a poll interval
         # apart, and a barrier's first round does not pay for the difference.

@@ -30,6 +30,8 @@ import threading
 import time
 from pathlib import Path
 
+from gradientmail.learner.options import LearnerOptions
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -96,9 +98,17 @@ def main() -> None:
 
     adapter = ToyAdapter(seed=args.worker, bad_delta=args.bad_delta)
     learner = Learner(
-        adapter, alg, mailbox, args.learner_id,
-        poll_interval=args.poll, lease_every=args.lease_every,
-        lease_timeout=args.lease_timeout, on_event=on_event, keep_versions=args.keep,
+        adapter,
+        alg,
+        mailbox,
+        args.learner_id,
+        on_event=on_event,
+        options=LearnerOptions(
+            poll_interval=args.poll,
+            lease_every=args.lease_every,
+            lease_timeout=args.lease_timeout,
+            keep_versions=args.keep,
+        ),
     )
     learner.start()
     deadline = time.monotonic() + 60

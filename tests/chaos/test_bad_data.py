@@ -40,6 +40,7 @@ from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.algorithms.registry import algorithm_from_json
 from gradientmail.errors import CorruptPayload
 from gradientmail.events import ContributionDropped, Event, FragmentAligned, PollFailed
+from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import FaultPlan, FaultyMailbox, LocalMailbox, Mailbox, MemoryMailbox
 from gradientmail.run.protocol import Exchange
@@ -281,9 +282,15 @@ def test_a_corrupted_commit_seen_by_a_learner_is_never_applied(
     seen: dict[str, list[Event]] = {"writer": [], "reader": []}
     adapters = {"writer": ToyAdapter(0), "reader": ToyAdapter(1)}
     writer = Learner(adapters["writer"], alg, LocalMailbox(box), "writer",
-                     on_event=seen["writer"].append, **FAST)
-    reader = Learner(adapters["reader"], alg, ObjectFaults(LocalMailbox(box), plan),
-                     "reader", sync=False, on_event=seen["reader"].append, **FAST)
+                     on_event=seen["writer"].append, options=LearnerOptions(**FAST))
+    reader = Learner(
+        adapters["reader"],
+        alg,
+        ObjectFaults(LocalMailbox(box), plan),
+        "reader",
+        on_event=seen["reader"].append,
+        options=LearnerOptions(**FAST, sync=False),
+    )
     writer.start()
     reader.start()  # no commit yet: the join reads Θ⁰ only
     in_threads(train(writer, adapters["writer"], 0, 80),
@@ -364,7 +371,8 @@ def test_a_corrupted_commit_read_at_join_is_refused_not_applied(tmp_path: Path,
     box = tmp_path / "run"
     alg = DiLoCo(sync_every=4, fragments=2, checkpoint_every=1 if kind == "theta" else 20)
     first = ToyAdapter(0)
-    writer = Learner(first, alg, LocalMailbox(box), "writer", on_event=lambda e: None, **FAST)
+    writer = Learner(first, alg, LocalMailbox(box), "writer", on_event=lambda e: None,
+                     options=LearnerOptions(**FAST))
     writer.start()
     for step in range(12):
         train_step(first, 0, step)
@@ -376,13 +384,15 @@ def test_a_corrupted_commit_read_at_join_is_refused_not_applied(tmp_path: Path,
     late = ToyAdapter(1)
     before = late.digests()
     faulty = FaultyMailbox(LocalMailbox(box), FaultPlan().corrupt(f"{kind}/*", times=1))
-    joiner = Learner(late, alg, faulty, "late", on_event=lambda e: None, **FAST)
+    joiner = Learner(late, alg, faulty, "late", on_event=lambda e: None,
+                     options=LearnerOptions(**FAST))
     with pytest.raises(CorruptPayload, match=rf"payload '{kind}/\d/\d{{10}}-000000.safetensors' "
                                              r"has SHA-256 [0-9a-f]{16}\.\.\., its record says"):
         joiner.start()
     joiner.close()
     assert late.applied == [] and late.digests() == before
-    again = Learner(late, alg, faulty, "late", on_event=lambda e: None, **FAST)
+    again = Learner(late, alg, faulty, "late", on_event=lambda e: None,
+                    options=LearnerOptions(**FAST))
     again.start()
     assert late.digests() == theta_digests(LocalMailbox(box), newest)
     again.close()

@@ -32,6 +32,7 @@ from chaos.harness import (
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.errors import ConditionalWriteUnsupported
 from gradientmail.events import Event, PollFailed, PublishFailed, SnapshotPublished
+from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import S3Mailbox
 
@@ -147,9 +148,19 @@ def test_a_run_on_s3_with_http_faults_completes(s3_run: Callable[..., S3Mailbox]
     for n in names:
         mailbox = s3_run(max_attempts=5)
         mailbox.client.meta.events.register("before-send.s3", edges[n])
-        learners[n] = Learner(adapters[n], alg, mailbox, n, on_event=events[n],
-                              poll_interval=0.02, lease_every=0.5, lease_timeout=3.0,
-                              keep_versions=10**6)
+        learners[n] = Learner(
+            adapters[n],
+            alg,
+            mailbox,
+            n,
+            on_event=events[n],
+            options=LearnerOptions(
+                poll_interval=0.02,
+                lease_every=0.5,
+                lease_timeout=3.0,
+                keep_versions=10**6,
+            ),
+        )
     steps, outage_at = 140, 40
     stall: dict[str, float] = {}
     outage: list[float] = []

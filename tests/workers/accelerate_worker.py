@@ -29,6 +29,7 @@ from accelerate import Accelerator
 
 from gradientmail.algorithms.diloco import DiLoCo as Config
 from gradientmail.algorithms.diloco import WeightedMean
+from gradientmail.learner.options import LearnerOptions
 from gradientmail_accelerate import DiLoCo, DiLoCoPlugin
 
 
@@ -88,9 +89,7 @@ def main() -> None:
         args.mailbox,
         alg,
         learner_id=args.learner_id,
-        poll_interval=0.02,
-        lease_every=1.0,
-        lease_timeout=5.0,
+        options=LearnerOptions(poll_interval=0.02, lease_every=1.0, lease_timeout=5.0),
     )
     # Every rank starts from a different model: start() must give them rank 0's.
     model = make_model(seed=accelerator.process_index + 7 * args.seed)

@@ -18,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 
+from gradientmail.learner.options import LearnerOptions
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
@@ -88,10 +90,8 @@ def main() -> None:
         alg,
         args.mailbox,
         args.learner_id,
-        poll_interval=0.01,
-        lease_every=2.0,
-        lease_timeout=6.0,
         on_event=on_event,
+        options=LearnerOptions(poll_interval=0.01, lease_every=2.0, lease_timeout=6.0),
     )
     learner.start()
     if args.wait_for:

@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gradientmail.learner.options import LearnerOptions
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -111,9 +113,13 @@ def main() -> None:
                  merge=WeightedMean(), quorum_size=1, checkpoint_every=args.checkpoint_every)
     parted = PartedRanks.create(model, args.mailbox, timeout=300.0)
     sync = RankSync(TorchRanks("cpu"), model, parted=parted)
-    sync.start(lambda: Learner(parted.learner_adapter(), alg, args.mailbox, "sharded",
-                               sync=False, poll_interval=0.01, lease_every=2.0,
-                               lease_timeout=30.0))
+    sync.start(lambda: Learner(
+        parted.learner_adapter(),
+        alg,
+        args.mailbox,
+        "sharded",
+        options=LearnerOptions(sync=False, poll_interval=0.01, lease_every=2.0, lease_timeout=30.0),
+    ))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     ids = torch.arange(16).reshape(1, 16) % 257
     for _ in range(args.rounds * args.sync_every):

@@ -20,6 +20,8 @@ import json
 import sys
 from pathlib import Path
 
+from gradientmail.learner.options import LearnerOptions
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
@@ -68,9 +70,19 @@ def main() -> None:
     parted = PartedRanks.create(model, args.mailbox, timeout=300.0,
                                 compression=args.compression)
     sync = RankSync(TorchRanks("cpu"), model, parted=parted)
-    sync.start(lambda: Learner(parted.learner_adapter(), alg, args.mailbox, args.learner_id,
-                               poll_interval=0.01, lease_every=2.0, lease_timeout=30.0,
-                               on_event=on_event, compression=args.compression))
+    sync.start(lambda: Learner(
+        parted.learner_adapter(),
+        alg,
+        args.mailbox,
+        args.learner_id,
+        on_event=on_event,
+        options=LearnerOptions(
+            poll_interval=0.01,
+            lease_every=2.0,
+            lease_timeout=30.0,
+            compression=args.compression,
+        ),
+    ))
     sync.wait_for_learners(args.learners, timeout=240)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     for step in range(args.steps):
