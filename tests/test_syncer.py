@@ -921,6 +921,35 @@ def test_a_contribution_that_completes_its_set_is_merged_from_memory_never_uploa
     run(main())
 
 
+def test_a_declined_offer_does_not_count_while_its_upload_is_on_the_way(
+        mailbox: Mailbox) -> None:
+    """Standard DiLoCo, a quorum of both. b's offer would complete the set, but another
+    closer's claim is current, so the offer is declined and b uploads (at 20 Mbit/s that
+    takes seconds). Once that claim is superseded, b's closer must not close the round
+    on the memory of its offer with a's contribution alone: it waits for its upload."""
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=2))
+        await r.create()
+        await r.contribute(0, "a")
+        assert await r.ex.claim_round(0, 0, "ghost")
+        s = r.syncer("b", embedded=True, sweep=False)
+        live = frozenset({"a", "b"})
+        taken = s.offer(_draft(r, 0, "b"), delta(0, "b", r.plan[0]))
+        assert not await s.poll(live=live)
+        assert taken.result() is False  # declined: b uploads
+        for _ in range(40):  # well past the ghost's takeover timeout
+            fake(r).advance(1.0)
+            assert not await s.poll(live=live), "closed without b's own contribution"
+        assert await r.ex.read_round(0) is None
+        await r.contribute(0, "b")  # the upload lands
+        s.note_contribution(0, "b")
+        assert await s.poll(live=live)
+        rec = await r.ex.read_round(0)
+        assert rec is not None and [p.learner for p in rec.participants] == ["a", "b"]
+
+    run(main())
+
+
 def test_an_offer_the_round_cannot_close_on_is_declined_for_upload(mailbox: Mailbox) -> None:
     async def main() -> None:
         r = Run(mailbox, algorithm(fragments=1, quorum_size=2))

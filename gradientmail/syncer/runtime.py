@@ -87,6 +87,9 @@ class _Open:
     refreshed: bool = False  # the leases were listed again before an early close
     idle: int = 0  # listings in a row that found no new contribution
     preferred: bool = False  # this closer was the round's preferred one at the last poll
+    # Its own contribution is seen only as an offer (in memory, not uploaded): a sighting
+    # forgotten when the offer is declined (`Syncer.poll`).
+    offered: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +250,19 @@ class Syncer:
         finally:
             for o in offers.values():
                 o.decline()
+                if o.taken.result() is False:
+                    self._forget_offer(o.draft.round)
+
+    def _forget_offer(self, round_: int) -> None:
+        """A declined offer is no contribution: its learner uploads it now, and until that
+        upload is in (`note_contribution`, a listing) the round must not count it. Kept,
+        the sighting let this closer claim the round at a later poll (its window over)
+        and commit it without its own delta, still on its way up: 5 of 20 standard
+        rounds at 20 Mbit/s went out with one learner of two."""
+        o = self._open
+        if o.round == round_ and o.offered:
+            o.first_seen.pop(self.closer_id, None)
+            o.offered = False
 
     async def _poll(
         self,
@@ -292,6 +308,7 @@ class Syncer:
             o.first_seen, o.idle, self._next_watch = (dict(seen.first_seen), seen.idle,
                                                       seen.next_listing)
             offer = offer if seen.keeps_offer else None
+            o.offered = seen.keeps_offer
         o.preferred = preferred
         for learner, t in self._noted.pop(r, {}).items():
             o.first_seen[learner] = min(o.first_seen.get(learner, t), t)
