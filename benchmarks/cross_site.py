@@ -243,8 +243,8 @@ class Links:
         """Namespaces and links of this run still present (none after `close()`)."""
         ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-        return sorted({w for w in re.findall(r"[\w-]+", ns + links)
-                       if w.startswith(self.tag)})
+        mine = re.compile(rf"{self.tag}(?:-ns|r|n)\d+")
+        return sorted(set(mine.findall(ns + links)))
 
 
 # -- workers (one process per learner, in its namespace) ----------------------------------
@@ -763,6 +763,9 @@ def run_system(run: Run) -> dict[str, Any]:
                 row["fragment_bytes"] = max(fragment_bytes)
             if config == "standard":
                 row["breakdown"] = barrier_breakdown(events)
+            recorded = {e["round"]: e["participants"] for evs in events.values() for e in evs
+                        if e["event"] == "RoundRecorded"}
+            row["short_rounds"] = sorted(r for r, who in recorded.items() if len(who) < m)
         else:
             synced = sum(1 for n in results[0]["participants"] if n >= 2)
             # A ring allreduce of the fp32 model per sync, each way.
@@ -809,10 +812,21 @@ def table(rows: list[dict[str, Any]], target: float) -> str:
     return "\n".join(lines)
 
 
+def _estimate(row: dict[str, Any], rows: list[dict[str, Any]], target: float) -> float | None:
+    """A capped row's time to the target where it stopped short of it: the step at which
+    the same system reached the target on another link × this row's seconds per step."""
+    if row["steps"] >= row["settings_steps"] or not row["curve"]:
+        return None
+    steps = [next((st for _, st, loss in r["curve"] if loss <= target), None) for r in rows
+             if r["system"] == row["system"] and r is not row and "error" not in r]
+    step = min((x for x in steps if x is not None), default=None)
+    t_last, s_last, _ = row["curve"][-1]
+    return None if step is None else step * t_last / s_last
+
+
 def reading(rows: list[dict[str, Any]], target: float) -> list[str]:
     out = []
-    links = sorted({r["link"] for r in rows}, key=lambda x: [r["link"] for r in rows].index(x))
-    for link in links:
+    for link in dict.fromkeys(r["link"] for r in rows):
         ok = [r for r in rows if r["link"] == link and "error" not in r]
         times = {r["system"]: time_to(r["curve"], target) for r in ok}
         reached = {k: v for k, v in times.items() if v is not None}
@@ -821,9 +835,23 @@ def reading(rows: list[dict[str, Any]], target: float) -> list[str]:
         best = min(reached, key=lambda k: reached[k])
         parts = [f"{k} {v:.0f} s ({v / reached[best]:.2f}x)" for k, v in
                  sorted(reached.items(), key=lambda kv: kv[1])]
-        missed = [k for k in times if times[k] is None]
+        missed = []
+        for r in ok:
+            if times[r["system"]] is None:
+                est = _estimate(r, rows, target)
+                t_last, s_last, loss = r["curve"][-1] if r["curve"] else (0, 0, math.nan)
+                missed.append(f"{r['system']} (stopped at step {s_last} after {t_last:.0f} s, "
+                              f"loss {loss:.4f}" + (
+                                  f"; at its pace it would reach the target at ~{est:.0f} s, "
+                                  f"{est / reached[best]:.2f}x" if est else "") + ")")
         out.append(f"{link}: time to {target:.4f}: " + ", ".join(parts)
                    + (f"; not reached: {', '.join(missed)}" if missed else ""))
+    for r in rows:
+        if r.get("short_rounds") and not r["system"].startswith("decoupled"):
+            out.append(f"{r['system']} @ {r['link']}: {len(r['short_rounds'])} of "
+                       f"{r['records']} rounds were committed with fewer than all "
+                       f"{len(r['link_bytes'])} learners (rounds "
+                       f"{', '.join(map(str, r['short_rounds']))})")
     return out
 
 
@@ -880,6 +908,8 @@ def _on_signal(signum: int, _frame: Any) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--from-json", default=None,
+                    help="re-render the table, reading and plot of a saved --json run")
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
                       help="M=2, the one-layer smoke model, 60 steps (no append)")
@@ -910,6 +940,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.worker:
         worker(args.worker)
+        return
+    if args.from_json:
+        report(json.loads(Path(args.from_json).read_text()), args.target,
+               Path(args.plot) if args.plot else None, args.results or "", None)
         return
     preset = "smoke" if args.smoke else "quick" if args.quick else "full"
     s = PRESETS[preset]
@@ -982,41 +1016,62 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         links.close()
         leftovers = links.leftovers()
-    ok = [r for r in rows if "error" not in r and r["curve"]]
-    target = args.target if args.target is not None else (
-        max(min(c[2] for c in r["curve"]) for r in ok) if ok else math.nan)
-    stem = "cross_site" + ("" if preset == "full" else f"-{preset}") + f"-m{s.learners}"
-    png = Path(args.plot) if args.plot else HERE / f"{stem}.png"
-    have_plot = plot(rows, png, target) if ok else False
-    versions = f"torch {torch.__version__}, torchft {vt._version('torchft')}"
-    command = sys.argv[1:] if argv is None else argv
+    data = {"settings": dataclasses.asdict(s), "preset": preset, "vocab": vocab,
+            "params": n_params, "poll": args.poll, "seconds": time.perf_counter() - t_all,
+            "command": sys.argv[1:] if argv is None else argv, "date": str(datetime.date.today()),
+            "versions": f"torch {torch.__version__}, torchft {vt._version('torchft')}",
+            "notes": notes, "tag": links.tag, "leftovers": leftovers, "rows": rows}
+    report(data, args.target, Path(args.plot) if args.plot else None, results, args.json)
+    if leftovers:
+        print(f"cross_site: could not remove {leftovers}", flush=True)
+
+
+def default_target(rows: list[dict[str, Any]]) -> float:
+    """The worst of the systems' best held-out losses (a loss every system reaches), over
+    the rows that trained their whole budget (a capped DDP is left out)."""
+    full = [r for r in rows if "error" not in r and r["curve"]
+            and r["steps"] >= r["settings_steps"]]
+    return max((min(c[2] for c in r["curve"]) for r in full), default=math.nan)
+
+
+def report(data: dict[str, Any], target: float | None, png: Path | None, results: str,
+           json_path: str | None) -> None:
+    """Print the table and reading of a run (`data`: what `main` measured, or its saved
+    JSON), write the plot, the JSON and append to `results` ('' for none)."""
+    rows, s = data["rows"], conv.Settings(**data["settings"])
+    if target is None:
+        target = default_target(rows)
+    stem = ("cross_site" + ("" if data["preset"] == "full" else f"-{data['preset']}")
+            + f"-m{s.learners}")
+    png = png or HERE / f"{stem}.png"
+    have_plot = plot(rows, png, target) if any(r.get("curve") for r in rows) else False
     header = (
-        f"\n### cross-site rehearsal, M = {s.learners} — {datetime.date.today()}\n\n"
+        f"\n### cross-site rehearsal, M = {s.learners} — {data['date']}\n\n"
         f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared with other jobs), "
-        f"one torch thread per learner; {versions}. GPT-2 {s.n_layer}×{s.n_embd} "
-        f"({n_params:,} parameters, vocabulary {vocab}), batch {s.batch}×{s.block}, AdamW "
-        f"lr {s.lr}, H = {s.sync_every}, S = {s.steps} steps per learner, outer Nesterov "
-        f"0.7 / 0.9; each learner in its own network namespace behind a veth shaped with "
-        f"tbf both ways, moto's S3 server in the root namespace; gradientmail poll "
-        f"{args.poll:g} s. Barrier: Σ (step call − AdamW) / rounds (DDP: its allreduce per "
-        f"H steps); floor: one fragment up and one down at the link's rate; MB through each "
-        f"link: the veth's counters (everything on the wire). Preset `{preset}`, "
-        f"{time.perf_counter() - t_all:.0f} s in all.\n"
-        f"Command: `{' '.join(['python', 'benchmarks/cross_site.py', *command])}`\n\n")
-    lines = reading(rows, target) + _breakdown_lines(rows) + notes
+        f"one torch thread per learner; {data['versions']}. GPT-2 {s.n_layer}×{s.n_embd} "
+        f"({data['params']:,} parameters, vocabulary {data['vocab']}), batch "
+        f"{s.batch}×{s.block}, AdamW lr {s.lr}, H = {s.sync_every}, S = {s.steps} steps per "
+        f"learner, outer Nesterov 0.7 / 0.9; each learner in its own network namespace "
+        f"behind a veth shaped with tbf both ways, moto's S3 server in the root namespace; "
+        f"gradientmail poll {data['poll']:g} s. Time to target: the first saved model (every "
+        f"H steps) at or below it, seconds from launch (process start and joining "
+        f"included). Barrier: Σ (step call − AdamW) / rounds (DDP: its allreduce per H "
+        f"steps); floor: one fragment up and one down at the slowest link's rate; MB "
+        f"through each link: the veth's counters (everything on the wire). Preset "
+        f"`{data['preset']}`, {data['seconds']:.0f} s in all.\n"
+        f"Command: `{' '.join(['python', 'benchmarks/cross_site.py', *data['command']])}`"
+        f"\n\n")
+    lines = reading(rows, target) + _breakdown_lines(rows) + data.get("notes", [])
     text = header + table(rows, target) + "\n\n" + "\n".join(f"- {x}" for x in lines)
     if have_plot:
         text += f"\n\n![held-out loss against wall-clock]({conv.image_link(png, conv.RESULTS)})"
     print(text, flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"target": target, "leftovers": leftovers, "params": n_params, "rows": rows},
-            default=str, indent=1))
+    if json_path:
+        Path(json_path).write_text(json.dumps(dict(data, target=target), default=str,
+                                              indent=1))
     if results:
         with Path(results).open("a") as f:
             f.write(text + "\n")
-    if leftovers:
-        print(f"cross_site: could not remove {leftovers}", flush=True)
 
 
 if __name__ == "__main__":
