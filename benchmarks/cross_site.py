@@ -608,6 +608,24 @@ def _events(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def closer_events(path: Path) -> list[dict[str, Any]]:
+    """RoundClaimed / RoundClosed of a standalone closer, from its logged lines (`gradientmail
+    sync` logs events with the logging module's local-time stamps)."""
+    out: list[dict[str, Any]] = []
+    pattern = re.compile(r"^(\S+ \S+) gradientmail INFO (RoundClaimed|RoundClosed)\((.*)\)$")
+    for line in path.read_text().splitlines() if path.exists() else []:
+        m = pattern.match(line)
+        if not m:
+            continue
+        t = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        e: dict[str, Any] = {"t": t, "event": m.group(2)}
+        for key, value in re.findall(r"(\w+)=('[^']*'|[-\d.e]+)", m.group(3)):
+            e[key] = value.strip("'") if value.startswith("'") else float(value)
+        e["round"] = int(e["round"])
+        out.append(e)
+    return out
+
+
 def barrier_breakdown(events: dict[int, list[dict[str, Any]]]) -> dict[str, float] | None:
     """Where a barrier round's time went, from the learners' events (standard DiLoCo,
     P = 1): medians over the rounds of (a) the last non-held delta's upload
@@ -762,6 +780,8 @@ def run_system(run: Run) -> dict[str, Any]:
             if fragment_bytes:
                 row["fragment_bytes"] = max(fragment_bytes)
             if config == "standard":
+                if system == "standard-closer":
+                    events[-1] = closer_events(run.workdir / f"{name}-closer.out")
                 row["breakdown"] = barrier_breakdown(events)
             recorded = {e["round"]: e["participants"] for evs in events.values() for e in evs
                         if e["event"] == "RoundRecorded"}
