@@ -1016,7 +1016,12 @@ def main(argv: list[str] | None = None) -> None:
           f"parameters; M = {s.learners}; workdir {workdir}", flush=True)
     links = Links(s.learners)
     rows: list[dict[str, Any]] = []
-    leftovers: list[str] = []
+    data: dict[str, Any] = {
+        "settings": dataclasses.asdict(s), "preset": preset, "vocab": vocab,
+        "params": n_params, "poll": args.poll, "seconds": 0.0,
+        "command": sys.argv[1:] if argv is None else argv, "date": str(datetime.date.today()),
+        "versions": f"torch {torch.__version__}, torchft {vt._version('torchft')}",
+        "notes": notes, "tag": links.tag, "leftovers": [], "rows": rows}
     try:
         links.open()
         with _s3_server() as port:
@@ -1028,6 +1033,9 @@ def main(argv: list[str] | None = None) -> None:
                                          args.timeout))
                     row["settings_steps"] = s.steps
                     rows.append(row)
+                    data["seconds"] = time.perf_counter() - t_all
+                    if args.json:  # what is measured survives a run cut short
+                        Path(args.json).write_text(json.dumps(data, default=str))
                     if "error" not in row:
                         print(f"{system} @ {link}: wall {row['wall']:.0f} s, loss "
                               f"{row['loss']:.4f}, barrier {row['barrier']:.2f} s per round, "
@@ -1035,12 +1043,8 @@ def main(argv: list[str] | None = None) -> None:
                               flush=True)
     finally:
         links.close()
-        leftovers = links.leftovers()
-    data = {"settings": dataclasses.asdict(s), "preset": preset, "vocab": vocab,
-            "params": n_params, "poll": args.poll, "seconds": time.perf_counter() - t_all,
-            "command": sys.argv[1:] if argv is None else argv, "date": str(datetime.date.today()),
-            "versions": f"torch {torch.__version__}, torchft {vt._version('torchft')}",
-            "notes": notes, "tag": links.tag, "leftovers": leftovers, "rows": rows}
+        data["leftovers"] = leftovers = links.leftovers()
+    data["seconds"] = time.perf_counter() - t_all
     report(data, args.target, Path(args.plot) if args.plot else None, results, args.json)
     if leftovers:
         print(f"cross_site: could not remove {leftovers}", flush=True)
