@@ -28,8 +28,8 @@ standard library, batch 16×128, AdamW 1e-3, H = 20, S = 400 steps, outer Nester
 - `torchft`: torchft 0.2.0 `local_sgd.DiLoCo`, lighthouse in the root namespace, a replica
   group per namespace whose Manager and TCPStore advertise the namespace's address;
 - `standard`: `DiLoCo.standard(H, M)`, embedded closers;
-- `standard-closer`: the same with `sync=False` learners and `gradientmail sync` in the
-  root namespace, next to the bucket (unshaped);
+- `standard-closer`: the same with `gradientmail sync` in the root namespace, next to the
+  bucket (unshaped); the learners' own closers stand by as its backups (the default);
 - `decoupled`: `DiLoCo(sync_every=H, fragments=2)`, the library's defaults;
 - `decoupled-f4`: the same with F4 deltas, F4 commits and zstd.
 
@@ -436,6 +436,7 @@ def _gradientmail_worker(spec: dict[str, Any], s: conv.Settings, model: Any, opt
 
     from gradientmail.adapters import TorchAdapter
     from gradientmail.events import Event, RoundRecorded
+    from gradientmail.learner.options import LearnerOptions
     from gradientmail.learner.runtime import Learner
     from gradientmail.mailbox import S3Mailbox
     from gradientmail.mailbox.wrappers import CountingMailbox
@@ -455,10 +456,12 @@ def _gradientmail_worker(spec: dict[str, Any], s: conv.Settings, model: Any, opt
         events.flush()
 
     box = CountingMailbox(S3Mailbox(BUCKET, prefix=spec["name"], endpoint_url=spec["endpoint"]))
+    # The learners keep their embedded closers (the library's default) in every system:
+    # beside a live standalone closer they stand by as its backups.
+    options = LearnerOptions(poll_interval=spec["poll"],
+                             compression="zstd" if system.endswith("-f4") else "off")
     learner = Learner(TorchAdapter(model), _algorithm(system, s), box, f"learner-{rank}",
-                      sync=system != "standard-closer", poll_interval=spec["poll"],
-                      on_event=on_event,
-                      compression="zstd" if system.endswith("-f4") else "off")
+                      on_event=on_event, options=options)
     learner.start()
     learner.wait_for_learners(s.learners, timeout=600)
     box.reset()  # joining (Θ⁰ up for the creator, down for the other) is not counted
