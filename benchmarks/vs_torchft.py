@@ -21,6 +21,7 @@ Arms (`--arms`, default all):
   moto's S3 server in this process; `decoupled` = `DiLoCo(sync_every=20, fragments=2)`
   (quorum 1, RDA, τ = 2, never waits); `standard-p2` = `DiLoCo.standard(20, 2,
   fragments=2)` (Streaming DiLoCo behind a barrier: a fragment synced every H/2 steps);
+  `decoupled-mean` = the decoupled defaults with `merge=WeightedMean()`;
   `f4` = standard with F4 deltas and F4 commit updates, payloads compressed with zstd;
 - torchft: `torchft` = `torchft.local_sgd.DiLoCo` over one fragment (the whole model),
   sync_every 20, the same outer SGD; a `Manager` per learner (a replica group of one
@@ -112,7 +113,7 @@ PEERS_HINT = "pip install 'gradientmail[peers]'"
 class Arm:
     name: str
     system: str  # "gradientmail" or "torchft"
-    config: str  # "standard", "standard-p2", "decoupled" or "f4"
+    config: str  # "standard", "standard-p2", "decoupled", "decoupled-mean" or "f4"
     store: str  # "local directory", "S3 (moto)" or "gloo allreduce"
     kill: bool = False
 
@@ -123,6 +124,7 @@ ARMS: tuple[Arm, ...] = (
     Arm("standard-s3", "gradientmail", "standard", "S3 (moto)"),
     Arm("decoupled", "gradientmail", "decoupled", "local directory"),
     Arm("standard-p2", "gradientmail", "standard-p2", "local directory"),
+    Arm("decoupled-mean", "gradientmail", "decoupled-mean", "local directory"),
     Arm("f4", "gradientmail", "f4", "local directory"),
     Arm("torchft-kill", "torchft", "standard", "gloo allreduce", kill=True),
     Arm("standard-kill", "gradientmail", "standard", "local directory", kill=True),
@@ -133,6 +135,7 @@ LABELS = {
     ("gradientmail", "standard"): "standard DiLoCo (`DiLoCo.standard(H, 2)`)",
     ("gradientmail", "decoupled"): "decoupled defaults (P=2, quorum 1, RDA)",
     ("gradientmail", "standard-p2"): "standard DiLoCo over P=2 fragments (streaming, barrier)",
+    ("gradientmail", "decoupled-mean"): "decoupled defaults, merge=WeightedMean()",
     ("gradientmail", "f4"): "standard DiLoCo, F4 deltas + F4 commits, zstd",
 }
 
@@ -193,7 +196,7 @@ class _StepLog:
 
 
 def _algorithm(config: str, s: conv.Settings) -> Any:
-    from gradientmail.algorithms.diloco import DiLoCo
+    from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
 
     if config == "standard":
         return DiLoCo.standard(s.sync_every, s.learners)
@@ -201,6 +204,8 @@ def _algorithm(config: str, s: conv.Settings) -> Any:
         return DiLoCo.standard(s.sync_every, s.learners, delta_dtype="F4", commit_dtype="F4")
     if config == "decoupled":
         return DiLoCo(sync_every=s.sync_every, fragments=s.fragments)
+    if config == "decoupled-mean":
+        return DiLoCo(sync_every=s.sync_every, fragments=s.fragments, merge=WeightedMean())
     if config == "standard-p2":
         return DiLoCo.standard(s.sync_every, s.learners, fragments=s.fragments)
     raise ValueError(f"no gradientmail configuration {config!r}")
@@ -484,7 +489,7 @@ def summarize(arm: Arm, s: conv.Settings, jobs: list[Job], wall: float,
         window_overheads += windows[1:]
         row: dict[str, Any] = {"overhead": sum(windows) / rounds}
         if arm.system == "gradientmail":
-            fragmented = arm.config in ("decoupled", "standard-p2")
+            fragmented = arm.config in ("decoupled", "decoupled-mean", "standard-p2")
             committed = len(closers) / (s.fragments if fragmented else 1)
             row["up"] = result["bytes_up"] / committed
             row["down"] = result["bytes_down"] / committed
@@ -605,7 +610,7 @@ def reading(rows: list[dict[str, Any]]) -> list[str]:
                        f"{'met' if worst <= 1.0 else 'NOT met'})")
         out.append(f"held-out loss, standard DiLoCo / torchft: "
                    f"{std['loss'] / tft['loss']:.3f}x ({std['loss']:.4f} vs {tft['loss']:.4f})")
-    for name in ("standard-s3", "decoupled", "standard-p2", "f4"):
+    for name in ("standard-s3", "decoupled", "decoupled-mean", "standard-p2", "f4"):
         r = by.get(name)
         if r is not None:
             mean = statistics.fmean(total(r, k) for k in r["learners"]) / tft_bytes
