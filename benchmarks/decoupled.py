@@ -29,7 +29,8 @@ wall-clock second at which the committed model reaches the standard arm's final 
 A commit is timed by the first `RoundRecorded` event of any worker (one machine, one
 clock).
 `GM_DECOUPLED_OVERRIDES='{"quorum_size": 2}'` (JSON) changes fields of the decoupled arm
-from the defaults, to try other settings.
+from the defaults, to try other settings (`merge` and `partition` as their JSON records,
+e.g. `{"merge": {"type": "weighted_mean"}}`).
 Prints a markdown table, appends it to RESULTS.md and plots loss against tokens and time.
 """
 
@@ -88,7 +89,15 @@ def algorithm(case: Case) -> Any:
     s = case.settings
     if case.arm == "standard":
         return DiLoCo.standard(s.sync_every, s.learners)
+    from gradientmail.algorithms.merge import merge_from_json
+    from gradientmail.algorithms.partition import partition_from_json
+
     extra = json.loads(os.environ.get("GM_DECOUPLED_OVERRIDES", "{}"))
+    # merge and partition as their JSON records: {"merge": {"type": "weighted_mean"}}
+    if "merge" in extra:
+        extra["merge"] = merge_from_json(extra["merge"])
+    if "partition" in extra:
+        extra["partition"] = partition_from_json(extra["partition"])
     return DiLoCo(sync_every=s.sync_every, fragments=s.fragments, **extra)
 
 

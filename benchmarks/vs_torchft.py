@@ -19,8 +19,10 @@ Arms (`--arms`, default all):
   `--poll` to change) and their embedded closers, started with `wait_for_learners(2)`:
   `standard` = `DiLoCo.standard(20, 2)` on a local directory; `standard-s3` the same on
   moto's S3 server in this process; `decoupled` = `DiLoCo(sync_every=20, fragments=2)`
-  (quorum 1, RDA, τ = 2, never waits); `f4` = standard with F4 deltas and F4 commit updates,
-  payloads compressed with zstd;
+  (quorum 1, RDA, τ = 2, never waits); `standard-p2` = `DiLoCo.standard(20, 2,
+  fragments=2)` (Streaming DiLoCo behind a barrier: a fragment synced every H/2 steps);
+  `decoupled-mean` = the decoupled defaults with `merge=WeightedMean()`;
+  `f4` = standard with F4 deltas and F4 commit updates, payloads compressed with zstd;
 - torchft: `torchft` = `torchft.local_sgd.DiLoCo` over one fragment (the whole model),
   sync_every 20, the same outer SGD; a `Manager` per learner (a replica group of one
   process, its own TCPStore) with `ProcessGroupGloo(timeout=10 s)`, `use_async_quorum=False`,
@@ -113,7 +115,7 @@ PEERS_HINT = "pip install 'gradientmail[peers]'"
 class Arm:
     name: str
     system: str  # "gradientmail" or "torchft"
-    config: str  # "standard", "decoupled" or "f4"
+    config: str  # "standard", "standard-p2", "decoupled", "decoupled-mean" or "f4"
     store: str  # "local directory", "S3 (moto)" or "gloo allreduce"
     kill: bool = False
 
@@ -123,6 +125,8 @@ ARMS: tuple[Arm, ...] = (
     Arm("standard", "gradientmail", "standard", "local directory"),
     Arm("standard-s3", "gradientmail", "standard", "S3 (moto)"),
     Arm("decoupled", "gradientmail", "decoupled", "local directory"),
+    Arm("standard-p2", "gradientmail", "standard-p2", "local directory"),
+    Arm("decoupled-mean", "gradientmail", "decoupled-mean", "local directory"),
     Arm("f4", "gradientmail", "f4", "local directory"),
     Arm("torchft-kill", "torchft", "standard", "gloo allreduce", kill=True),
     Arm("standard-kill", "gradientmail", "standard", "local directory", kill=True),
@@ -132,6 +136,8 @@ LABELS = {
     ("torchft", "standard"): "DiLoCo (1 fragment, Manager + gloo)",
     ("gradientmail", "standard"): "standard DiLoCo (`DiLoCo.standard(H, 2)`)",
     ("gradientmail", "decoupled"): "decoupled defaults (P=2, quorum 1, RDA)",
+    ("gradientmail", "standard-p2"): "standard DiLoCo over P=2 fragments (streaming, barrier)",
+    ("gradientmail", "decoupled-mean"): "decoupled defaults, merge=WeightedMean()",
     ("gradientmail", "f4"): "standard DiLoCo, F4 deltas + F4 commits, zstd",
 }
 
@@ -192,7 +198,7 @@ class _StepLog:
 
 
 def _algorithm(config: str, s: conv.Settings) -> Any:
-    from gradientmail.algorithms.diloco import DiLoCo
+    from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
 
     if config == "standard":
         return DiLoCo.standard(s.sync_every, s.learners)
@@ -200,6 +206,10 @@ def _algorithm(config: str, s: conv.Settings) -> Any:
         return DiLoCo.standard(s.sync_every, s.learners, delta_dtype="F4", commit_dtype="F4")
     if config == "decoupled":
         return DiLoCo(sync_every=s.sync_every, fragments=s.fragments)
+    if config == "decoupled-mean":
+        return DiLoCo(sync_every=s.sync_every, fragments=s.fragments, merge=WeightedMean())
+    if config == "standard-p2":
+        return DiLoCo.standard(s.sync_every, s.learners, fragments=s.fragments)
     raise ValueError(f"no gradientmail configuration {config!r}")
 
 
@@ -489,10 +499,11 @@ def summarize(arm: Arm, s: conv.Settings, jobs: list[Job], wall: float,
         window_overheads += windows[1:]
         row: dict[str, Any] = {"overhead": sum(windows) / rounds}
         if arm.system == "gradientmail":
-            committed = len(closers) / (s.fragments if arm.config == "decoupled" else 1)
+            fragmented = arm.config in ("decoupled", "decoupled-mean", "standard-p2")
+            committed = len(closers) / (s.fragments if fragmented else 1)
             row["up"] = result["bytes_up"] / committed
             row["down"] = result["bytes_down"] / committed
-            if arm.config != "decoupled" and len(closers) >= rounds:
+            if not fragmented and len(closers) >= rounds:
                 me = f"learner-{j.rank}"
                 closed = [k for k in range(1, rounds + 1) if closers[k - 1] == me]
                 other = [k for k in range(1, rounds + 1) if closers[k - 1] != me]
@@ -609,7 +620,7 @@ def reading(rows: list[dict[str, Any]]) -> list[str]:
                        f"{'met' if worst <= 1.0 else 'NOT met'})")
         out.append(f"held-out loss, standard DiLoCo / torchft: "
                    f"{std['loss'] / tft['loss']:.3f}x ({std['loss']:.4f} vs {tft['loss']:.4f})")
-    for name in ("standard-s3", "decoupled", "f4"):
+    for name in ("standard-s3", "decoupled", "decoupled-mean", "standard-p2", "f4"):
         r = by.get(name)
         if r is not None:
             mean = statistics.fmean(total(r, k) for k in r["learners"]) / tft_bytes
@@ -661,12 +672,16 @@ def main(argv: list[str] | None = None) -> None:
                     help="gradientmail's poll interval in seconds (default: the library's 1.0)")
     ap.add_argument("--heartbeat-ms", type=int, default=5000,
                     help="torchft lighthouse heartbeat timeout (default: its 5000)")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="seed of the initial weights and the batches (default: the preset's 0)")
     ap.add_argument("--results", default=str(RESULTS), help="markdown file to append to")
     args = ap.parse_args(argv)
     preset = "smoke" if args.smoke else "quick" if args.quick else "full"
     s = PRESETS[preset]
     if args.steps is not None:
         s = dataclasses.replace(s, steps=args.steps)
+    if args.seed is not None:
+        s = dataclasses.replace(s, seed=args.seed)
     names = args.arms.split(",")
     unknown = set(names) - {a.name for a in ARMS}
     if unknown:
