@@ -13,7 +13,8 @@ training blocks, batch 16×128, AdamW lr 1e-3 wd 0.1, clip 1.0, H = 20, S = 400 
 (`--quick` 120, `--smoke` a tiny model for 24), outer Nesterov SGD lr 0.7 momentum 0.9;
 every learner starts from the same seeded weights and waits for the other before step 1.
 
-Arms (`--arms`, default all):
+Arms (`--arms`, default all but `standard-p2` and `decoupled-mean`, which measure what
+fragments and the merge cost at two learners):
 
 - gradientmail, learners with the library's defaults (poll 1 s, leases 60 s / 120 s,
   `--poll` to change) and their embedded closers, started with `wait_for_learners(2)`:
@@ -95,7 +96,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import convergence as conv  # benchmarks/ is not a package
 
-__all__ = ["ARMS", "PRESETS", "Arm", "Job", "main", "run_arm", "summarize", "table"]
+__all__ = ["ARMS", "OPT_IN_ARMS", "PRESETS", "Arm", "Job", "main", "run_arm", "summarize", "table"]
 
 RESULTS = conv.RESULTS
 BASE = conv.Settings(learners=2, steps=400, batch=16, block=128, sync_every=20, fragments=2,
@@ -120,6 +121,8 @@ class Arm:
     kill: bool = False
 
 
+#: Arms run only when named: what fragments and the merge cost at two learners.
+OPT_IN_ARMS = frozenset({"standard-p2", "decoupled-mean"})
 ARMS: tuple[Arm, ...] = (
     Arm("torchft", "torchft", "standard", "gloo allreduce"),
     Arm("standard", "gradientmail", "standard", "local directory"),
@@ -664,7 +667,8 @@ def main(argv: list[str] | None = None) -> None:
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="S=120 (minutes)")
     size.add_argument("--smoke", action="store_true", help="tiny sizes (seconds; no append)")
-    ap.add_argument("--arms", default=",".join(a.name for a in ARMS))
+    ap.add_argument("--arms", default=",".join(a.name for a in ARMS
+                                               if a.name not in OPT_IN_ARMS))
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per learner")
     ap.add_argument("--kill-at", type=int, default=None,
                     help="the victim's step to SIGKILL it at (default S/2 + H/2, mid-round)")
