@@ -797,7 +797,9 @@ def run_system(run: Run) -> dict[str, Any]:
     slowest = min((x for x in run.rates if x is not None), default=None)
     if slowest is not None:
         row["floor"] = row["fragment_bytes"] * 8 / slowest * 2
-    row["ring_bytes"] = 2 * (m - 1) / m * row["fragment_bytes"] * 2
+    # Per H steps every fragment syncs once: P of them for Decoupled.
+    per_round = s.fragments if system.startswith("decoupled") else 1
+    row["ring_bytes"] = 2 * (m - 1) / m * row["fragment_bytes"] * 2 * per_round
     return row
 
 
