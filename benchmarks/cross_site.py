@@ -349,22 +349,12 @@ def _torchft_worker(spec: dict[str, Any], s: conv.Settings, model: Any, opt: Any
                     batches: Iterator[Any]) -> None:
     from datetime import timedelta
 
-    import torch
     from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not re-exported
     from torchft import Manager, ProcessGroupGloo
-    from torchft.local_sgd import DiLoCo
 
     os.environ["GLOO_SOCKET_IFNAME"] = spec["ifname"]
     addr, rank = spec["addr"], int(spec["rank"])
-    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-
-    def state_dict() -> dict[str, Any]:
-        return {"model": model.state_dict(), "inner": opt.state_dict()}
-
-    def load_state_dict(state: dict[str, Any]) -> None:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["inner"])
-
+    state_dict, load_state_dict = vt.torchft_state(model, opt)
     # The replica group's store and manager advertise the namespace's address: the peer
     # and the lighthouse reach them through the links.
     store = TCPStore(addr, 0, is_master=True, wait_for_workers=False)
@@ -375,39 +365,9 @@ def _torchft_worker(spec: dict[str, Any], s: conv.Settings, model: Any, opt: Any
         connect_timeout=timedelta(seconds=30), rank=0, world_size=1,
         store_addr=addr, store_port=store.port, lighthouse_addr=spec["lighthouse"],
         replica_id=f"replica-{rank}", hostname=addr, init_sync=False)
-    marks: dict[str, float] = {}
-
-    def adam_starts(*_: Any) -> None:
-        marks["start"] = time.perf_counter()
-
-    def adam_ends(*_: Any) -> None:
-        marks["end"] = time.perf_counter()
-
-    # As in vs_torchft.py: the post-hook registered before DiLoCo's and the pre-hook after
-    # them bracket AdamW alone.
-    hooks = [opt.register_step_post_hook(adam_ends)]
-    participants: list[int] = []
-    log = vt._StepLog(_log_path(spec, "log"))
-    t_loop = time.perf_counter()
-    with DiLoCo(manager, [model], opt, outer, sync_every=s.sync_every, pin_memory=False):
-        hooks.append(opt.register_step_pre_hook(adam_starts))
-        for i, ids in enumerate(batches):
-            t0 = time.perf_counter()
-            model(input_ids=ids, labels=ids).loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            t1 = time.perf_counter()
-            opt.step()
-            t2 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            if (i + 1) % s.sync_every == 0:
-                participants.append(manager.num_participants())
-                if rank == 0:
-                    _snapshot(spec, model, i + 1)
-            log.write(t1 - t0, t2 - t1, marks["end"] - marks["start"])
-    loop = time.perf_counter() - t_loop
-    for h in hooks:
-        h.remove()
-    log.close()
+    loop, participants = vt.torchft_train(
+        manager, model, opt, batches, s.sync_every, _log_path(spec, "log"),
+        on_sync=(lambda step: _snapshot(spec, model, step)) if rank == 0 else None)
     _log_path(spec, "json").write_text(json.dumps(
         {"loop_seconds": loop, "close_seconds": 0.0, "participants": participants}))
     manager.shutdown(wait=False)

@@ -85,7 +85,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -96,7 +96,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import convergence as conv  # benchmarks/ is not a package
 
-__all__ = ["ARMS", "OPT_IN_ARMS", "PRESETS", "Arm", "Job", "main", "run_arm", "summarize", "table"]
+__all__ = ["ARMS", "OPT_IN_ARMS", "PRESETS", "Arm", "Job", "main", "run_arm", "summarize", "table",
+           "torchft_state", "torchft_train"]
 
 RESULTS = conv.RESULTS
 BASE = conv.Settings(learners=2, steps=400, batch=16, block=128, sync_every=20, fragments=2,
@@ -286,16 +287,10 @@ def _gradientmail_worker(job: Job, model: Any, opt: Any, batches: Iterator[Any])
     asyncio.run(box.close())
 
 
-def _torchft_worker(job: Job, model: Any, opt: Any, batches: Iterator[Any]) -> None:
-    from datetime import timedelta
-
-    import torch
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not re-exported
-    from torchft import Manager, ProcessGroupGloo
-    from torchft.local_sgd import DiLoCo
-
-    s = job.settings
-    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+def torchft_state(model: Any, opt: Any) -> tuple[Callable[[], dict[str, Any]],
+                                                  Callable[[dict[str, Any]], None]]:
+    """The `state_dict` / `load_state_dict` pair a torchft `Manager` recovers a replica
+    with: the model and its inner optimizer."""
 
     def state_dict() -> dict[str, Any]:
         return {"model": model.state_dict(), "inner": opt.state_dict()}
@@ -304,6 +299,64 @@ def _torchft_worker(job: Job, model: Any, opt: Any, batches: Iterator[Any]) -> N
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["inner"])
 
+    return state_dict, load_state_dict
+
+
+def torchft_train(manager: Any, model: Any, opt: Any, batches: Iterator[Any], sync_every: int,
+                  log_path: Path, on_sync: Callable[[int], None] | None = None,
+                  ) -> tuple[float, list[int]]:
+    """Train on `batches` under torchft's DiLoCo (the outer step Nesterov SGD 0.7 / 0.9),
+    a `_StepLog` line per step at `log_path`, `on_sync(step)` after each sync; the loop's
+    seconds and each sync's participants."""
+    import torch
+    from torchft.local_sgd import DiLoCo
+
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    marks: dict[str, float] = {}
+
+    def adam_starts(*_: Any) -> None:
+        marks["start"] = time.perf_counter()
+
+    def adam_ends(*_: Any) -> None:
+        marks["end"] = time.perf_counter()
+
+    # Registered before DiLoCo's hooks, this post-hook runs before its sync; the pre-hook,
+    # registered after them, runs after its state-dict lock: between them is AdamW alone.
+    hooks = [opt.register_step_post_hook(adam_ends)]
+    participants: list[int] = []
+    log = _StepLog(log_path)
+    t_loop = time.perf_counter()
+    with DiLoCo(manager, [model], opt, outer, sync_every=sync_every, pin_memory=False):
+        hooks.append(opt.register_step_pre_hook(adam_starts))
+        for i, ids in enumerate(batches):
+            t0 = time.perf_counter()
+            model(input_ids=ids, labels=ids).loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            t1 = time.perf_counter()
+            opt.step()
+            t2 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            if (i + 1) % sync_every == 0:
+                participants.append(manager.num_participants())
+                if on_sync is not None:
+                    on_sync(i + 1)
+            log.write(t1 - t0, t2 - t1, marks["end"] - marks["start"])
+    loop = time.perf_counter() - t_loop
+    for h in hooks:
+        h.remove()
+    log.close()
+    return loop, participants
+
+
+def _torchft_worker(job: Job, model: Any, opt: Any, batches: Iterator[Any]) -> None:
+    from datetime import timedelta
+
+    import torch
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not re-exported
+    from torchft import Manager, ProcessGroupGloo
+
+    s = job.settings
+    state_dict, load_state_dict = torchft_state(model, opt)
     # A replica group of one process keeps its own TCPStore, as torchrun would host it.
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     manager = Manager(
@@ -324,38 +377,8 @@ def _torchft_worker(job: Job, model: Any, opt: Any, batches: Iterator[Any]) -> N
             raise SystemExit(f"replica-{job.rank}: the other replicas did not start in 600 s")
         time.sleep(0.05)
     time.sleep(0.5)  # a few heartbeats (every 100 ms)
-
-    marks: dict[str, float] = {}
-
-    def adam_starts(*_: Any) -> None:
-        marks["start"] = time.perf_counter()
-
-    def adam_ends(*_: Any) -> None:
-        marks["end"] = time.perf_counter()
-
-    # Registered before DiLoCo's hooks, this post-hook runs before its sync; the pre-hook,
-    # registered after them, runs after its state-dict lock: between them is AdamW alone.
-    hooks = [opt.register_step_post_hook(adam_ends)]
-    participants: list[int] = []
-    log = _StepLog(job.path("log"))
-    t_loop = time.perf_counter()
-    with DiLoCo(manager, [model], opt, outer, sync_every=s.sync_every, pin_memory=False):
-        hooks.append(opt.register_step_pre_hook(adam_starts))
-        for i, ids in enumerate(batches):
-            t0 = time.perf_counter()
-            model(input_ids=ids, labels=ids).loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            t1 = time.perf_counter()
-            opt.step()
-            t2 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            if (i + 1) % s.sync_every == 0:
-                participants.append(manager.num_participants())
-            log.write(t1 - t0, t2 - t1, marks["end"] - marks["start"])
-    loop = time.perf_counter() - t_loop
-    for h in hooks:
-        h.remove()
-    log.close()
+    loop, participants = torchft_train(manager, model, opt, batches, s.sync_every,
+                                       job.path("log"))
     if job.rank == SURVIVOR:
         torch.save(model.state_dict(), job.path("pt"))
     job.path("json").write_text(json.dumps({"loop_seconds": loop, "close_seconds": 0.0,
