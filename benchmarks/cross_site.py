@@ -390,9 +390,7 @@ def _algorithm(system: str, s: conv.Settings) -> Any:
 
 def _gradientmail_worker(spec: dict[str, Any], s: conv.Settings, model: Any, opt: Any,
                          batches: Iterator[Any]) -> None:
-    import asyncio
 
-    import torch
 
     from gradientmail.adapters import TorchAdapter
     from gradientmail.events import Event, RoundRecorded
@@ -423,39 +421,15 @@ def _gradientmail_worker(spec: dict[str, Any], s: conv.Settings, model: Any, opt
     learner = Learner(TorchAdapter(model), _algorithm(system, s), box, f"learner-{rank}",
                       on_event=on_event, options=options)
     learner.start()
-    learner.wait_for_learners(s.learners, timeout=600)
-    box.reset()  # joining (Θ⁰ up for the creator, down for the other) is not counted
-    log = vt._StepLog(_log_path(spec, "log"))
-    t_loop = time.perf_counter()
-    for i, ids in enumerate(batches):
-        t0 = time.perf_counter()
-        model(input_ids=ids, labels=ids).loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        t1 = time.perf_counter()
-        opt.step()
-        t2 = time.perf_counter()
-        learner.step(int(ids.numel()))
-        t3 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        c = box.snapshot()
-        log.write(t1 - t0, t3 - t1, t2 - t1, c.bytes_up, c.bytes_down)
-        if rank == 0 and (i + 1) % s.sync_every == 0:
-            _snapshot(spec, model, i + 1)
-    loop = time.perf_counter() - t_loop
-    t = time.perf_counter()
-    learner.close()
-    closing = time.perf_counter() - t
-    c = box.snapshot()
-    log.close()
-    # close() reset the model to the newest commits it knows of: the last learner to close
-    # knows of them all (vs_torchft.py does the same).
-    torch.save(model.state_dict(), _log_path(spec, "pt"))
-    _log_path(spec, "json").write_text(json.dumps(
-        {"loop_seconds": loop, "close_seconds": closing, "closed_at": time.time(),
-         "bytes_up": c.bytes_up, "bytes_down": c.bytes_down,
-         "closers": {str(r): who for r, who in sorted(closers.items())}}))
+
+    def snapshot(step: int) -> None:
+        if rank == 0 and step % s.sync_every == 0:
+            _snapshot(spec, model, step)
+
+    vt.gradientmail_train(learner, box, model, opt, batches, s.learners,
+                          _log_path(spec, "log"), _log_path(spec, "pt"),
+                          _log_path(spec, "json"), closers, on_step=snapshot)
     events.close()
-    asyncio.run(box.close())
 
 
 # -- the main process ---------------------------------------------------------------------

@@ -96,8 +96,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import convergence as conv  # benchmarks/ is not a package
 
-__all__ = ["ARMS", "OPT_IN_ARMS", "PRESETS", "Arm", "Job", "main", "run_arm", "summarize", "table",
-           "torchft_state", "torchft_train"]
+__all__ = [
+    "ARMS",
+    "OPT_IN_ARMS",
+    "PRESETS",
+    "Arm",
+    "Job",
+    "gradientmail_train",
+    "main",
+    "run_arm",
+    "summarize",
+    "table",
+    "torchft_state",
+    "torchft_train",
+]
 
 RESULTS = conv.RESULTS
 BASE = conv.Settings(learners=2, steps=400, batch=16, block=128, sync_every=20, fragments=2,
@@ -228,8 +240,6 @@ def _mailbox(job: Job) -> Any:
 
 
 def _gradientmail_worker(job: Job, model: Any, opt: Any, batches: Iterator[Any]) -> None:
-    import torch
-
     from gradientmail.adapters import TorchAdapter
     from gradientmail.events import Event, RoundRecorded, log_events
     from gradientmail.learner.runtime import Learner
@@ -255,11 +265,25 @@ def _gradientmail_worker(job: Job, model: Any, opt: Any, batches: Iterator[Any])
         ),
     )
     learner.start()
-    learner.wait_for_learners(job.settings.learners, timeout=600)
+    gradientmail_train(learner, box, model, opt, batches, job.settings.learners,
+                       job.path("log"), job.path("pt"), job.path("json"), closers)
+
+
+def gradientmail_train(learner: Any, box: Any, model: Any, opt: Any, batches: Iterator[Any],
+                       learners: int, log_path: Path, pt_path: Path, json_path: Path,
+                       closers: dict[int, str],
+                       on_step: Callable[[int], None] | None = None) -> None:
+    """Train a started `learner` (its mailbox counted by `box`, a `CountingMailbox`) on
+    `batches` once `learners` are live: a `_StepLog` line per step at `log_path`,
+    `on_step(step)` after each; then close it and save the model it ends on (`pt_path`)
+    and the loop's and closing's seconds, bytes and `closers` (`json_path`)."""
+    import torch
+
+    learner.wait_for_learners(learners, timeout=600)
     box.reset()  # joining (Θ⁰ up for the creator, down for the other) is not counted
-    log = _StepLog(job.path("log"))
+    log = _StepLog(log_path)
     t_loop = time.perf_counter()
-    for ids in batches:
+    for i, ids in enumerate(batches):
         t0 = time.perf_counter()
         model(input_ids=ids, labels=ids).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -271,6 +295,8 @@ def _gradientmail_worker(job: Job, model: Any, opt: Any, batches: Iterator[Any])
         opt.zero_grad(set_to_none=True)
         c = box.snapshot()
         log.write(t1 - t0, t3 - t1, t2 - t1, c.bytes_up, c.bytes_down)
+        if on_step is not None:
+            on_step(i + 1)
     loop = time.perf_counter() - t_loop
     t = time.perf_counter()
     learner.close()
@@ -279,11 +305,11 @@ def _gradientmail_worker(job: Job, model: Any, opt: Any, batches: Iterator[Any])
     log.close()
     # close() reset the model to the newest commit of every fragment it knows of; the last
     # learner to close knows of them all (it waited for its rounds, then read every record).
-    torch.save(model.state_dict(), job.path("pt"))
+    torch.save(model.state_dict(), pt_path)
     result = {"loop_seconds": loop, "close_seconds": closing, "closed_at": time.time(),
               "bytes_up": c.bytes_up, "bytes_down": c.bytes_down,
               "closers": {str(r): who for r, who in sorted(closers.items())}}
-    job.path("json").write_text(json.dumps(result))
+    json_path.write_text(json.dumps(result))
     asyncio.run(box.close())
 
 
