@@ -62,11 +62,14 @@ def shapes_of(n_layer: int = 2, n_embd: int = 16, vocab: int = 64, positions: in
 
 @pytest.fixture(scope="module")
 def gpt2_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A run of one learner training the tiny GPT2Module for 12 steps, a round every 2."""
+    """A run of one learner training the tiny GPT2Module for 12 steps, a round every 2,
+    waiting at each for its commit (so all six rounds are committed, however loaded the
+    machine)."""
     url = tmp_path_factory.mktemp("hf") / "run"
     module = gpt2_module()
-    learner = Learner(TorchAdapter(module), DiLoCo(sync_every=2, fragments=1, in_flight=1),
-                      str(url), "learner-0", options=LearnerOptions(**FAST))
+    diloco = DiLoCo(sync_every=2, fragments=1, in_flight=1, overlap_steps=0)
+    learner = Learner(TorchAdapter(module), diloco, str(url), "learner-0",
+                      options=LearnerOptions(**FAST))
     learner.start()
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(0)
@@ -97,7 +100,7 @@ def test_the_exported_directory_loads_with_from_pretrained_and_gives_the_same_lo
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
 
     committed = read_committed(str(gpt2_run))
-    assert committed.round >= 2  # the model trained: not Θ⁰
+    assert committed.round == 5  # the model trained: six rounds, not Θ⁰
     reference = gpt2_module()
     load_committed(str(gpt2_run), reference)
     hf = AutoModelForCausalLM.from_pretrained(str(out))

@@ -151,6 +151,10 @@ def main() -> None:
     # shutdown and DDP still holds the group, so its worker threads live on; TorchRanks
     # waits until they let go of each collective's tensors (gradientmail.integration.ranks).
     accelerator.end_training()
+    if args.fsdp:
+        from ending import leave  # FSDP2's own gloo collectives: see ending.py
+
+        leave()
 
 
 if __name__ == "__main__":

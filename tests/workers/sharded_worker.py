@@ -163,3 +163,6 @@ def main(out_dir: str, kind: str) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     main(sys.argv[1], sys.argv[2])
+    from workers.ending import leave  # FSDP2's own gloo collectives: see ending.py
+
+    leave()
