@@ -12,9 +12,10 @@ and counts only that learner's requests, through a CountingMailbox:
   lease period, one LIST of the next round's contributions every `BACKUP_EVERY` polls
   unless its closer already watches that round, the step of each commit (GET; theta
   where the run uploads it with every commit);
-- its lease loop as `Mailman._lease_loop` runs it: a beat (PUT + free DELETE) per lease
-  period, one GET of the roll call (`rollcall.json`) every `READ_EVERY` polls, and a beat
-  for each call it answers (`gradientmail.run.rollcall.reply`);
+- its lease loop as `Mailman._lease_loop` runs it: a beat (PUT + free DELETE) and a LIST of
+  the standalone closers' leases (`closers/`) per lease period, one GET of the roll call
+  (`rollcall.json`) every `READ_EVERY` polls, and a beat for each call it answers
+  (`gradientmail.run.rollcall.reply`);
 - its embedded closer: the real `Syncer(embedded=True)`, which watches a round closely
   only when it is the round's preferred closer (1 in N rounds) and closes those rounds
   (claim, contributions, step, record, sweep; theta and outer state every 20 versions),
@@ -55,7 +56,7 @@ from gradientmail.learner.mailman import MANIFEST_EVERY
 from gradientmail.learner.runtime import BACKUP_EVERY
 from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox, RequestCounts
-from gradientmail.run.lease import LeaseTracker
+from gradientmail.run.lease import CLOSERS, LeaseTracker
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.rollcall import READ_EVERY, Call, reply
 from gradientmail.syncer.runtime import Syncer
@@ -97,6 +98,7 @@ async def simulate(learners: int, seconds: float, step: float = 1.0, poll: float
         await them.beat(peer)
     await me.beat(ME)
     tracker = LeaseTracker(2 * lease_every)
+    closers = LeaseTracker(2 * lease_every)  # none runs here; the learner still looks
     made: list[ev.Event] = []  # roll calls its closer made
     mine = Syncer(counted, closer_id=ME, clock=clock, poll_interval=poll, embedded=True,
                   exchange=me, leases=tracker,
@@ -143,6 +145,7 @@ async def simulate(learners: int, seconds: float, step: float = 1.0, poll: float
         # its lease loop's (Mailman._lease_loop).
         if t >= next_beat:
             await me.beat(ME)
+            await me.observe_leases(closers, CLOSERS)
             live = await me.observe_leases(tracker)
             next_beat = t + lease_every
             for peer in ids[1:]:  # the others beat too (uncounted)

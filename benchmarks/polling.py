@@ -3,7 +3,8 @@
 Simulates one learner's receive/publish loop on a FakeClock over a CountingMailbox (a
 MemoryMailbox underneath): every `poll` seconds it GETs the next round record
 (`rounds_after`), every `publishers_every` seconds it LISTs who published the next round,
-every `lease_every` seconds it beats (PUT + DELETE) and LISTs the leases, every `publish`
+every `lease_every` seconds it beats (PUT + DELETE) and LISTs the leases of the learners
+and of the standalone closers, every `publish`
 seconds it publishes a contribution (payload + record), and for every round committed
 (by others, every `round_every` seconds) it downloads the new theta. Only this learner's
 requests are counted; closing rounds (the syncer role) is not included.
@@ -29,7 +30,7 @@ from gradientmail.algorithms.schedule import Estimates
 from gradientmail.clock import FakeClock
 from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox, RequestCounts
-from gradientmail.run.lease import LeaseTracker
+from gradientmail.run.lease import CLOSERS, LeaseTracker
 from gradientmail.run.protocol import Exchange
 from gradientmail.wire.records import Participant, RoundRecord
 from gradientmail.wire.serialization import TensorBytes
@@ -73,6 +74,7 @@ async def _simulate(pattern: Pattern, seconds: float) -> RequestCounts:
     me = Exchange(counting, clock=clock)
     others = Exchange(store)  # the rest of the run: uncounted
     tracker = LeaseTracker(timeout=2 * pattern.lease_every)
+    closers = LeaseTracker(timeout=2 * pattern.lease_every)
     tiny = {"w": TensorBytes.from_numpy(np.zeros(4, np.float32))}
     cursor, committed, published = -1, 0, 0
     for n in range(10):  # a few other learners holding leases
@@ -88,6 +90,7 @@ async def _simulate(pattern: Pattern, seconds: float) -> RequestCounts:
         if _due(t, pattern.lease_every):
             await me.beat("me")
             await me.observe_leases(tracker)
+            await me.observe_leases(closers, CLOSERS)
         if _due(t, pattern.poll):
             for record in await me.rounds_after(cursor):
                 await me.fetch_tensors(record.theta)
@@ -141,9 +144,9 @@ def main(argv: list[str] | None = None) -> None:
         header = (
             f"\n## Polling requests per learner-hour ({datetime.date.today().isoformat()}, "
             f"{platform.machine()}, {os.cpu_count()} CPUs)\n\n`{command}` — poll 1 s, "
-            "beat + lease LIST every 60 s, publish every 30 s, a commit every 30 s (theta "
-            "downloaded); S3 prices: LIST/PUT $5/M, GET $0.40/M, DELETE free; goal "
-            "<= $0.005 per learner-hour.\n\n"
+            "beat + lease LISTs (learners, closers) every 60 s, publish every 30 s, a commit "
+            "every 30 s (theta downloaded); S3 prices: LIST/PUT $5/M, GET $0.40/M, DELETE "
+            "free; goal <= $0.005 per learner-hour.\n\n"
         )
         with open(Path(__file__).with_name("RESULTS.md"), "a", encoding="utf-8") as f:
             f.write(header + table + "\n")
