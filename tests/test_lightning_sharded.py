@@ -1,6 +1,7 @@
 """A sharded Lightning learner (issue #15): `ModelParallelStrategy` with FSDP2, every rank
 mailing its own rows through the DiLoCoCallback, SIGKILLed, and resumed from its
-Lightning checkpoint at another world size.
+Lightning checkpoint at another world size; and (issue #27) one beside a plain Lightning
+learner of a standard DiLoCo run, the two training together in every round.
 
 Real processes (torchrun, gloo on CPU) on a local-directory mailbox. The phases run one
 after the other, so what each must end on is known exactly; no timing is asserted and
@@ -16,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,7 @@ pytest.importorskip("lightning")
 
 from test_lightning_processes import newest_theta
 from test_sharded_adapter import free_port
-from workers.lightning_sharded import ALGORITHM
+from workers.lightning_sharded import ALGORITHM, STANDARD
 from workers.lightning_toy import ToyModule, toy_loader
 
 from gradientmail.adapters import TorchAdapter
@@ -50,12 +52,16 @@ def env() -> dict[str, str]:
     return out
 
 
-def launch(ranks: int, box: Path, out: Path, *extra: str, timeout: float = 600
-           ) -> tuple[int, str]:
+def torchrun(ranks: int) -> list[str]:
     exe = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     assert exe is not None, "torchrun is not installed next to this Python"
-    cmd = [exe, "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(WORKER), str(box), str(out), *extra]
+    return [exe, "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
+            "--master_port", str(free_port())]
+
+
+def launch(ranks: int, box: Path, out: Path, *extra: str, timeout: float = 600
+           ) -> tuple[int, str]:
+    cmd = [*torchrun(ranks), str(WORKER), str(box), str(out), *extra]
     proc = subprocess.Popen(cmd, env=env(), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     try:
@@ -219,3 +225,87 @@ def test_a_killed_fsdp2_learner_resumes_at_another_world_size_as_the_same_learne
         assert [w.get(r.round) for w in written] == [(0, 3), (1, 3), (2, 3)], (r.round, written)
     assert end["rounds_seen"] == recs[-1].round
     assert_params(end["params"], newest_theta(LocalMailbox(box)), "ended")
+
+
+# ~25 s on an idle 2-core machine; the deadline below leaves time to show the logs.
+@pytest.mark.timeout(600)
+def test_an_fsdp2_learner_and_a_plain_one_of_a_standard_run_train_together_every_round(
+        tmp_path: Path) -> None:
+    """Issue #27: neither learner is told to wait; the callback's default (standard
+    DiLoCo's quorum of 2) holds the plain one at train start until the FSDP2 one, whose
+    launch comes seconds later, holds a lease too."""
+    box, steps, h = tmp_path / "run", 16, STANDARD.sync_every
+    assert (STANDARD.quorum_size, STANDARD.overlap_steps, STANDARD.fragments) == (2, 0, 1)
+    plain_out, fsdp_out = tmp_path / "plain", tmp_path / "fsdp"
+    common = ["--algorithm", "standard", "--steps", str(steps)]
+    logs: dict[str, Any] = {}
+
+    def start(name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
+        logs[name] = (tmp_path / f"{name}.log").open("wb")
+        return subprocess.Popen(cmd, env=env(), cwd=ROOT, stdout=logs[name],
+                                stderr=subprocess.STDOUT)
+
+    def log_of(name: str) -> str:
+        return (tmp_path / f"{name}.log").read_text(errors="replace")[-6000:]
+
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        procs["plain"] = start("plain", [
+            sys.executable, str(WORKER), str(box), str(plain_out), "--plain",
+            "--learner-id", "plain", "--seed", "7", "--data-seed", "1", *common])
+        # The FSDP2 launch starts once the plain learner waits for it (or has ended, as
+        # it does when it does not wait): so the plain learner's wait is always seen,
+        # however the two start-ups interleave on a loaded machine.
+        waiting = Path(f"{plain_out}.awaiting.json")
+        deadline = time.monotonic() + 540
+        while not waiting.exists() and procs["plain"].poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        procs["fsdp"] = start("fsdp", [
+            *torchrun(2), str(WORKER), str(box), str(fsdp_out), "--learner-id", "fsdp",
+            "--data-seed", "2", *common])
+        for name, proc in procs.items():
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{name} did not end:\n{log_of(name)}") from None
+            assert proc.returncode == 0, f"{name}:\n{log_of(name)}"
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for f in logs.values():
+            f.close()
+
+    plain = json.loads(Path(f"{plain_out}.end.json").read_text())
+    fsdp = json.loads(Path(f"{fsdp_out}.end.json").read_text())
+    assert (plain["learner_id"], plain["world"], plain["global_step"]) == ("plain", 1, steps)
+    assert (fsdp["learner_id"], fsdp["world"], fsdp["global_step"]) == ("fsdp", 2, steps)
+    # The plain learner waited at train start, alone, for the quorum of 2 (by default).
+    assert plain["awaited"] and plain["awaited"][0] == {"live": ["plain"], "wanted": 2}, \
+        plain["awaited"]
+    assert all(e["wanted"] == 2 for e in fsdp["awaited"]), fsdp["awaited"]
+    # Both trained from Θ⁰ (the plain learner created the run; no round closed before
+    # the FSDP2 learner joined).
+    started = [json.loads(Path(f"{o}.start.json").read_text()) for o in (plain_out, fsdp_out)]
+    assert manifest_of(box).creator == "plain"
+    assert [s["global_step"] for s in started] == [0, 0]
+    assert started[1]["params"] == started[0]["params"]
+
+    # Every round, both learners, H steps each: steps / H rounds.
+    recs, _ = records(box)
+    assert [r.round for r in recs] == list(range(steps // h))
+    for r in recs:
+        got = {p.learner: p.steps for p in r.participants}
+        assert got == {"plain": h, "fsdp": h}, (r.round, got)
+    assert plain["rounds_seen"] == fsdp["rounds_seen"] == recs[-1].round
+
+    # Both end on the newest commit: the same parameters.
+    assert set(plain["params"]) == set(fsdp["params"])
+    for name, values in plain["params"].items():
+        torch.testing.assert_close(torch.tensor(fsdp["params"][name]), torch.tensor(values),
+                                   rtol=0, atol=1e-5, msg=name)
+    theta = newest_theta(LocalMailbox(box))
+    assert_params(plain["params"], theta, "plain ended")
+    assert_params(fsdp["params"], theta, "fsdp ended")

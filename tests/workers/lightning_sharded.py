@@ -1,18 +1,27 @@
-"""One sharded Lightning learner: `ModelParallelStrategy` with FSDP2, for issue #15's tests.
+"""One sharded Lightning learner: `ModelParallelStrategy` with FSDP2, for issue #15's tests;
+with `--plain`, one plain Lightning learner of the same toy model beside it (issue #27).
 
     torchrun --nproc_per_node N tests/workers/lightning_sharded.py MAILBOX OUT --steps S
         [--ckpt-dir DIR --ckpt-every K] [--resume CKPT] [--die-at S] [--key-log LOG]
-        [--device cpu|cuda]
+        [--device cpu|cuda] [--algorithm streaming|standard] [--learner-id ID]
+        [--seed N] [--data-seed N] [--wait-for N]
+    python tests/workers/lightning_sharded.py MAILBOX OUT --plain [the same options]
 
 Every rank builds the toy module; `configure_model` shards each linear layer and the whole
 with `fully_shard` over the strategy's data-parallel mesh (N ranks, no tensor
 parallelism), so each rank holds a chunk of rows (with 3 ranks the last holds an empty
-shard of the 2-row layer). The DiLoCoCallback is given no learner id: a run resumed from
-a checkpoint must find it there. `--die-at S` SIGKILLs every rank after optimizer step S
-(what a preempted machine does: no hook, no lease release). `--key-log LOG`: every rank
-notes the keys it writes in LOG.rank<R>. Rank 0 writes OUT.start.json at train start
-(the learner id and the full parameters it joined with) and OUT.end.json after train end
-(the same after close, the rounds seen, the rounds it published, and the world size).
+shard of the 2-row layer). `--plain` trains the same module unsharded in this one
+process, on Lightning's default strategy (no torchrun). `--algorithm standard` is
+`STANDARD`, standard DiLoCo with a quorum of 2, whose learners the callback makes wait
+for each other at train start by default; `--algorithm streaming` (the default) is
+`ALGORITHM`, which waits for nobody. The DiLoCoCallback is given no learner id unless
+`--learner-id` names one: a run resumed from a checkpoint must find it there. `--die-at
+S` SIGKILLs every rank after optimizer step S (what a preempted machine does: no hook, no
+lease release). `--key-log LOG`: every rank notes the keys it writes in LOG.rank<R>.
+Rank 0 writes OUT.start.json at train start (the learner id and the full parameters it
+joined with), OUT.awaiting.json each time its learner reports waiting for the others
+(the `AwaitingLearners` events so far), and OUT.end.json after train end (the same after
+close, the rounds seen, the rounds it published, the waits, and the world size).
 """
 
 from __future__ import annotations
@@ -42,6 +51,9 @@ from workers.lightning_toy import ToyModule, toy_loader
 #: another is refused): 2 fragments, a round every 2 steps, one round in flight.
 ALGORITHM = DiLoCo(sync_every=4, fragments=2, in_flight=1, overlap_steps=0,
                    merge=WeightedMean(), flush_on_close=False)
+#: Standard DiLoCo, a round every 4 steps, both learners in every round (issue #27).
+STANDARD = DiLoCo.standard(4, 2)
+ALGORITHMS = {"streaming": ALGORITHM, "standard": STANDARD}
 
 
 class KeyLog(LocalMailbox):
@@ -65,7 +77,14 @@ class KeyLog(LocalMailbox):
         await super().put(key, data)
 
 
-class ShardedToy(ToyModule):
+class MomentumToy(ToyModule):
+    """The toy module with momentum: the optimizer has state to save and reshard."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.5)
+
+
+class ShardedToy(MomentumToy):
     """The toy module, sharded by rows over the strategy's data-parallel ranks."""
 
     def configure_model(self) -> None:
@@ -75,10 +94,6 @@ class ShardedToy(ToyModule):
         fully_shard(self.net[0], mesh=mesh)
         fully_shard(self.net[2], mesh=mesh)
         fully_shard(self.net, mesh=mesh)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        # Momentum: the optimizer has state to save and reshard.
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.5)
 
 
 def full_params(module: torch.nn.Module) -> dict[str, list[float]]:
@@ -96,6 +111,7 @@ class Probe(Callback):
     def __init__(self, out: str, diloco: DiLoCoCallback, die_at: int | None) -> None:
         self.out, self.diloco, self.die_at = out, diloco, die_at
         self.published: list[int] = []
+        self.awaited: list[dict[str, Any]] = []  # rank 0's AwaitingLearners events
 
     def _write(self, trainer: Trainer, what: str, data: dict[str, Any]) -> None:
         if trainer.is_global_zero:
@@ -119,7 +135,8 @@ class Probe(Callback):
         self._write(trainer, "end", {
             "learner_id": state["learner_id"], "params": params,
             "rounds_seen": state["rounds_seen"], "published": self.published,
-            "world": trainer.world_size, "global_step": trainer.global_step})
+            "awaited": self.awaited, "world": trainer.world_size,
+            "global_step": trainer.global_step})
 
 
 def main() -> None:
@@ -133,10 +150,18 @@ def main() -> None:
     ap.add_argument("--die-at", type=int)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--key-log", help="note the keys each rank writes in KEY_LOG.rank<R>")
+    ap.add_argument("--plain", action="store_true",
+                    help="one unsharded process on Lightning's default strategy (no torchrun)")
+    ap.add_argument("--algorithm", choices=sorted(ALGORITHMS), default="streaming")
+    ap.add_argument("--learner-id")
+    ap.add_argument("--seed", type=int, default=100)
+    ap.add_argument("--data-seed", type=int, default=0)
+    ap.add_argument("--wait-for", type=int,
+                    help="wait_for_learners (default: the callback's, those a barrier needs)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    world = int(os.environ["WORLD_SIZE"])
-    rank = int(os.environ["RANK"])
+    world = 1 if args.plain else int(os.environ["WORLD_SIZE"])
+    rank = 0 if args.plain else int(os.environ["RANK"])
     mailbox = KeyLog(args.mailbox, f"{args.key_log}.rank{rank}") if args.key_log \
         else args.mailbox
 
@@ -145,9 +170,14 @@ def main() -> None:
     def on_event(e: ev.Event) -> None:
         if isinstance(e, ev.SnapshotPublished):
             probe.published.append(e.round)
+        elif isinstance(e, ev.AwaitingLearners):
+            probe.awaited.append({"live": list(e.live), "wanted": e.wanted})
+            Path(f"{args.out}.awaiting.json").write_text(json.dumps(probe.awaited))
 
-    diloco = DiLoCoCallback(mailbox, ALGORITHM, poll_interval=0.01, lease_every=1.0,
-                            lease_timeout=6.0, on_event=on_event)
+    # Without --wait-for the callback's default decides whom to wait for.
+    diloco = DiLoCoCallback(mailbox, ALGORITHMS[args.algorithm], args.learner_id,
+                            poll_interval=0.01, lease_every=1.0, lease_timeout=6.0,
+                            on_event=on_event, wait_for_learners=args.wait_for)
     probe = Probe(args.out, diloco, args.die_at)
     callbacks: list[Callback] = [diloco, probe]
     if args.ckpt_dir:
@@ -156,7 +186,8 @@ def main() -> None:
     trainer = Trainer(
         accelerator=args.device,
         devices=world,
-        strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+        strategy="auto" if args.plain else
+        ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
         max_steps=args.steps,
         callbacks=callbacks,
         logger=False,
@@ -165,7 +196,8 @@ def main() -> None:
         enable_model_summary=False,
     )
     # Not the run's initialisation: joining must overwrite it on every rank.
-    trainer.fit(ShardedToy(seed=100), toy_loader(n=512), ckpt_path=args.resume)
+    module = MomentumToy(seed=args.seed) if args.plain else ShardedToy(seed=args.seed)
+    trainer.fit(module, toy_loader(n=512, seed=args.data_seed), ckpt_path=args.resume)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
