@@ -33,7 +33,7 @@ def grace_window(
     estimates: Estimates, schedule: RoundSchedule, round_: int, poll_interval: float = 1.0
 ) -> float:
     """Seconds after a round's first contribution that it waits for the learners it
-    expects (see `syncer_state.awaited`).
+    expects (see `gradientmail.syncer.state.awaited`).
 
     min(gap·ξ_step, max(ARRIVAL_STEPS·ξ_step, ARRIVAL_POLLS·poll_interval)): learners in
     phase arrive within a few of their steps and a poll or two of each other, so that is

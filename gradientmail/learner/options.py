@@ -3,9 +3,10 @@
 Every entry point — `Learner(..., options=...)`, the Lightning callback and
 `gradientmail-train`'s `diloco:` section, the Accelerate plugin's YAML and
 `GRADIENTMAIL_*` variables — reads a learner's settings through this dataclass, so they
-have one name and one default each. The runtime passes it whole (Learner → Mailman →
-its embedded closer). What is not a setting but an object of the process (the clock,
-the backend, the event sink, the run key) stays a separate argument.
+have one name and one default each. The runtime passes it whole from Learner to Mailman,
+which builds its embedded closer from the fields closing needs. What is not a setting but
+an object of the process (the clock, the backend, the event sink, the run key) stays a
+separate argument.
 """
 
 from __future__ import annotations

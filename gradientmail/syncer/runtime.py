@@ -4,7 +4,7 @@ Closing a round is a role, not a server. Every learner runs one on its communica
 thread by default, and `gradientmail sync URL` runs one alone on any CPU machine; several
 at once are safe because a round's closer is elected with create-if-absent claims and its
 record is itself created only if absent. The decisions (when to look, quorum, grace
-window, head starts, takeover: `syncer_state.decide_poll` and its building blocks) and
+window, head starts, takeover: `gradientmail.syncer.state.decide_poll` and its parts) and
 the screening of contributions (`keyspace.screen_snapshot`, `screening.screen_delta`)
 are pure functions; this module carries them out. A syncer that
 lists the leases also calls the roll when its open round waits short of its quorum, and
