@@ -426,6 +426,7 @@ print("sharded")
 """
 
 
+@pytest.mark.slow
 def test_gpt2_module_shards_itself_under_a_device_mesh() -> None:
     """`GPT2Module.configure_model` (what `ModelParallelStrategy` calls) puts FSDP2 on every
     block and the model, and the result has the unsharded model's schema; in a process of

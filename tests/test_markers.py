@@ -1,0 +1,174 @@
+"""Every test that starts a process carries the `slow` marker, so `-m 'not slow'` is the
+quick in-process subset the README promises.
+
+The check reads the test modules' syntax; it imports and runs nothing. A function starts
+a process when its body uses `subprocess`, `multiprocessing` (or torch's), `os.fork`,
+`os.system`, `os.posix_spawn*`, `os.exec*`, `pty.spawn` or asyncio's subprocess calls, or
+calls a function, in its own module or imported from another module under tests/, that
+does. A test starts one when its body does or a fixture it names does. Processes started
+inside gradientmail itself (the demo's learners) are out of its sight: those tests are
+marked by hand.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+SPAWNING_MODULES = {"subprocess", "multiprocessing", "torch.multiprocessing"}
+SPAWNING_CALLS = {
+    "os": {"fork", "forkpty", "system", "popen", "posix_spawn", "posix_spawnp", "execv",
+           "execve", "execvp", "execvpe", "execl", "execle", "execlp", "execlpe"},
+    "pty": {"spawn", "fork"},
+    "asyncio": {"create_subprocess_exec", "create_subprocess_shell"},
+}
+
+
+class Module:
+    """One parsed file: its top-level functions, the names it imports from modules under
+    tests/, and the local names bound to process-starting modules and calls."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.tree = ast.parse(path.read_text(), filename=str(path))
+        self.functions: dict[str, ast.FunctionDef | ast.AsyncFunctionDef] = {
+            node.name: node for node in self.tree.body
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        }
+        self.imported: dict[str, tuple[Path, str]] = {}
+        self.spawning_names: set[str] = set()    # `subprocess`, `mp`, `Popen`, `fork`...
+        self.module_aliases: dict[str, str] = {}  # local name -> module, for `os.fork`
+        for node in ast.walk(self.tree):  # function-local imports count too
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    local = alias.asname or alias.name.split(".")[0]
+                    if alias.name in SPAWNING_MODULES:
+                        self.spawning_names.add(local)
+                    self.module_aliases[local] = alias.name if alias.asname else local
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    local = alias.asname or alias.name
+                    if {node.module, f"{node.module}.{alias.name}"} & SPAWNING_MODULES or (
+                            alias.name in SPAWNING_CALLS.get(node.module, set())):
+                        self.spawning_names.add(local)
+                    source = TESTS.joinpath(*node.module.split(".")).with_suffix(".py")
+                    if source.is_file():
+                        self.imported[local] = (source, alias.name)
+
+    def spawns_directly(self, fn: ast.AST) -> bool:
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Name) and node.id in self.spawning_names:
+                return True
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.attr in SPAWNING_CALLS.get(
+                        self.module_aliases.get(node.value.id, ""), set())):
+                return True
+        return False
+
+
+class Spawners:
+    """Which functions start a process, followed through calls and imports."""
+
+    def __init__(self) -> None:
+        self.modules: dict[Path, Module] = {}
+        self.known: dict[tuple[Path, str], bool] = {}
+
+    def module(self, path: Path) -> Module:
+        if path not in self.modules:
+            self.modules[path] = Module(path)
+        return self.modules[path]
+
+    def spawns(self, path: Path, name: str) -> bool:
+        key = (path, name)
+        if key in self.known:
+            return self.known[key]
+        self.known[key] = False  # a recursive call adds nothing
+        mod = self.module(path)
+        if name in mod.imported:
+            found = self.spawns(*mod.imported[name])
+        elif name in mod.functions:
+            fn = mod.functions[name]
+            called = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)} - {name}
+            found = mod.spawns_directly(fn) or any(
+                self.spawns(path, c) for c in sorted(called)
+                if c in mod.functions or c in mod.imported)
+        else:
+            found = False
+        self.known[key] = found
+        return found
+
+
+def is_slow_mark(node: ast.expr) -> bool:
+    """`pytest.mark.slow`, called or not."""
+    if isinstance(node, ast.Call):
+        node = node.func
+    return (isinstance(node, ast.Attribute) and node.attr == "slow"
+            and isinstance(node.value, ast.Attribute) and node.value.attr == "mark")
+
+
+def module_is_slow(tree: ast.Module) -> bool:
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+            marks = node.value.elts if isinstance(node.value, ast.List | ast.Tuple) else [
+                node.value]
+            return any(is_slow_mark(m) for m in marks)
+    return False
+
+
+def fixtures(paths: list[Path], spawners: Spawners) -> dict[str, tuple[Path, str]]:
+    """Fixture name -> where it is defined (conftest first, then the module itself)."""
+    found: dict[str, tuple[Path, str]] = {}
+    for path in paths:
+        for name, fn in spawners.module(path).functions.items():
+            if any("fixture" in ast.unparse(d) for d in fn.decorator_list):
+                found[name] = (path, name)
+    return found
+
+
+def unmarked_spawning_tests() -> Iterator[str]:
+    spawners = Spawners()
+    conftest = TESTS / "conftest.py"
+    for path in sorted(TESTS.rglob("test_*.py")):
+        mod = spawners.module(path)
+        if module_is_slow(mod.tree):
+            continue
+        named = fixtures([conftest, path], spawners)
+        for name, fn in mod.functions.items():
+            if not name.startswith("test") or any(is_slow_mark(d) for d in fn.decorator_list):
+                continue
+            params = [a.arg for a in fn.args.args]
+            if spawners.spawns(path, name) or any(
+                    spawners.spawns(*named[p]) for p in params if p in named):
+                yield f"{path.relative_to(TESTS)}::{name}"
+
+
+def test_every_test_that_starts_a_process_is_marked_slow() -> None:
+    missing = list(unmarked_spawning_tests())
+    assert not missing, (
+        "these tests start processes; mark them `@pytest.mark.slow` (or the module "
+        "`pytestmark = pytest.mark.slow`) so `-m 'not slow'` stays in-process:\n  "
+        + "\n  ".join(missing))
+
+
+def test_the_check_sees_spawning_through_helpers_and_fixtures(tmp_path: Path) -> None:
+    spawners = Spawners()
+    source = tmp_path / "test_example.py"
+    source.write_text(
+        "import subprocess\nimport multiprocessing as mpx\nimport os\n"
+        "import pytest\n"
+        "def helper():\n    return subprocess.run(['true'])\n"
+        "def indirect():\n    return helper()\n"
+        "def pool():\n    return mpx.get_context('spawn')\n"
+        "def forks():\n    return os.fork()\n"
+        "def quiet(mp):\n    mp.setenv('A', '1')\n    return os.getpid()\n"
+        "@pytest.fixture\ndef started():\n    yield helper()\n")
+    mod = spawners.module(source)
+    assert [n for n in mod.functions if spawners.spawns(source, n)] == [
+        "helper", "indirect", "pool", "forks", "started"]
+    marked = ast.parse("import pytest\npytestmark = [pytest.mark.slow]\n")
+    assert module_is_slow(marked)
+    assert not module_is_slow(ast.parse("import pytest\npytestmark = pytest.mark.cuda\n"))
