@@ -90,15 +90,18 @@ class Spawners:
         if name in mod.imported:
             found = self.spawns(*mod.imported[name])
         elif name in mod.functions:
-            fn = mod.functions[name]
-            called = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)} - {name}
-            found = mod.spawns_directly(fn) or any(
-                self.spawns(path, c) for c in sorted(called)
-                if c in mod.functions or c in mod.imported)
+            found = self.body_spawns(path, mod.functions[name])
         else:
             found = False
         self.known[key] = found
         return found
+
+    def body_spawns(self, path: Path, fn: ast.AST) -> bool:
+        mod = self.module(path)
+        called = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)}
+        return mod.spawns_directly(fn) or any(
+            self.spawns(path, c) for c in sorted(called)
+            if c in mod.functions or c in mod.imported)
 
 
 def is_slow_mark(node: ast.expr) -> bool:
@@ -119,35 +122,56 @@ def module_is_slow(tree: ast.Module) -> bool:
     return False
 
 
-def fixtures(paths: list[Path], spawners: Spawners) -> dict[str, tuple[Path, str]]:
-    """Fixture name -> where it is defined (conftest first, then the module itself)."""
+def fixtures(path: Path, spawners: Spawners) -> dict[str, tuple[Path, str]]:
+    """Fixture name -> where it is defined: the conftest.py files from tests/ down to the
+    module, then the module itself (a nearer definition overrides)."""
+    parts = path.parent.relative_to(TESTS).parts if path.is_relative_to(TESTS) else ()
+    dirs = [TESTS.joinpath(*parts[:i]) for i in range(len(parts) + 1)]
+    sources = [d / "conftest.py" for d in dirs if (d / "conftest.py").is_file()]
     found: dict[str, tuple[Path, str]] = {}
-    for path in paths:
-        for name, fn in spawners.module(path).functions.items():
+    for source in [*sources, path]:
+        for name, fn in spawners.module(source).functions.items():
             if any("fixture" in ast.unparse(d) for d in fn.decorator_list):
-                found[name] = (path, name)
+                found[name] = (source, name)
     return found
 
 
-def unmarked_spawning_tests() -> Iterator[str]:
-    spawners = Spawners()
-    conftest = TESTS / "conftest.py"
-    for path in sorted(TESTS.rglob("test_*.py")):
-        mod = spawners.module(path)
-        if module_is_slow(mod.tree):
+def collected(
+    tree: ast.Module,
+) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef, list[ast.expr]]]:
+    """(id, function, marks on it and its class) for the module's test functions and the
+    test methods of its `Test*` classes."""
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            if node.name.startswith("test"):
+                yield node.name, node, node.decorator_list
+        elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+            for item in node.body:
+                if (isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
+                        and item.name.startswith("test")):
+                    yield (f"{node.name}::{item.name}", item,
+                           [*node.decorator_list, *item.decorator_list])
+
+
+def unmarked(path: Path, spawners: Spawners) -> Iterator[str]:
+    """The tests of one module that start a process without the `slow` marker."""
+    mod = spawners.module(path)
+    if module_is_slow(mod.tree):
+        return
+    named = fixtures(path, spawners)
+    for name, fn, marks in collected(mod.tree):
+        if any(is_slow_mark(m) for m in marks):
             continue
-        named = fixtures([conftest, path], spawners)
-        for name, fn in mod.functions.items():
-            if not name.startswith("test") or any(is_slow_mark(d) for d in fn.decorator_list):
-                continue
-            params = [a.arg for a in fn.args.args]
-            if spawners.spawns(path, name) or any(
-                    spawners.spawns(*named[p]) for p in params if p in named):
-                yield f"{path.relative_to(TESTS)}::{name}"
+        params = [a.arg for a in fn.args.args]
+        if spawners.body_spawns(path, fn) or any(
+                spawners.spawns(*named[p]) for p in params if p in named):
+            yield name
 
 
 def test_every_test_that_starts_a_process_is_marked_slow() -> None:
-    missing = list(unmarked_spawning_tests())
+    spawners = Spawners()
+    missing = [f"{path.relative_to(TESTS)}::{name}"
+               for path in sorted(TESTS.rglob("test_*.py")) for name in unmarked(path, spawners)]
     assert not missing, (
         "these tests start processes; mark them `@pytest.mark.slow` (or the module "
         "`pytestmark = pytest.mark.slow`) so `-m 'not slow'` stays in-process:\n  "
@@ -165,10 +189,18 @@ def test_the_check_sees_spawning_through_helpers_and_fixtures(tmp_path: Path) ->
         "def pool():\n    return mpx.get_context('spawn')\n"
         "def forks():\n    return os.fork()\n"
         "def quiet(mp):\n    mp.setenv('A', '1')\n    return os.getpid()\n"
-        "@pytest.fixture\ndef started():\n    yield helper()\n")
+        "@pytest.fixture\ndef started():\n    yield helper()\n"
+        "def test_uses_fixture(started):\n    pass\n"
+        "@pytest.mark.slow\ndef test_marked():\n    indirect()\n"
+        "class TestThem:\n    def test_method(self):\n        pool()\n"
+        "def test_in_process(tmp_path):\n    quiet(None)\n")
     mod = spawners.module(source)
     assert [n for n in mod.functions if spawners.spawns(source, n)] == [
-        "helper", "indirect", "pool", "forks", "started"]
+        "helper", "indirect", "pool", "forks", "started", "test_marked"]
+    named = fixtures(source, spawners)
+    assert named["started"] == (source, "started")
+    assert "mailbox_factory" in named  # tests/conftest.py's
+    assert list(unmarked(source, spawners)) == ["test_uses_fixture", "TestThem::test_method"]
     marked = ast.parse("import pytest\npytestmark = [pytest.mark.slow]\n")
     assert module_is_slow(marked)
     assert not module_is_slow(ast.parse("import pytest\npytestmark = pytest.mark.cuda\n"))
