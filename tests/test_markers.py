@@ -5,8 +5,9 @@ The check reads the test modules' syntax; it imports and runs nothing. A functio
 a process when its body uses `subprocess`, `multiprocessing` (or torch's), `os.fork`,
 `os.system`, `os.posix_spawn*`, `os.exec*`, `pty.spawn` or asyncio's subprocess calls, or
 calls a function, in its own module or imported from another module under tests/, that
-does. A test starts one when its body does or a fixture it names does. Processes started
-inside gradientmail itself (the demo's learners) are out of its sight: those tests are
+does, or calls one of gradientmail's entry points that start processes (`run_demo`) other
+than inside `pytest.raises`. A test starts one when its body does or a fixture it names
+does. The CLI's `demo` command (`main(["demo", ...])`) is out of its sight: such tests are
 marked by hand.
 """
 
@@ -25,6 +26,8 @@ SPAWNING_CALLS = {
     "pty": {"spawn", "fork"},
     "asyncio": {"create_subprocess_exec", "create_subprocess_shell"},
 }
+# gradientmail's own entry points that start processes, called by tests in-process
+LIBRARY_SPAWNERS = {"gradientmail.app.demo": {"run_demo"}}
 
 
 class Module:
@@ -40,6 +43,7 @@ class Module:
         }
         self.imported: dict[str, tuple[Path, str]] = {}
         self.spawning_names: set[str] = set()    # `subprocess`, `mp`, `Popen`, `fork`...
+        self.library_spawners: set[str] = set()  # `run_demo`
         self.module_aliases: dict[str, str] = {}  # local name -> module, for `os.fork`
         for node in ast.walk(self.tree):  # function-local imports count too
             if isinstance(node, ast.Import):
@@ -54,11 +58,16 @@ class Module:
                     if {node.module, f"{node.module}.{alias.name}"} & SPAWNING_MODULES or (
                             alias.name in SPAWNING_CALLS.get(node.module, set())):
                         self.spawning_names.add(local)
+                    elif alias.name in LIBRARY_SPAWNERS.get(node.module, set()):
+                        self.library_spawners.add(local)
                     source = TESTS.joinpath(*node.module.split(".")).with_suffix(".py")
                     if source.is_file():
                         self.imported[local] = (source, alias.name)
 
     def spawns_directly(self, fn: ast.AST) -> bool:
+        if any(isinstance(node, ast.Name) and node.id in self.library_spawners
+               for node in walk_outside_raises(fn)):
+            return True
         for node in ast.walk(fn):
             if isinstance(node, ast.Name) and node.id in self.spawning_names:
                 return True
@@ -67,6 +76,19 @@ class Module:
                         self.module_aliases.get(node.value.id, ""), set())):
                 return True
         return False
+
+
+def walk_outside_raises(node: ast.AST) -> Iterator[ast.AST]:
+    """`ast.walk`, leaving out the bodies of `with pytest.raises(...)`: a library entry
+    point called there is expected to refuse before it starts anything."""
+    yield node
+    if isinstance(node, ast.With | ast.AsyncWith) and any(
+            isinstance(item.context_expr, ast.Call)
+            and ast.unparse(item.context_expr.func).endswith("raises")
+            for item in node.items):
+        return
+    for child in ast.iter_child_nodes(node):
+        yield from walk_outside_raises(child)
 
 
 class Spawners:
@@ -193,14 +215,19 @@ def test_the_check_sees_spawning_through_helpers_and_fixtures(tmp_path: Path) ->
         "def test_uses_fixture(started):\n    pass\n"
         "@pytest.mark.slow\ndef test_marked():\n    indirect()\n"
         "class TestThem:\n    def test_method(self):\n        pool()\n"
-        "def test_in_process(tmp_path):\n    quiet(None)\n")
+        "def test_in_process(tmp_path):\n    quiet(None)\n"
+        "from gradientmail.app.demo import run_demo as demo\n"
+        "def test_demo():\n    demo(None)\n"
+        "def test_demo_refuses():\n    with pytest.raises(ValueError):\n        demo(None)\n")
     mod = spawners.module(source)
     assert [n for n in mod.functions if spawners.spawns(source, n)] == [
-        "helper", "indirect", "pool", "forks", "started", "test_marked"]
+        "helper", "indirect", "pool", "forks", "started", "test_marked",
+        "test_demo"]
     named = fixtures(source, spawners)
     assert named["started"] == (source, "started")
     assert "mailbox_factory" in named  # tests/conftest.py's
-    assert list(unmarked(source, spawners)) == ["test_uses_fixture", "TestThem::test_method"]
+    assert list(unmarked(source, spawners)) == [
+        "test_uses_fixture", "TestThem::test_method", "test_demo"]
     marked = ast.parse("import pytest\npytestmark = [pytest.mark.slow]\n")
     assert module_is_slow(marked)
     assert not module_is_slow(ast.parse("import pytest\npytestmark = pytest.mark.cuda\n"))
