@@ -382,6 +382,7 @@ def test_global_batch_size_sizes_the_data_modules_batches(
     assert data.batch_sizes.share == 12
 
 
+@pytest.mark.slow
 def test_a_streams_batches_follow_a_new_share_although_workers_pack_the_blocks(
     tmp_path: Path,
 ) -> None:

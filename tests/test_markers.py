@@ -3,12 +3,12 @@ quick in-process subset the README promises.
 
 The check reads the test modules' syntax; it imports and runs nothing. A function starts
 a process when its body uses `subprocess`, `multiprocessing` (or torch's), `os.fork`,
-`os.system`, `os.posix_spawn*`, `os.exec*`, `pty.spawn` or asyncio's subprocess calls, or
-calls a function, in its own module or imported from another module under tests/, that
-does, or calls one of gradientmail's entry points that start processes (`run_demo`) other
-than inside `pytest.raises`. A test starts one when its body does or a fixture it names
-does. The CLI's `demo` command (`main(["demo", ...])`) is out of its sight: such tests are
-marked by hand.
+`os.system`, `os.posix_spawn*`, `os.exec*`, `pty.spawn` or asyncio's subprocess calls,
+passes a DataLoader `num_workers` other than 0, calls gradientmail's `run_demo` (outside
+`pytest.raises`, where it refuses before starting anything), or calls a function, in its
+own module or imported from another module under tests/, that does. A test starts one when
+its body does or a fixture it names does. The CLI's `demo` command (`main(["demo", ...])`)
+is out of its sight: such tests are marked by hand.
 """
 
 from __future__ import annotations
@@ -71,6 +71,9 @@ class Module:
         for node in ast.walk(fn):
             if isinstance(node, ast.Name) and node.id in self.spawning_names:
                 return True
+            if (isinstance(node, ast.keyword) and node.arg == "num_workers"
+                    and not (isinstance(node.value, ast.Constant) and node.value.value == 0)):
+                return True  # a DataLoader's worker processes
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
                     and node.attr in SPAWNING_CALLS.get(
                         self.module_aliases.get(node.value.id, ""), set())):
@@ -216,18 +219,20 @@ def test_the_check_sees_spawning_through_helpers_and_fixtures(tmp_path: Path) ->
         "@pytest.mark.slow\ndef test_marked():\n    indirect()\n"
         "class TestThem:\n    def test_method(self):\n        pool()\n"
         "def test_in_process(tmp_path):\n    quiet(None)\n"
+        "def test_loader():\n    return dict(num_workers=1)\n"
+        "def test_no_loader_workers():\n    return dict(num_workers=0)\n"
         "from gradientmail.app.demo import run_demo as demo\n"
         "def test_demo():\n    demo(None)\n"
         "def test_demo_refuses():\n    with pytest.raises(ValueError):\n        demo(None)\n")
     mod = spawners.module(source)
     assert [n for n in mod.functions if spawners.spawns(source, n)] == [
         "helper", "indirect", "pool", "forks", "started", "test_marked",
-        "test_demo"]
+        "test_loader", "test_demo"]
     named = fixtures(source, spawners)
     assert named["started"] == (source, "started")
     assert "mailbox_factory" in named  # tests/conftest.py's
     assert list(unmarked(source, spawners)) == [
-        "test_uses_fixture", "TestThem::test_method", "test_demo"]
+        "test_uses_fixture", "TestThem::test_method", "test_loader", "test_demo"]
     marked = ast.parse("import pytest\npytestmark = [pytest.mark.slow]\n")
     assert module_is_slow(marked)
     assert not module_is_slow(ast.parse("import pytest\npytestmark = pytest.mark.cuda\n"))
