@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from safetensors.numpy import load_file
 
 from gradientmail.algorithms.diloco import DiLoCo as Config
@@ -26,6 +27,8 @@ from gradientmail.mailbox import LocalMailbox
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
 from gradientmail.wire.records import RoundRecord
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "accelerate_worker.py"

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from test_accelerate_launch import (
     WORKER,
     finish,
@@ -30,6 +31,8 @@ from test_accelerate_launch import (
 
 from gradientmail.mailbox import LocalMailbox
 from gradientmail.run.protocol import Exchange
+
+pytestmark = pytest.mark.slow
 
 STEPS, H = 12, 4
 

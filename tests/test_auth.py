@@ -360,6 +360,7 @@ async def forge_commit(mailbox: Mailbox, theta: dict[str, TensorBytes]) -> Round
     return record
 
 
+@pytest.mark.slow
 def test_a_learner_never_applies_a_forged_commit_and_goes_on_once_it_is_removed() -> None:
     mailbox = MemoryMailbox()
     alg = DiLoCo(sync_every=4, fragments=1, in_flight=1, overlap_steps=None,

@@ -45,6 +45,7 @@ def test_backends_satisfy_the_protocols() -> None:
     assert isinstance(default_backend(), NumpyBackend)
 
 
+@pytest.mark.slow
 def test_importing_backends_does_not_import_torch() -> None:
     code = (
         "import sys, gradientmail.backends as b, gradientmail.algorithms.diloco\n"

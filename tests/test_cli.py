@@ -366,6 +366,7 @@ def test_bad_urls_and_options_are_one_error_line(
 # -- sync --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_sync_closes_a_published_round_and_stops_cleanly(
     sig: signal.Signals, tmp_path: Path

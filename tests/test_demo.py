@@ -33,6 +33,7 @@ def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
+@pytest.mark.slow
 def test_demo_runs_standard_and_decoupled_dilocos_on_one_budget(corpus: Path,
                                                                  tmp_path: Path) -> None:
     out = io.StringIO()
@@ -67,6 +68,7 @@ def test_demo_runs_standard_and_decoupled_dilocos_on_one_budget(corpus: Path,
         assert main(["status", str(tmp_path / "box" / system), "--json"]) == 0
 
 
+@pytest.mark.slow
 def test_demo_command_prints_json(corpus: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["demo", "--learners", "1", "--steps", "2", "--slow", "1", "--data",
                  str(corpus), "--json"])

@@ -76,6 +76,7 @@ def records_of(box: Path) -> list[RoundRecord]:
     return list(asyncio.run(Exchange(LocalMailbox(str(box))).rounds_after(-1)))
 
 
+@pytest.mark.slow
 def test_log_prints_one_row_per_round_under_the_golden_columns(
     demo_run: tuple[Path, int], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -91,6 +92,7 @@ def test_log_prints_one_row_per_round_under_the_golden_columns(
         assert cells[4] == "2" and cells[-1] == "-"  # both learners, nothing dropped
 
 
+@pytest.mark.slow
 def test_log_json_agrees_with_the_records(
     demo_run: tuple[Path, int], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -126,6 +128,7 @@ def test_log_json_agrees_with_the_records(
     assert rows[1]["mean_loss"] < rows[0]["mean_loss"] + 0.5  # it trains, roughly
 
 
+@pytest.mark.slow
 def test_log_csv_parses_back_to_the_json_rows(
     demo_run: tuple[Path, int], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -147,6 +150,7 @@ def test_log_csv_parses_back_to_the_json_rows(
         assert got["closer"] == want["closer"]
 
 
+@pytest.mark.slow
 def test_log_json_and_csv_exclude_each_other(demo_run: tuple[Path, int]) -> None:
     box, _ = demo_run
     with pytest.raises(SystemExit) as exc:
@@ -154,6 +158,7 @@ def test_log_json_and_csv_exclude_each_other(demo_run: tuple[Path, int]) -> None
     assert exc.value.code == 2
 
 
+@pytest.mark.slow
 def test_plot_writes_a_png(demo_run: tuple[Path, int], tmp_path: Path,
                            capsys: pytest.CaptureFixture[str]) -> None:
     box, rounds = demo_run

@@ -13,11 +13,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from test_learner_oracle import ROUNDS, H, oracle
 
 from gradientmail.mailbox import LocalMailbox
 from gradientmail.run.protocol import Exchange
+
+pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).resolve().parent / "workers" / "learner_proc.py"
 

@@ -33,6 +33,8 @@ from gradientmail.mailbox import LocalMailbox, Mailbox, S3Mailbox
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = ROOT / "tests" / "workers"
 

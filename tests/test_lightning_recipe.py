@@ -382,6 +382,7 @@ def test_global_batch_size_sizes_the_data_modules_batches(
     assert data.batch_sizes.share == 12
 
 
+@pytest.mark.slow
 def test_a_streams_batches_follow_a_new_share_although_workers_pack_the_blocks(
     tmp_path: Path,
 ) -> None:
@@ -426,6 +427,7 @@ print("sharded")
 """
 
 
+@pytest.mark.slow
 def test_gpt2_module_shards_itself_under_a_device_mesh() -> None:
     """`GPT2Module.configure_model` (what `ModelParallelStrategy` calls) puts FSDP2 on every
     block and the model, and the result has the unsharded model's schema; in a process of

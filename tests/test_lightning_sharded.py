@@ -143,6 +143,7 @@ def test_strategies_are_checked_by_name() -> None:
             in text
 
 
+@pytest.mark.slow
 def test_a_killed_fsdp2_learner_resumes_at_another_world_size_as_the_same_learner(
         tmp_path: Path) -> None:
     box, ckpts = tmp_path / "run", tmp_path / "ckpt"

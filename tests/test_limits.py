@@ -162,6 +162,7 @@ def test_the_syncer_refuses_outer_state_over_its_bound() -> None:
     run(main())
 
 
+@pytest.mark.slow
 def test_a_learner_refuses_a_committed_theta_over_its_bound() -> None:
     mailbox = MemoryMailbox()
     alg = DiLoCo(sync_every=4, fragments=1, in_flight=1, merge=WeightedMean())

@@ -48,6 +48,7 @@ def test_constructor_does_no_io(tmp_path: Path) -> None:
     assert root.is_dir()
 
 
+@pytest.mark.slow
 def test_writer_killed_mid_put_leaves_no_partial_object(tmp_path: Path) -> None:
     """SIGKILL a process that keeps overwriting an 8 MiB object, frozen while a temp file
     exists: the key holds a complete object (or none), and the next open removes the
@@ -98,6 +99,7 @@ def test_writer_killed_mid_put_leaves_no_partial_object(tmp_path: Path) -> None:
         assert len(data) == 8 * MiB and data == data[:1] * len(data)
 
 
+@pytest.mark.slow
 def test_temp_files_hidden_and_cleaned_by_rule(tmp_path: Path) -> None:
     root = tmp_path / "mb"
     (root / "rounds").mkdir(parents=True)
@@ -129,6 +131,7 @@ def test_temp_files_hidden_and_cleaned_by_rule(tmp_path: Path) -> None:
     assert sorted(p.name for p in (root / "rounds").iterdir()) == [".DS_Store", "00000000.json"]
 
 
+@pytest.mark.slow
 def test_failed_write_leaves_old_object_and_no_temp_file(tmp_path: Path) -> None:
     """A put that the OS refuses midway (file size limit: EFBIG, as ENOSPC would) raises
     MailboxError naming the key and path, and leaves the old object untouched."""

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -17,6 +19,7 @@ def readme_test_command() -> str:
     return match.group(1)
 
 
+@pytest.mark.slow
 def test_ci_runs_exactly_the_readme_test_command() -> None:
     out = subprocess.run(
         ["bash", str(ROOT / ".ci" / "run"), "--print-command"],
@@ -38,6 +41,7 @@ def test_readme_test_command_sets_up_a_fresh_machine() -> None:
     assert steps[-1].startswith("python -m pytest")
 
 
+@pytest.mark.slow
 def test_core_imports_without_frameworks() -> None:
     code = (
         "import sys\n"

@@ -221,6 +221,7 @@ def tiles(ranges: list[list[int]], rows: int) -> bool:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("kind, ranks", [("toy", 3), ("gpt2", 2)])
 def test_fsdp2_ranks_hold_exactly_their_rows(kind: str, ranks: int, tmp_path: Path) -> None:

@@ -411,6 +411,7 @@ def test_a_part_written_in_place_carries_the_digests_encode_writes() -> None:
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_the_benchmark_counts_the_bytes_a_rank_reads_beyond_its_rows() -> None:
     # benchmarks/blocks.py on a small shape: one layer of width 64 in BF16, 2 ranks,
     # blocks of 1 KiB. Without digests a rank reads its rows exactly; with them the header

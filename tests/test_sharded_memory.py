@@ -27,6 +27,8 @@ import pytest
 from test_sharded_adapter import free_port
 from test_sharded_oracle import env
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "workers" / "memory_learner.py"
 ROUNDS = 3

@@ -30,6 +30,8 @@ from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
 from gradientmail.wire.payload_ranges import rows_of
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
 LEARNERS = 3

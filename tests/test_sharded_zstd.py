@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from test_learner_oracle import ROUNDS, H
 from test_sharded_adapter import free_port
@@ -23,6 +24,8 @@ from test_sharded_oracle import ROOT, WORKERS, env, whole_state
 
 from gradientmail.mailbox import LocalMailbox
 from gradientmail.run.protocol import Exchange
+
+pytestmark = pytest.mark.slow
 
 
 def test_each_rank_of_an_fsdp2_learner_on_zstd_payloads_warns_once(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ DOCS = [
 ] * 20
 
 
+@pytest.mark.slow
 def test_import_needs_no_framework() -> None:
     code = (
         "import sys, gradientmail.app.textdata\n"

@@ -673,6 +673,7 @@ def test_learners_of_an_auditable_run_do_not_hold_their_contributions() -> None:
 # -- the benchmark ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_benchmark_quick_mode_verifies_each_round_and_appends_its_table(
         tmp_path: Path) -> None:
     import subprocess

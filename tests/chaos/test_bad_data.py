@@ -329,6 +329,7 @@ def test_a_corrupted_commit_seen_by_a_learner_is_never_applied(
              applied=len(applied), aligned=len(aligned))
 
 
+@pytest.mark.slow
 def test_a_nan_and_inf_delta_is_rejected_and_the_run_unharmed(tmp_path: Path) -> None:
     """The 5th delta of learner `bad` holds NaN and Inf (a device gone wrong): its round
     leaves it out by name and merges the other; later rounds merge both again."""

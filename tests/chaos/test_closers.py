@@ -19,6 +19,8 @@ from chaos.harness import conclude, spawn_closer, verify_run, wait_until
 from gradientmail.mailbox import LocalMailbox
 from gradientmail.run.protocol import Exchange
 
+pytestmark = pytest.mark.slow
+
 TAKEOVER_ROUNDS = 6
 RACE_ROUNDS = 100
 POLL = 0.05  # the closers' poll interval: a claim is superseded after 10 polls

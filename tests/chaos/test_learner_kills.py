@@ -25,6 +25,8 @@ from chaos.harness import (
 from gradientmail.mailbox import LocalMailbox
 from gradientmail.run.protocol import Exchange
 
+pytestmark = pytest.mark.slow
+
 LEASE_EVERY, LEASE_TIMEOUT = 0.5, 1.5
 RUN = ["--sync-every", "8", "--fragments", "2", "--quorum", "2", "--overlap", "8",
        "--sleep", "0.02", "--poll", "0.01", "--lease-every", str(LEASE_EVERY),

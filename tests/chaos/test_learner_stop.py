@@ -12,6 +12,8 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from chaos.harness import (
     LearnerResult,
     check_ends_on_commits,
@@ -22,6 +24,8 @@ from chaos.harness import (
 )
 from gradientmail.mailbox import LocalMailbox
 from gradientmail.run.protocol import Exchange
+
+pytestmark = pytest.mark.slow
 
 LEASE_EVERY, LEASE_TIMEOUT = 0.3, 1.0
 FROZEN = 3.0  # seconds: three lease timeouts

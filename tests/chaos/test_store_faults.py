@@ -70,6 +70,7 @@ def failures(res: LearnerResult) -> list[dict[str, object]]:
     return res.of_type("PublishFailed") + res.of_type("PollFailed")
 
 
+@pytest.mark.slow
 def test_a_learner_whose_writes_fail_with_efbig_goes_on_once_they_succeed(
     tmp_path: Path,
 ) -> None:
@@ -147,6 +148,7 @@ def newest(box: Path) -> int:
     return asyncio.run(Exchange(LocalMailbox(box)).newest_round())
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_rounds_until_space_returns(tiny_disk: Path) -> None:
     box = tiny_disk / "run"
     logs = tiny_disk.parent
