@@ -229,6 +229,7 @@ def test_a_killed_fsdp2_learner_resumes_at_another_world_size_as_the_same_learne
 
 
 # ~25 s on an idle 2-core machine; the deadline below leaves time to show the logs.
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_an_fsdp2_learner_and_a_plain_one_of_a_standard_run_train_together_every_round(
         tmp_path: Path) -> None:
