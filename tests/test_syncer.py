@@ -34,6 +34,7 @@ from gradientmail.events import (
 )
 from gradientmail.mailbox import Mailbox, MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox, FaultPlan, FaultyMailbox
+from gradientmail.run.cadence import FREE_WAITING_CAP, WAITING_CAP
 from gradientmail.run.protocol import Exchange, round_key
 from gradientmail.run.replica import state_at
 from gradientmail.syncer.runtime import Syncer
@@ -1163,6 +1164,43 @@ def test_a_standalone_syncer_closes_within_moments_of_the_last_arrival(
         # (The poll that closed it lists the leases twice, the contributions, the claims:
         # the one LIST a look would have cost is not there.)
         assert counting.snapshot().list - before.list <= 5
+        stop.set()
+        await task
+
+    run(main())
+
+
+def test_a_standalone_syncer_looks_for_one_missing_learner_at_a_time(
+        mailbox: Mailbox) -> None:
+    """Three learners missing cost the store what one does: one GET a look, in turn (the
+    round waits for all of them; only the last arrival must be seen at once)."""
+    async def main() -> None:
+        r = Run(mailbox, algorithm(fragments=1, quorum_size=4))
+        clock = fake(r)
+        await r.create()
+        for who in "abcd":
+            await r.ex.beat(who)
+        counting = CountingMailbox(mailbox)
+        s = r.syncer("sync-1", mailbox=counting, poll_interval=10.0, sweep=False)
+        stop = asyncio.Event()
+        task = asyncio.create_task(s.run(stop))
+        await clock.sleep(1.0)
+        await r.contribute(0, "a")
+        await clock.sleep(12.0)  # one poll has seen a's contribution; b, c, d awaited
+        before = counting.snapshot()
+        await clock.sleep(5.0)  # no poll in between: looks only
+        gets = counting.snapshot().get - before.get
+        # A look every WAITING_CAP (FREE_WAITING_CAP on a free store) for 5 s, one GET
+        # each, where a GET per missing learner and look would be three times as many.
+        cap = WAITING_CAP if counting.metered else FREE_WAITING_CAP
+        assert 0.9 * 5 / cap <= gets <= 1.1 * 5 / cap, (gets, cap)
+        arrived = clock.now()
+        for who in "bcd":
+            await r.contribute(0, who)
+        while await r.ex.read_round(0) is None:
+            await clock.sleep(0.01)
+        assert clock.now() - arrived <= 0.1
+        assert [p.learner for p in (await r.ex.read_round(0)).participants] == list("abcd")
         stop.set()
         await task
 

@@ -85,16 +85,13 @@ class Awaiting:
     since: float
 
 
-async def arrived(exchange: Exchange, aw: Awaiting) -> bool:
-    """Whether any of `aw.missing` has a contribution record in the round (one GET each),
-    or something the next poll must look at (a record that does not read); False while
-    the store fails (the next poll reports it)."""
-    for learner in aw.missing:
-        try:
-            if await exchange.contribution(aw.round, learner) is not None:
-                return True
-        except RemoteProtocolError:
-            return True
-        except (GradientmailError, OSError):
-            return False
-    return False
+async def arrived(exchange: Exchange, round_: int, learner: str) -> bool:
+    """Whether `learner` has a contribution record in `round_` (one GET), or something the
+    next poll must look at (a record that does not read); False while the store fails
+    (the next poll reports it)."""
+    try:
+        return await exchange.contribution(round_, learner) is not None
+    except RemoteProtocolError:
+        return True
+    except (GradientmailError, OSError):
+        return False
