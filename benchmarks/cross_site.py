@@ -83,7 +83,11 @@ import vs_torchft as vt
 __all__ = ["PRESETS", "SYSTEMS", "Links", "main", "parse_rate", "run_system"]
 
 HERE = Path(__file__).resolve().parent
-SYSTEMS = ("ddp", "torchft", "standard", "standard-closer", "decoupled", "decoupled-f4")
+SYSTEMS = ("ddp", "torchft", "standard", "standard-closer", "decoupled", "decoupled-f4",
+           "decoupled-mean")
+#: Systems run only when named (`--systems`): what they measure is a question, not a row of
+#: the default comparison.
+OPT_IN = frozenset({"decoupled-mean"})
 LABELS = {
     "ddp": "DDP-equivalent (gloo allreduce of gradients every step)",
     "torchft": "torchft 0.2.0 DiLoCo (lighthouse + Manager per site)",
@@ -91,6 +95,7 @@ LABELS = {
     "standard-closer": "gradientmail standard DiLoCo (closer next to the bucket)",
     "decoupled": "gradientmail Decoupled defaults (P=2)",
     "decoupled-f4": "gradientmail Decoupled, F4 deltas + commits, zstd",
+    "decoupled-mean": "gradientmail Decoupled defaults with merge=WeightedMean()",
 }
 PRESETS: dict[str, conv.Settings] = {
     "full": vt.BASE,
@@ -382,6 +387,10 @@ def _algorithm(system: str, s: conv.Settings) -> Any:
         return DiLoCo.standard(s.sync_every, s.learners)
     if system == "decoupled":
         return DiLoCo(sync_every=s.sync_every, fragments=s.fragments)
+    if system == "decoupled-mean":
+        from gradientmail.algorithms.diloco import WeightedMean
+
+        return DiLoCo(sync_every=s.sync_every, fragments=s.fragments, merge=WeightedMean())
     if system == "decoupled-f4":
         return DiLoCo(sync_every=s.sync_every, fragments=s.fragments, delta_dtype="F4",
                       commit_dtype="F4")
@@ -881,7 +890,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rates", default=None,
                     help="per-learner rates (one per learner, replaces --link)")
     ap.add_argument("--systems", default=None,
-                    help=f"comma list of {','.join(SYSTEMS)} (default all; "
+                    help=f"comma list of {','.join(SYSTEMS)} (default all but decoupled-mean; "
                     "--quick/--smoke standard,ddp)")
     ap.add_argument("--target", type=float, default=None, help="target held-out loss")
     ap.add_argument("--ddp-steps", type=int, default=0, help="cap DDP's steps")
@@ -912,7 +921,8 @@ def main(argv: list[str] | None = None) -> None:
         s = dataclasses.replace(s, steps=args.steps)
     if s.steps % s.sync_every or s.sync_every % s.fragments:
         raise SystemExit(f"--steps {s.steps} must be a multiple of H={s.sync_every}")
-    names = (args.systems or ("standard,ddp" if preset != "full" else ",".join(SYSTEMS)))
+    default = ",".join(x for x in SYSTEMS if x not in OPT_IN)
+    names = (args.systems or ("standard,ddp" if preset != "full" else default))
     systems = [x for x in names.split(",") if x]
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
