@@ -13,7 +13,10 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
+import signal
 import subprocess
+import sys
 import sysconfig
 import threading
 from pathlib import Path
@@ -160,8 +163,6 @@ def test_the_table_gains_the_link_and_the_bytes_through_each() -> None:
 
 
 def test_links_name_everything_after_this_process() -> None:
-    import os
-
     made = Links(2)
     tag = f"gm{os.getpid() % 10**7}"
     assert made.ns == [f"{tag}-ns0", f"{tag}-ns1"]
@@ -221,3 +222,33 @@ def test_demo_behind_20mbit_links(corpus: Path, tmp_path: Path,
     assert summary["link"] == "20mbit" and summary["leftovers"] == []
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert Links(2).ns[0] not in names
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_terminated_demo_removes_its_links(corpus: Path, tmp_path: Path) -> None:
+    missing = links.check_requirements()
+    if missing is not None:
+        pytest.skip(f"gradientmail demo --link needs {missing}")
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), HF_HUB_OFFLINE="1",
+               PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gradientmail.app.cli", "demo", "--link", "20mbit",
+         "--learners", "2", "--steps", "400", "--data", str(corpus)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    tag = f"gm{proc.pid % 10**7}"
+    seen = []
+    assert proc.stdout is not None
+    for line in proc.stdout:  # until its learners are training behind the links
+        seen.append(line)
+        if line.lstrip().startswith("standard: steps"):
+            break
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"{tag}-ns1" in names, "".join(seen)
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.stdout.read()
+    assert proc.wait(60) == 130, "".join(seen) + rest
+    assert "gradientmail: interrupted" in rest
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    devices = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert tag not in names + devices

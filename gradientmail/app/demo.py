@@ -327,18 +327,18 @@ def run_demo(
         "slow": cfg.slow,
         "mailbox": str(root),
     }
+    if cfg.link is None:
+        print(f"mailboxes: {root}/<run>  (watch one: gradientmail status "
+              f"{root / cfg.systems[0]})", file=log)
+    vocab, _, _ = _prepare(cfg, workdir, log)
+    val = torch.load(workdir / "val.pt")
     with contextlib.ExitStack() as stack:
         site = None
-        if cfg.link is None:
-            print(f"mailboxes: {root}/<run>  (watch one: gradientmail status "
-                  f"{root / cfg.systems[0]})", file=log)
-        else:
+        if cfg.link is not None:
             from gradientmail.app.demo_link import Site
 
             site = stack.enter_context(Site(cfg, workdir, log))
             summary.update(mailbox=site.root, link=cfg.link)
-        vocab, _, _ = _prepare(cfg, workdir, log)
-        val = torch.load(workdir / "val.pt")
         for system in cfg.systems:
             if site is None:
                 runs[system] = _run(system, cfg, workdir, str(root / system), vocab, val,

@@ -73,10 +73,12 @@ def take_from_file(path: Path, budget: int) -> bool:
 
 
 def _pump(stream: IO[str], into: queue.Queue[Any]) -> None:
-    """A learner's reports, line by line, until it exits."""
-    for line in stream:
-        with contextlib.suppress(ValueError):
-            into.put(tuple(json.loads(line)))
+    """A learner's reports, line by line, until it exits (or the pipe is closed under it
+    when the demo stops early)."""
+    with contextlib.suppress(ValueError, OSError):
+        for line in stream:
+            with contextlib.suppress(ValueError):
+                into.put(tuple(json.loads(line)))
 
 
 def _tail(path: Path, chars: int = 1500) -> str:
@@ -99,6 +101,8 @@ class Site:
         self.leftovers: list[str] = []
         self._stack = contextlib.ExitStack()
         self._procs: list[subprocess.Popen[str]] = []
+        self._main = threading.current_thread() is threading.main_thread()
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> Site:
         try:
@@ -112,11 +116,10 @@ class Site:
         self._exit()
 
     def _enter(self) -> None:
-        if threading.current_thread() is threading.main_thread():
+        if self._main:
             # A SIGTERM or a closed terminal unwinds like ^C, through every finally.
-            for signum in (signal.SIGTERM, signal.SIGHUP):
-                previous = signal.signal(signum, _interrupt)
-                self._stack.callback(signal.signal, signum, previous)
+            for signum in _STOPS[1:]:
+                self._previous[signum] = signal.signal(signum, _interrupt)
         saved = {k: os.environ.get(k) for k in CREDENTIALS}
         self._stack.callback(_restore_environ, saved)
         os.environ.update(CREDENTIALS)  # boto3 here, and every process started from here
@@ -132,10 +135,24 @@ class Site:
               f"{self.endpoint})", file=self.log, flush=True)
 
     def _exit(self) -> None:
+        """Kill, stop and remove everything, then restore the signal handlers; a ^C or
+        SIGTERM meanwhile waits for the end of it (as KeyboardInterrupt)."""
+        caught: list[int] = []
+        if self._main:
+            self._previous.setdefault(signal.SIGINT, signal.getsignal(signal.SIGINT))
+            for signum in _STOPS:
+                signal.signal(signum, lambda n, _f: caught.append(n))
         try:
             self._kill()
         finally:
-            self._stack.close()
+            try:
+                self._stack.close()
+            finally:
+                for number, previous in self._previous.items():
+                    signal.signal(number, previous)
+                self._previous.clear()
+        if caught:
+            raise KeyboardInterrupt(f"signal {caught[0]}")
 
     def _remove_links(self) -> None:
         self.links.close()
@@ -229,6 +246,9 @@ def _closers(url: str, endpoint: str) -> dict[str, int]:
         return dict(collections.Counter(rec.closer for rec in records))
 
     return asyncio.run(read())
+
+
+_STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def _interrupt(signum: int, _frame: types.FrameType | None) -> None:
