@@ -180,11 +180,13 @@ class Site:
                     f"{self.root}/{system}", self.endpoint, 0.2,
                     self.workdir / f"{system}-closer.log"))
             before = self.links.split_counters()
-            row = _run(system, self.cfg, self.workdir, f"{self.root}/{system}", vocab, val,
-                       self.log, start=self._start, endpoint=self.endpoint,
-                       label=LINK_LABELS[system])
+            try:
+                row = _run(system, self.cfg, self.workdir, f"{self.root}/{system}", vocab,
+                           val, self.log, start=self._start, endpoint=self.endpoint,
+                           label=LINK_LABELS[system])
+            finally:
+                self._kill()  # the learners before their closer, on any way out
             after = self.links.split_counters()
-        self._kill()
         up_down = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before, strict=True)]
         row["link_up_down"] = up_down
         row["link_bytes_per_learner"] = [u + d for u, d in up_down]
