@@ -204,11 +204,12 @@ def test_demo_behind_20mbit_links(corpus: Path, tmp_path: Path,
         # every learner its 8 steps, both in every round (H = 4)
         assert runs[system]["steps_per_learner"] == [8, 8]
         assert runs[system]["rounds_committed"] == 2
+        assert sum(runs[system]["closers"].values()) == 2
     assert sum(runs["decoupled"]["steps_per_learner"]) == 16
     assert runs["decoupled"]["rounds_committed"] >= 1
     for system, r in runs.items():
         assert math.isfinite(r["eval_loss"]), system
-        assert sum(r["closers"].values()) == r["rounds_committed"]
+        assert 1 <= sum(r["closers"].values()) <= r["rounds_committed"]
         assert len(r["link_bytes_per_learner"]) == 2
         for through, (up, down) in zip(r["link_bytes_per_learner"], r["link_up_down"],
                                        strict=True):
