@@ -94,9 +94,10 @@ def test_the_command_line_passes_the_link() -> None:
     args = build_parser().parse_args(["demo", "--link", "20mbit", "--learners", "2"])
     cfg = demo_config(args)
     assert (cfg.link, cfg.learners, cfg.systems) == ("20mbit", 2, LINK_SYSTEMS)
-    assert cfg.slow == 1.0  # behind links every learner is alike unless asked
-    assert demo_config(build_parser().parse_args(["demo", "--link", "1gbit", "--slow",
-                                                  "3"])).slow == 3.0
+    assert (cfg.slow, cfg.steps) == (1.0, 128)  # every learner alike unless asked
+    asked = demo_config(build_parser().parse_args(["demo", "--link", "1gbit", "--slow",
+                                                   "3", "--steps", "40"]))
+    assert (asked.link, asked.slow, asked.steps) == ("1gbit", 3.0, 40)
     plain = demo_config(build_parser().parse_args(["demo"]))
     assert plain == DemoConfig()  # the demo without --link is as it was
     assert main(["demo", "--link", "20mb"]) == 1

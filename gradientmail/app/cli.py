@@ -477,7 +477,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 def demo_config(args: argparse.Namespace) -> Any:
     """The `DemoConfig` that `gradientmail demo ARGS` runs."""
-    from gradientmail.app.demo import DemoConfig
+    from gradientmail.app.demo import LINK_DEFAULTS, DemoConfig
 
     options: dict[str, Any] = {
         k: v for k, v in (("learners", args.learners), ("steps", args.steps),
@@ -486,9 +486,7 @@ def demo_config(args: argparse.Namespace) -> Any:
     if args.outlier_factor is not None:
         options["diloco"] = (("outlier_factor", args.outlier_factor),)
     if args.link is not None:
-        # Behind links the link is what the demo shows: every learner alike unless asked.
-        options.setdefault("slow", 1.0)
-        options["link"] = args.link
+        options = {**LINK_DEFAULTS, **options, "link": args.link}
     return DemoConfig(mailbox=args.mailbox, data=args.data, **options)
 
 
@@ -649,7 +647,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="learner processes (default 4)")
     p.add_argument("--steps", type=_positive_int, default=None, metavar="S",
                    help="optimizer steps per learner of standard DiLoCo; each run trains "
-                   "N x S steps in all (default 160)")
+                   "N x S steps in all (default 160; 128 with --link)")
     p.add_argument("--slow", type=float, default=None, metavar="F",
                    help="the last learner's steps take F times as long (default 2; 1: all "
                    "alike)")
@@ -663,7 +661,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "median (DiLoCo's outlier_factor; default: keep every contribution)")
     p.add_argument("--link", default=None, metavar="RATE",
                    help="put every learner behind a link of RATE both ways (20mbit, "
-                   "100mbit, 1gbit or none: unshaped); --slow defaults to 1 with it")
+                   "100mbit, 1gbit or none: unshaped); with it --slow defaults to 1 and "
+                   "--steps to 128")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_demo)
     return parser
