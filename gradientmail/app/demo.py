@@ -368,12 +368,15 @@ def run_demo(
 class Workers:
     """A run's learner processes as `_run` watches them: `progress` (a queue of what
     `train` reports), `alive(i)` (whether learner i may still report), `join()` (after
-    the last report) and `failure(names)`: what to say when some exited early."""
+    the last report) and `failure(names)`: what to say when some exited early; `shared`
+    is held for as long as the run: what the processes share (a spawned process opens the
+    budget counter's semaphore by name after `start()` returns, so it must outlive it)."""
 
     progress: Any
     alive: Callable[[int], bool]
     join: Callable[[], None]
     failure: Callable[[list[str]], str]
+    shared: Any = None
 
 
 def _spawn(jobs: list[_Job]) -> Workers:
@@ -392,7 +395,7 @@ def _spawn(jobs: list[_Job]) -> Workers:
 
     return Workers(progress, lambda i: procs[i].is_alive(), join,
                    lambda dead: f"demo worker(s) {dead} of the {jobs[0].system} run exited "
-                   "early; see their output above")
+                   "early; see their output above", shared=spent)
 
 
 def _run(system: str, cfg: DemoConfig, workdir: Path, mailbox: str, vocab: int, val: Any,
