@@ -130,8 +130,8 @@ class Links:
     """A namespace per learner, joined to the root namespace by a veth pair: learner r is
     10.X.r.2 in namespace `ns[r]`, the root side 10.X.r.1 (`host[r]`); `shape` sets both
     ends' tbf. `open(forward=True)` also turns IP forwarding on (a byte between two
-    learners then crosses both their links), restored by `close()`, which removes
-    everything it made."""
+    learners then crosses both their links); `close()` removes everything it made and
+    restores forwarding unless another run's namespaces are still there."""
 
     def __init__(self, learners: int) -> None:
         tag = f"gm{os.getpid() % 10**7}"
@@ -204,7 +204,11 @@ class Links:
                 subprocess.run(["ip", "netns", "del", name], capture_output=True)
         self.made.clear()
         if self.forward_was is not None:
-            Path("/proc/sys/net/ipv4/ip_forward").write_text(self.forward_was)
+            # Another run's namespaces still here may need forwarding on: leave it to the
+            # last one out (a concurrent rehearsal's DDP lost its peer that way).
+            ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+            if not re.search(r"\bgm\d+-ns\d+", ns):
+                Path("/proc/sys/net/ipv4/ip_forward").write_text(self.forward_was)
             self.forward_was = None
 
     def leftovers(self) -> list[str]:
