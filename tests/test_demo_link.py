@@ -157,6 +157,7 @@ def test_the_table_gains_the_link_and_the_bytes_through_each() -> None:
     assert ("Decoupled DiLoCo (quorum 1, 2 fragments): reached the target after 24s (the "
             "first run, which set it: 60s; 2.50x).") in text
     assert "rounds closed by sync-next-to-bucket 5." in text
+    assert "behind an unshaped link;" in _table(dict(summary, link="none"))
     # the demo without links keeps its table
     plain = dict(summary)
     del plain["link"]

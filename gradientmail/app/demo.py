@@ -530,10 +530,12 @@ def _link_tail(s: dict[str, Any]) -> list[str]:
     """The lines a demo behind links adds under its table: the setting and each run's time
     to the target against the first run's."""
     runs = list(s["runs"].values())
-    out = [f"Every learner in its own network namespace behind a {s['link']} link (tbf, "
-           "both ways); the bucket (moto's S3 server) and the standalone closer in the root "
-           "namespace, unshaped. MB through each link: everything that crossed it (the "
-           "veth's counters), learner-0 first."]
+    link = ("an unshaped link" if s["link"] == "none"
+            else f"a {s['link']} link (tbf, both ways)")
+    out = [f"Every learner in its own network namespace behind {link}; the bucket (moto's "
+           "S3 server) and the standalone closer in the root namespace, unshaped. MB "
+           "through each link: everything that crossed it (the veth's counters), learner-0 "
+           "first."]
     for r in runs:
         if "closers" in r:
             out.append(f"{r['label']}: rounds closed by " + ", ".join(
