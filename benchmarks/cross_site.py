@@ -80,6 +80,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import convergence as conv  # benchmarks/ is not a package
 import vs_torchft as vt
 
+from gradientmail.app.links import (
+    CREDENTIALS,
+    Links,
+    parse_rate,
+    refusal,
+    s3_server,
+    standalone_closer,
+)
+
 __all__ = ["PRESETS", "SYSTEMS", "Links", "main", "parse_rate", "run_system"]
 
 HERE = Path(__file__).resolve().parent
@@ -105,151 +114,6 @@ PRESETS: dict[str, conv.Settings] = {
     "smoke": dataclasses.replace(conv.PRESETS["smoke"], steps=24, sync_every=6, fragments=2),
 }
 BUCKET = "gm-cross-site"
-RATES = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-
-
-def parse_rate(text: str) -> float | None:
-    """`20mbit` → 2e7 bits per second; `none` → None (unshaped)."""
-    t = text.strip().lower()
-    if t == "none":
-        return None
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)(kbit|mbit|gbit)", t)
-    if not m:
-        raise ValueError(f"link rate {text!r}: use e.g. 20mbit, 100mbit, 1gbit or none")
-    return float(m.group(1)) * RATES[m.group(2)]
-
-
-# -- the links ----------------------------------------------------------------------------
-
-
-def _ip(*args: str, ns: str | None = None) -> None:
-    cmd = (["ip", "netns", "exec", ns] if ns else []) + list(args)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)}: {proc.stderr.strip() or proc.returncode}")
-
-
-def refusal() -> str | None:
-    """Why this process may not make a namespace, a veth pair and a tbf qdisc (None: it
-    may): tries all three under throwaway names and removes them."""
-    tag = f"gmp{os.getpid() % 10**7}"
-    ns, a, b = f"{tag}-probe", f"{tag}a", f"{tag}b"
-    try:
-        _ip("ip", "netns", "add", ns)
-        _ip("ip", "link", "add", a, "type", "veth", "peer", "name", b)
-        _ip("tc", "qdisc", "add", "dev", a, "root", "tbf", "rate", "20mbit", "burst", "64kb",
-            "latency", "2s")
-        _ip("ip", "link", "set", b, "netns", ns)
-    except (RuntimeError, OSError) as exc:
-        return str(exc)
-    finally:
-        subprocess.run(["ip", "link", "del", a], capture_output=True)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-    return None
-
-
-def _free_octet() -> int:
-    """A second octet X such that no address of this machine is in 10.X.0.0/16 (the
-    run's learners get 10.X.r.1 / 10.X.r.2), starting from one derived from the pid."""
-    used = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
-    taken = {int(m) for m in re.findall(r"inet 10\.(\d+)\.", used)}
-    start = 100 + os.getpid() % 150
-    for k in range(150):
-        x = 100 + (start - 100 + k) % 150
-        if x not in taken:
-            return x
-    raise RuntimeError("no free 10.X.0.0/16 for the run's links")
-
-
-class Links:
-    """A namespace per learner, joined to the root namespace by a veth pair: learner r is
-    10.X.r.2 in namespace `ns[r]`, the root side 10.X.r.1 (`host[r]`); `shape` sets both
-    ends' tbf. `close()` removes everything it made."""
-
-    def __init__(self, learners: int) -> None:
-        tag = f"gm{os.getpid() % 10**7}"
-        self.tag = tag
-        self.ns = [f"{tag}-ns{r}" for r in range(learners)]
-        self.root_dev = [f"{tag}r{r}" for r in range(learners)]
-        self.ns_dev = [f"{tag}n{r}" for r in range(learners)]
-        self.octet = 0
-        self.made: list[tuple[str, str]] = []  # ("ns" | "dev", name), in order
-        self.forward_was: str | None = None
-
-    def host(self, r: int) -> str:
-        return f"10.{self.octet}.{r}.1"
-
-    def addr(self, r: int) -> str:
-        return f"10.{self.octet}.{r}.2"
-
-    def open(self) -> None:
-        self.octet = _free_octet()
-        fwd = Path("/proc/sys/net/ipv4/ip_forward")
-        self.forward_was = fwd.read_text().strip()
-        fwd.write_text("1")
-        for r, ns in enumerate(self.ns):
-            _ip("ip", "netns", "add", ns)
-            self.made.append(("ns", ns))
-            _ip("ip", "link", "add", self.root_dev[r], "type", "veth", "peer", "name",
-                self.ns_dev[r])
-            self.made.append(("dev", self.root_dev[r]))
-            _ip("ip", "link", "set", self.ns_dev[r], "netns", ns)
-            _ip("ip", "addr", "add", f"{self.host(r)}/24", "dev", self.root_dev[r])
-            _ip("ip", "link", "set", self.root_dev[r], "up")
-            _ip("ip", "addr", "add", f"{self.addr(r)}/24", "dev", self.ns_dev[r], ns=ns)
-            _ip("ip", "link", "set", self.ns_dev[r], "up", ns=ns)
-            _ip("ip", "link", "set", "lo", "up", ns=ns)
-            _ip("ip", "route", "add", "default", "via", self.host(r), ns=ns)
-
-    def shape(self, rates: list[float | None]) -> None:
-        """Both ends of learner r's veth at rates[r] bits/s (None: unshaped)."""
-        for r, rate in enumerate(rates):
-            for dev, ns in ((self.root_dev[r], None), (self.ns_dev[r], self.ns[r])):
-                cmd = ["tc", "qdisc", "del", "dev", dev, "root"]
-                subprocess.run((["ip", "netns", "exec", ns] if ns else []) + cmd,
-                               capture_output=True)
-                if rate is not None:
-                    # The bucket must hold at least a tick's worth of bytes (rate / HZ) or
-                    # tbf cannot reach the rate; 64 kB is enough up to ~100 Mbit/s.
-                    burst = max(64 * 1024, int(rate / 8 / 100))
-                    _ip("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
-                        f"{int(rate)}bit", "burst", str(burst), "latency", "2s", ns=ns)
-
-    def counters(self) -> list[int]:
-        """Bytes through each learner's link so far: rx + tx of its root-side veth."""
-        out = []
-        for dev in self.root_dev:
-            stats = Path("/sys/class/net") / dev / "statistics"
-            out.append(int((stats / "rx_bytes").read_text())
-                       + int((stats / "tx_bytes").read_text()))
-        return out
-
-    def split_counters(self) -> list[tuple[int, int]]:
-        """(up, down) per learner: what the root side received from it and sent to it."""
-        out = []
-        for dev in self.root_dev:
-            stats = Path("/sys/class/net") / dev / "statistics"
-            out.append((int((stats / "rx_bytes").read_text()),
-                        int((stats / "tx_bytes").read_text())))
-        return out
-
-    def close(self) -> None:
-        for kind, name in reversed(self.made):
-            if kind == "dev":
-                subprocess.run(["ip", "link", "del", name], capture_output=True)
-            else:
-                subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        self.made.clear()
-        if self.forward_was is not None:
-            Path("/proc/sys/net/ipv4/ip_forward").write_text(self.forward_was)
-            self.forward_was = None
-
-    def leftovers(self) -> list[str]:
-        """Namespaces and links of this run still present (none after `close()`)."""
-        ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-        mine = re.compile(rf"{self.tag}(?:-ns|r|n)\d+")
-        return sorted(set(mine.findall(ns + links)))
 
 
 # -- workers (one process per learner, in its namespace) ----------------------------------
@@ -448,23 +312,9 @@ def _gradientmail_worker(spec: dict[str, Any], s: conv.Settings, model: Any, opt
 def _s3_server() -> Iterator[int]:
     """moto's S3 server on every address of the root namespace (each learner reaches it at
     its link's root-side address); yields its port."""
-    import logging
-
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
-                      AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
-    server = ThreadedMotoServer(ip_address="0.0.0.0", port=0, verbose=False)
-    server.start()
-    try:
-        port = int(server.get_host_and_port()[1])
-        boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}").create_bucket(
-            Bucket=BUCKET)
+    os.environ.update(CREDENTIALS)
+    with s3_server(BUCKET) as port:
         yield port
-    finally:
-        server.stop()
 
 
 @contextlib.contextmanager
@@ -480,26 +330,10 @@ def _lighthouse(m: int) -> Iterator[int]:
         server.shutdown()
 
 
-@contextlib.contextmanager
-def _standalone_closer(name: str, port: int, poll: float, out: Path) -> Iterator[None]:
+def _standalone_closer(name: str, port: int, poll: float,
+                       out: Path) -> contextlib.AbstractContextManager[None]:
     """`gradientmail sync` in the root namespace, on the bucket's own machine."""
-    env = dict(os.environ, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
-               AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
-    with out.open("w") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gradientmail.app.cli", "sync", f"s3://{BUCKET}/{name}",
-             "--endpoint-url", f"http://127.0.0.1:{port}", "--poll-interval", str(poll),
-             "--closer-id", "sync-next-to-bucket"], stdout=f, stderr=subprocess.STDOUT,
-            env=env, start_new_session=True)
-    try:
-        yield
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    return standalone_closer(f"s3://{BUCKET}/{name}", f"http://127.0.0.1:{port}", poll, out)
 
 
 def _launch(specs: list[dict[str, Any]], links: Links, workdir: Path,

@@ -10,6 +10,7 @@
     gradientmail export URL --hf DIR (--config RECIPE.yaml | --n-head N)
     gradientmail sweep URL [--keep N]
     gradientmail demo [--learners N] [--steps S] [--slow F] [--outlier-factor K] ...
+    gradientmail demo --link 20mbit [...]       # as root: learners behind shaped links
 
 URL is a mailbox URL (`s3://bucket/prefix`, `file:///dir`, or a plain path). For S3,
 `--endpoint-url` names a MinIO/R2/moto endpoint; without it boto3 reads `AWS_ENDPOINT_URL`
@@ -476,7 +477,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 def demo_config(args: argparse.Namespace) -> Any:
     """The `DemoConfig` that `gradientmail demo ARGS` runs."""
-    from gradientmail.app.demo import DemoConfig
+    from gradientmail.app.demo import LINK_DEFAULTS, DemoConfig
 
     options: dict[str, Any] = {
         k: v for k, v in (("learners", args.learners), ("steps", args.steps),
@@ -484,6 +485,8 @@ def demo_config(args: argparse.Namespace) -> Any:
     }
     if args.outlier_factor is not None:
         options["diloco"] = (("outlier_factor", args.outlier_factor),)
+    if args.link is not None:
+        options = {**LINK_DEFAULTS, **options, "link": args.link}
     return DemoConfig(mailbox=args.mailbox, data=args.data, **options)
 
 
@@ -633,12 +636,18 @@ def build_parser() -> argparse.ArgumentParser:
                        "GPT-2 through a local directory mailbox, twice on the same token "
                        "budget: as standard DiLoCo (a barrier each round) and as Decoupled "
                        "DiLoCo (no barrier); prints each run's held-out loss and the "
-                       "wall-clock time it took to reach standard DiLoCo's.")
+                       "wall-clock time it took to reach standard DiLoCo's. With --link, "
+                       "every learner runs in its own network namespace behind a link "
+                       "of that rate to an S3 bucket (moto's server, in the root namespace) "
+                       "and the runs are standard DiLoCo closed by a learner, standard "
+                       "DiLoCo closed by `gradientmail sync` next to the bucket, and "
+                       "Decoupled DiLoCo; it needs root (or CAP_NET_ADMIN), iproute2 and "
+                       "the dev extra's moto.")
     p.add_argument("--learners", type=_positive_int, default=None, metavar="N",
                    help="learner processes (default 4)")
     p.add_argument("--steps", type=_positive_int, default=None, metavar="S",
                    help="optimizer steps per learner of standard DiLoCo; each run trains "
-                   "N x S steps in all (default 160)")
+                   "N x S steps in all (default 160; 128 with --link)")
     p.add_argument("--slow", type=float, default=None, metavar="F",
                    help="the last learner's steps take F times as long (default 2; 1: all "
                    "alike)")
@@ -650,6 +659,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--outlier-factor", type=float, default=None, metavar="K",
                    help="drop contributions whose delta norm exceeds K times the round's "
                    "median (DiLoCo's outlier_factor; default: keep every contribution)")
+    p.add_argument("--link", default=None, metavar="RATE",
+                   help="put every learner behind a link of RATE both ways (20mbit, "
+                   "100mbit, 1gbit or none: unshaped); with it --slow defaults to 1 and "
+                   "--steps to 128")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_demo)
     return parser
