@@ -444,7 +444,7 @@ def test_status_and_export_on_s3_with_an_endpoint_option_or_the_environment(
 
 def test_demo_takes_the_outlier_factor(capsys: pytest.CaptureFixture[str]) -> None:
     from gradientmail.app.cli import build_parser, demo_config
-    from gradientmail.app.demo import _algorithm
+    from gradientmail.app.demo_runs import _algorithm
 
     args = build_parser().parse_args(["demo", "--learners", "2", "--outlier-factor", "3.5"])
     for system in ("standard", "decoupled"):

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from gradientmail.app.cli import main
-from gradientmail.app.demo import DemoConfig, run_demo
+from gradientmail.app.demo import run_demo
+from gradientmail.app.demo_runs import DemoConfig
 from gradientmail.errors import ConfigError
 
 

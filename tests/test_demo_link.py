@@ -25,8 +25,9 @@ import pytest
 
 from gradientmail.app import links
 from gradientmail.app.cli import build_parser, demo_config, main
-from gradientmail.app.demo import LINK_SYSTEMS, SYSTEMS, DemoConfig, _Job, _table, run_demo
+from gradientmail.app.demo import _table, run_demo
 from gradientmail.app.demo_link import job_from_spec, job_spec, take_from_file
+from gradientmail.app.demo_runs import LINK_SYSTEMS, SYSTEMS, DemoConfig, _Job
 from gradientmail.app.links import Links, parse_rate, requirements_error
 from gradientmail.errors import ConfigError
 

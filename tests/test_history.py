@@ -23,7 +23,8 @@ from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.algorithms.schedule import Estimates, RoundSchedule
 from gradientmail.app.cli import main
-from gradientmail.app.demo import DemoConfig, run_demo
+from gradientmail.app.demo import run_demo
+from gradientmail.app.demo_runs import DemoConfig
 from gradientmail.app.history import (
     COLUMNS,
     history_rows,

@@ -477,7 +477,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 def demo_config(args: argparse.Namespace) -> Any:
     """The `DemoConfig` that `gradientmail demo ARGS` runs."""
-    from gradientmail.app.demo import LINK_DEFAULTS, DemoConfig
+    from gradientmail.app.demo_runs import LINK_DEFAULTS, DemoConfig
 
     options: dict[str, Any] = {
         k: v for k, v in (("learners", args.learners), ("steps", args.steps),

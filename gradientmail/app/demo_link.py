@@ -32,7 +32,7 @@ import types
 from pathlib import Path
 from typing import IO, Any, TextIO
 
-from gradientmail.app.demo import LINK_LABELS, DemoConfig, Workers, _Job, _run
+from gradientmail.app.demo_runs import LINK_LABELS, DemoConfig, Workers, _Job, _run
 from gradientmail.app.links import CREDENTIALS, Links, parse_rate, s3_server, standalone_closer
 
 __all__ = ["BUCKET", "Site", "job_from_spec", "job_spec", "take_from_file"]

@@ -21,8 +21,8 @@ __all__ = ["main"]
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the job of the spec file `argv[0]` (a `demo_link.job_spec`); exit status 0."""
-    from gradientmail.app.demo import train
     from gradientmail.app.demo_link import job_from_spec, take_from_file
+    from gradientmail.app.demo_runs import train
 
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
