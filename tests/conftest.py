@@ -11,6 +11,7 @@
 - `no_run_key_from_the_caller` (autouse): unsets `GRADIENTMAIL_RUN_KEY`.
 - `device`: "cpu", then "cuda" (marked `cuda`; skipped "needs a CUDA device" where torch
   sees none), so a test taking it checks the same outcomes on a GPU's tensors.
+- `corpus`: a few standard-library modules as one local text file (the demo's data).
 
 Tests drive mailboxes with `asyncio.run(...)`; mailboxes hold no event-loop state.
 """
@@ -21,6 +22,7 @@ import asyncio
 import logging
 import os
 import secrets
+import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -129,3 +131,15 @@ def device(request: pytest.FixtureRequest) -> str:
         if not torch.cuda.is_available():
             pytest.skip("needs a CUDA device")
     return str(request.param)
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    """A few standard-library modules as one text file: real text, small and local (the
+    demo's and the recipes' data without a download)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    text = "\n".join((stdlib / name).read_text() for name in ("textwrap.py", "bisect.py",
+                                                               "heapq.py", "shlex.py"))
+    path = tmp_path / "corpus.txt"
+    path.write_text(text * 3)
+    return path

@@ -6,7 +6,6 @@ import io
 import json
 import math
 import os
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -15,17 +14,6 @@ from gradientmail.app.cli import main
 from gradientmail.app.demo import run_demo
 from gradientmail.app.demo_runs import DemoConfig
 from gradientmail.errors import ConfigError
-
-
-@pytest.fixture
-def corpus(tmp_path: Path) -> Path:
-    """A few standard-library modules as one text file: real text, small and local."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    text = "\n".join((stdlib / name).read_text() for name in ("textwrap.py", "bisect.py",
-                                                               "heapq.py", "shlex.py"))
-    path = tmp_path / "corpus.txt"
-    path.write_text(text * 3)
-    return path
 
 
 @pytest.fixture(autouse=True)

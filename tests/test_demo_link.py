@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import sysconfig
 import threading
 from pathlib import Path
 
@@ -177,15 +176,6 @@ def test_links_name_everything_after_this_process() -> None:
 
 # -- end to end --------------------------------------------------------------------------
 
-
-@pytest.fixture
-def corpus(tmp_path: Path) -> Path:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    text = "\n".join((stdlib / name).read_text() for name in ("textwrap.py", "bisect.py",
-                                                               "heapq.py", "shlex.py"))
-    path = tmp_path / "corpus.txt"
-    path.write_text(text * 3)
-    return path
 
 
 @pytest.mark.slow
