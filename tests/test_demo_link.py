@@ -200,6 +200,11 @@ def test_demo_behind_20mbit_links(corpus: Path, tmp_path: Path,
         assert sum(runs[system]["closers"].values()) == 2
     assert sum(runs["decoupled"]["steps_per_learner"]) == 16
     assert runs["decoupled"]["rounds_committed"] >= 1
+    # The runs beside a standalone closer: it closes their rounds (a learner's closer only
+    # after a backup's head start, which these few steps never give it).
+    for system in ("standard-closer", "decoupled"):
+        assert runs[system]["closers"] == {"sync-next-to-bucket": runs[system][
+            "rounds_committed"]}, (system, runs[system]["closers"])
     for system, r in runs.items():
         assert math.isfinite(r["eval_loss"]), system
         assert 1 <= sum(r["closers"].values()) <= r["rounds_committed"]

@@ -32,7 +32,14 @@ import types
 from pathlib import Path
 from typing import IO, Any, TextIO
 
-from gradientmail.app.demo_runs import LINK_LABELS, DemoConfig, Workers, _Job, _run
+from gradientmail.app.demo_runs import (
+    CLOSED_NEXT_TO_THE_BUCKET,
+    LINK_LABELS,
+    DemoConfig,
+    Workers,
+    _Job,
+    _run,
+)
 from gradientmail.app.links import CREDENTIALS, Links, parse_rate, s3_server, standalone_closer
 
 __all__ = ["BUCKET", "Site", "job_from_spec", "job_spec", "take_from_file"]
@@ -175,7 +182,7 @@ class Site:
         """One run of `system` behind the links; `_run`'s row plus `link_bytes_per_learner`
         and `link_up_down` (what the root side received from / sent to each learner)."""
         with contextlib.ExitStack() as stack:
-            if system == "standard-closer":
+            if system in CLOSED_NEXT_TO_THE_BUCKET:
                 stack.enter_context(standalone_closer(
                     f"{self.root}/{system}", self.endpoint, 0.2,
                     self.workdir / f"{system}-closer.log"))

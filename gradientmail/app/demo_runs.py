@@ -31,12 +31,17 @@ LABELS = {
     "standard": "standard DiLoCo (a barrier each round)",
     "decoupled": "Decoupled DiLoCo (quorum 1, 2 fragments)",
 }
-#: Behind links the closer's place is what tells the standard runs apart.
+#: Behind links the closer's place is what tells the standard runs apart; Decoupled runs
+#: as the README advises between sites, beside a standalone closer (closed by a learner,
+#: each round's closer pulls the other deltas through its own link: at 20 Mbit/s the
+#: rounds fall behind learners that step as fast as the demo's).
 LINK_LABELS = {
     "standard": "standard DiLoCo, closed by a learner",
     "standard-closer": "standard DiLoCo, closer next to the bucket",
-    "decoupled": LABELS["decoupled"],
+    "decoupled": "Decoupled DiLoCo, closer next to the bucket",
 }
+#: The runs behind links that a `gradientmail sync` next to the bucket closes.
+CLOSED_NEXT_TO_THE_BUCKET = frozenset({"standard-closer", "decoupled"})
 #: What `gradientmail demo --link` changes in the defaults: every learner alike (the link is
 #: what it shows), and fewer steps, for three runs in about the time of the demo's two.
 LINK_DEFAULTS: dict[str, Any] = {"slow": 1.0, "steps": 128}

@@ -15,6 +15,7 @@ Names carry this process's pid; `Links.close()` removes everything it made.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 import os
@@ -23,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -249,7 +251,9 @@ def s3_server(bucket: str, host: str = "0.0.0.0") -> Iterator[int]:
 def standalone_closer(url: str, endpoint: str, poll: float, out: Path,
                       closer_id: str = "sync-next-to-bucket") -> Iterator[None]:
     """`gradientmail sync URL` as a process of this namespace (next to the bucket), its
-    output in `out`; interrupted (SIGINT, then killed after 30 s) on leaving."""
+    output in `out`; entered once its lease is in the bucket (so learners that join next
+    see it from their first look, and leave it the rounds from the first one);
+    interrupted (SIGINT, then killed after 30 s) on leaving."""
     env = dict(os.environ, **CREDENTIALS)
     with out.open("w") as f:
         proc = subprocess.Popen(
@@ -257,6 +261,7 @@ def standalone_closer(url: str, endpoint: str, poll: float, out: Path,
              endpoint, "--poll-interval", str(poll), "--closer-id", closer_id],
             stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
+        _await_lease(url, endpoint, closer_id, proc, out)
         yield
     finally:
         proc.send_signal(signal.SIGINT)
@@ -265,3 +270,30 @@ def standalone_closer(url: str, endpoint: str, poll: float, out: Path,
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+#: Seconds a standalone closer may take to start and beat its lease.
+CLOSER_START_TIMEOUT = 60.0
+
+
+def _await_lease(url: str, endpoint: str, closer_id: str, proc: subprocess.Popen[bytes],
+                 out: Path) -> None:
+    """Wait until `closer_id`'s lease is under `url`'s `closers/`; RuntimeError (with its
+    output) when the process ends first or CLOSER_START_TIMEOUT passes."""
+    from gradientmail.mailbox.url import open_mailbox
+
+    async def look() -> None:
+        box = open_mailbox(url, read_only=True, endpoint_url=endpoint)
+        try:
+            deadline = time.monotonic() + CLOSER_START_TIMEOUT
+            while not await box.list(f"closers/{closer_id}/"):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    why = (f"exited with status {proc.returncode}" if proc.poll() is not None
+                           else f"held no lease after {CLOSER_START_TIMEOUT:.0f} s")
+                    raise RuntimeError(f"the standalone closer {closer_id} {why}:\n"
+                                       + out.read_text()[-2000:])
+                await asyncio.sleep(0.1)
+        finally:
+            await box.close()
+
+    asyncio.run(look())
