@@ -14,9 +14,9 @@ With `link` (`--link 20mbit`) the learners are sites behind slow links instead: 
 in its own network namespace behind a veth shaped to that rate both ways, the mailbox is
 an S3 bucket (moto's server in the root namespace, unshaped), and the runs are standard
 DiLoCo closed by its learners, standard DiLoCo closed by `gradientmail sync` next to the
-bucket, and Decoupled DiLoCo beside that closer (`LINK_SYSTEMS`); the table adds the bytes that crossed each
-learner's link. That needs root (or CAP_NET_ADMIN) and the `dev` extra's moto
-(`gradientmail.app.demo_link`).
+bucket, and Decoupled DiLoCo beside that closer (`LINK_SYSTEMS`); the table adds the
+bytes that crossed each learner's link. That needs root (or CAP_NET_ADMIN) and the `dev`
+extra's moto (`gradientmail.app.demo_link`).
 
 The settings (`DemoConfig`) and the training of one run are in `gradientmail.app.demo_runs`.
 torch and transformers are imported inside the functions: `import gradientmail.app.demo` is
