@@ -278,15 +278,18 @@ CLOSER_START_TIMEOUT = 60.0
 
 def _await_lease(url: str, endpoint: str, closer_id: str, proc: subprocess.Popen[bytes],
                  out: Path) -> None:
-    """Wait until `closer_id`'s lease is under `url`'s `closers/`; RuntimeError (with its
-    output) when the process ends first or CLOSER_START_TIMEOUT passes."""
+    """Wait until `closer_id` holds a lease among `url`'s standalone closers; RuntimeError
+    (with its output) when the process ends first or CLOSER_START_TIMEOUT passes."""
     from gradientmail.mailbox.url import open_mailbox
+    from gradientmail.run.lease import CLOSERS
+    from gradientmail.run.protocol import Exchange
 
     async def look() -> None:
         box = open_mailbox(url, read_only=True, endpoint_url=endpoint)
         try:
+            ex = Exchange(box)
             deadline = time.monotonic() + CLOSER_START_TIMEOUT
-            while not await box.list(f"closers/{closer_id}/"):
+            while closer_id not in await ex.leases(CLOSERS):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     why = (f"exited with status {proc.returncode}" if proc.poll() is not None
                            else f"held no lease after {CLOSER_START_TIMEOUT:.0f} s")
