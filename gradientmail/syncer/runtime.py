@@ -46,7 +46,7 @@ from gradientmail.run.protocol import Exchange, check_delta
 from gradientmail.run.replica import Replica, theta_digest
 from gradientmail.syncer.caller import RollCaller
 from gradientmail.syncer.merging import merge_round, screen_round
-from gradientmail.syncer.standalone import Awaiting, CloserLease, arrived
+from gradientmail.syncer.standalone import Awaiting, CloserLease, Prefetcher, arrived
 from gradientmail.syncer.state import (
     PollDecision,
     PollView,
@@ -190,6 +190,8 @@ class Syncer:
         self._paces: dict[str, float] = {}
         self._open = _Open(0, self.clock.now())
         self._awaiting: Awaiting | None = None
+        # A standalone closer downloads each delta of its open round as it arrives.
+        self._prefetch = None if embedded else Prefetcher(exchange)
         self.rounds_closed = 0
 
     # -- loop ---------------------------------------------------------------------------
@@ -218,6 +220,8 @@ class Syncer:
                     self.on_event(PollFailed(self.closer_id, repr(exc)))
                 await self._between_polls(stop)
         finally:
+            if self._prefetch is not None:
+                self._prefetch.close()
             if beats is not None:
                 await beats.release()
 
@@ -313,6 +317,12 @@ class Syncer:
         for learner, t in self._noted.pop(r, {}).items():
             o.first_seen[learner] = min(o.first_seen.get(learner, t), t)
         alg = self._alg()
+        if self._prefetch is not None:
+            assert self._manifest is not None
+            self._prefetch.open(r, self._manifest.schema,
+                                self._manifest.plan[self._sch().fragment_of(r)])
+            for learner in sorted(o.first_seen.keys() - {self.closer_id}):  # its own: in memory
+                self._prefetch.start(learner)
         grace = alg.grace_window(self._estimates(), self._sch(), r, self.poll_interval)
         view = PollView(r, now, self.closer_id, dict(o.first_seen), live, dict(self._paces),
                         alg.quorum_size, grace, preferred, self.embedded, self.backup_every,
@@ -369,7 +379,8 @@ class Syncer:
             looks += 1
             delay = poll_delay(self.poll_interval, looks, self.exchange.mailbox.metered)
             await sleep_unless(self.clock, min(delay, end - now), stop)
-            if await arrived(self.exchange, aw.round, aw.missing[(looks - 1) % len(aw.missing)]):
+            if await arrived(self.exchange, aw.round, aw.missing[(looks - 1) % len(aw.missing)],
+                             self._prefetch):
                 return
 
     async def _claim(self, r: int, now: float, watch: RoundWatch, decision: PollDecision,
@@ -494,6 +505,8 @@ class Syncer:
                 self._paces[p.learner] = p.step_seconds
         self._open = _Open(rec.round + 1, self.clock.now())
         self._awaiting = None
+        if self._prefetch is not None:
+            self._prefetch.close()
 
     async def _fragment_state(self, fragment: int) -> FragmentState:
         assert self._replica is not None
@@ -660,14 +673,18 @@ class Syncer:
 
     async def _delta(self, r: int, snap: SnapshotRecord, offer: _Offer | None, schema: Schema,
                      names: Sequence[str]) -> dict[str, DeltaTensor] | None:
-        """The delta of `snap`: an offered one (never uploaded) or this learner's own from
-        memory, else the stored payload (None if swept)."""
+        """The delta of `snap`: an offered one (never uploaded), this learner's own from
+        memory, or one downloaded as it arrived, else the stored payload (None if swept)."""
         own = self._own.get(r)
         if offer is not None and snap is offer.draft:
             return dict(check_delta(offer.tensors, snap, schema, names))
         if own is not None and snap.learner == self.closer_id and snap.payload is not None \
                 and own[0] == snap.payload.sha256:
             return dict(check_delta(own[1], snap, schema, names))
+        if self._prefetch is not None:
+            fetched, delta = await self._prefetch.take(snap)
+            if fetched:
+                return delta
         return await self.exchange.fetch_delta(snap, schema, names)
 
 

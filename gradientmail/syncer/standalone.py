@@ -7,21 +7,28 @@ learner that closes a round pulls every other contribution down through it (20 M
 learners: a standard round's barrier 5.4 s against 2.0 s for torchft's allreduce on the
 same links). A closer next to the bucket takes that off every learner's link; looking
 for the last arrivals every 20-50 ms (a GET each) closes a round within moments of them,
-not a poll interval later.
+not a poll interval later; and it downloads each contribution's delta as soon as it sees
+the record (`Prefetcher`), so closing waits for the last one only.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
+from collections.abc import Sequence
 
 from gradientmail.clock import Clock
 from gradientmail.errors import GradientmailError, RemoteProtocolError
 from gradientmail.events import EventSink, PollFailed
 from gradientmail.run.lease import CLOSERS
 from gradientmail.run.protocol import Exchange
+from gradientmail.wire.records import SnapshotRecord
+from gradientmail.wire.row_pieces import DeltaTensor
+from gradientmail.wire.serialization import Schema
 
-__all__ = ["BEAT_EVERY", "JUDGED_AFTER", "Awaiting", "CloserLease", "arrived", "closer_timeout"]
+__all__ = ["BEAT_EVERY", "JUDGED_AFTER", "Awaiting", "CloserLease", "Prefetcher", "arrived",
+           "closer_timeout"]
 
 #: Seconds between a standalone closer's beats (at most: half its lease timeout when that
 #: is shorter). Learners judge it by their own lease timeout, which it does not know: the
@@ -85,13 +92,101 @@ class Awaiting:
     since: float
 
 
-async def arrived(exchange: Exchange, round_: int, learner: str) -> bool:
+async def arrived(exchange: Exchange, round_: int, learner: str,
+                  prefetch: Prefetcher | None = None) -> bool:
     """Whether `learner` has a contribution record in `round_` (one GET), or something the
     next poll must look at (a record that does not read); False while the store fails
-    (the next poll reports it)."""
+    (the next poll reports it). A record found is handed to `prefetch`."""
     try:
-        return await exchange.contribution(round_, learner) is not None
+        snap = await exchange.contribution(round_, learner)
     except RemoteProtocolError:
         return True
     except (GradientmailError, OSError):
         return False
+    if snap is not None and prefetch is not None:
+        prefetch.start(learner, snap)
+    return snap is not None
+
+
+_Fetched = tuple[SnapshotRecord, dict[str, DeltaTensor] | None] | None
+
+
+class Prefetcher:
+    """The open round's deltas, each downloaded as soon as its contribution is seen.
+
+    A standalone closer's round waits for every learner it awaits; downloading the deltas
+    only once the last one is in puts all of them and the merge between the last upload
+    and the commit every learner waits for (100 Mbit/s, M = 4: closing added 0.17 s to a
+    round's two transfers, half of it reading deltas back). Fetched as they arrive, closing
+    reads only what came last.
+
+    What `take` gives is what `Exchange.fetch_delta` gives at closing time for the same
+    record (records are written once, payloads verified against them); a fetch that
+    failed, found nothing, or read another record than the one closing is given is not
+    used: the closer fetches that one itself. One round's deltas at most are held:
+    `open` of another round, and `close`, drop the rest.
+    """
+
+    def __init__(self, exchange: Exchange) -> None:
+        self._ex = exchange
+        self._round = -1
+        self._schema: Schema | None = None
+        self._names: tuple[str, ...] = ()
+        self._tasks: dict[str, asyncio.Task[_Fetched]] = {}
+
+    def open(self, round_: int, schema: Schema, names: Sequence[str]) -> None:
+        """Keep the deltas of `round_`, whose fragment holds `names`."""
+        if round_ != self._round:
+            self.close()
+            self._round, self._schema, self._names = round_, schema, tuple(names)
+
+    def close(self) -> None:
+        """Cancel and drop every fetch."""
+        for task in self._tasks.values():
+            task.cancel()
+        self._tasks = {}
+        self._schema = None
+
+    def start(self, learner: str, snap: SnapshotRecord | None = None) -> None:
+        """Download `learner`'s delta for the open round in the background, reading its
+        record first unless given; once per learner and round."""
+        if self._schema is None or learner in self._tasks or (
+                snap is not None and snap.round != self._round):
+            return
+        task = asyncio.get_running_loop().create_task(self._fetch(learner, snap))
+        task.add_done_callback(_retrieved)
+        self._tasks[learner] = task
+
+    async def _fetch(self, learner: str, snap: SnapshotRecord | None) -> _Fetched:
+        assert self._schema is not None
+        schema, names = self._schema, self._names
+        if snap is None:
+            snap = await self._ex.contribution(self._round, learner)
+            if snap is None:
+                return None
+        return snap, await self._ex.fetch_delta(snap, schema, names)
+
+    async def take(self, snap: SnapshotRecord) -> tuple[bool, dict[str, DeltaTensor] | None]:
+        """(True, `snap`'s delta) when it was downloaded here (waiting for it while in
+        flight); (False, None) when the caller must fetch it itself."""
+        task = self._tasks.get(snap.learner)
+        if task is None or snap.round != self._round:
+            return False, None
+        try:
+            got = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled():
+                return False, None
+            raise
+        except (GradientmailError, OSError):
+            return False, None
+        if got is None or got[0] != snap or got[1] is None:
+            return False, None
+        return True, got[1]
+
+
+def _retrieved(task: asyncio.Task[_Fetched]) -> None:
+    """A failed fetch nobody takes is no error (closing fetches again): retrieve it so
+    asyncio does not report it as never retrieved."""
+    if not task.cancelled():
+        task.exception()

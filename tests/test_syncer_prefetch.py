@@ -1,0 +1,136 @@
+"""A standalone closer downloads each delta of its open round as soon as it sees the
+contribution (`gradientmail.syncer.standalone.Prefetcher`), so that closing a round reads
+only what arrived last; what it commits is byte for byte what a closer that fetched
+everything at closing time commits."""
+
+from __future__ import annotations
+
+import asyncio
+
+from test_syncer import Run, algorithm, fingerprint
+
+from gradientmail.mailbox import Mailbox, MemoryMailbox
+from gradientmail.mailbox.wrappers import FaultPlan, FaultyMailbox
+from gradientmail.syncer.runtime import Syncer
+from gradientmail.syncer.standalone import Prefetcher
+from gradientmail.syncer.state import preferred_closer
+
+LIVE = frozenset({"a", "b", "c"})
+
+
+class Logged(FaultyMailbox):
+    """Records the key of every full read."""
+
+    def __init__(self, inner: Mailbox, plan: FaultPlan | None = None) -> None:
+        super().__init__(inner, plan or FaultPlan())
+        self.gets: list[str] = []
+
+    async def get(self, key: str) -> bytes | None:
+        self.gets.append(key)
+        return await super().get(key)
+
+    def payloads(self) -> list[str]:
+        return sorted(k for k in self.gets if k.startswith("payloads/"))
+
+
+def fresh(name: str) -> MemoryMailbox:
+    MemoryMailbox.forget(name)
+    return MemoryMailbox(name)
+
+
+async def settle(s: Syncer) -> None:
+    """Let the closer's background downloads finish (each is a few awaits on memory)."""
+    for _ in range(50):
+        await asyncio.sleep(0)
+
+
+def test_a_standalone_closer_reads_only_the_last_delta_when_it_closes() -> None:
+    async def main() -> None:
+        early, late = fresh("prefetch-early"), fresh("prefetch-late")
+        runs = [Run(early, algorithm(fragments=1, quorum_size=3)),
+                Run(late, algorithm(fragments=1, quorum_size=3))]
+        for r in runs:
+            await r.create()
+            await r.contribute(0, "a")
+            await r.contribute(0, "b")
+        logged = Logged(early)
+        s = runs[0].syncer(mailbox=logged)
+        assert not await s.poll(live=LIVE)
+        await settle(s)
+        assert logged.payloads() == ["payloads/0000000000/a.safetensors",
+                                     "payloads/0000000000/b.safetensors"]
+        logged.gets.clear()
+        await runs[0].contribute(0, "c")
+        assert await s.poll(live=LIVE)
+        assert logged.payloads() == ["payloads/0000000000/c.safetensors"]
+
+        # The same contributions closed by a closer that saw them all at once.
+        await runs[1].contribute(0, "c")
+        assert await runs[1].syncer().poll(live=LIVE)
+        done = [await r.records() for r in runs]
+        assert [p.learner for p in done[0][0].participants] == ["a", "b", "c"]
+        assert fingerprint(done[0]) == fingerprint(done[1])
+
+    asyncio.run(main())
+
+
+def test_a_download_that_failed_early_is_made_again_when_the_round_closes() -> None:
+    async def main() -> None:
+        box = fresh("prefetch-fails")
+        r = Run(box, algorithm(fragments=1, quorum_size=3))
+        await r.create()
+        await r.contribute(0, "a")
+        await r.contribute(0, "b")
+        logged = Logged(box, FaultPlan().fail("get", "payloads/*/b.*", times=1))
+        s = r.syncer(mailbox=logged)
+        assert not await s.poll(live=LIVE)
+        await settle(s)
+        await r.contribute(0, "c")
+        assert await s.poll(live=LIVE)
+        (rec,) = await r.records()
+        assert [p.learner for p in rec.participants] == ["a", "b", "c"] and rec.dropped == ()
+        assert logged.payloads().count("payloads/0000000000/b.safetensors") == 2
+
+    asyncio.run(main())
+
+
+def test_downloads_of_a_round_that_closed_are_dropped() -> None:
+    async def main() -> None:
+        box = fresh("prefetch-drop")
+        r = Run(box, algorithm(fragments=1, quorum_size=2))
+        manifest = await r.create()
+        snap = await r.contribute(0, "a")
+        p = Prefetcher(r.ex)
+        p.open(0, manifest.schema, manifest.plan[0])
+        p.start("a")
+        fetched, delta = await p.take(snap)
+        assert fetched and delta is not None and sorted(delta) == sorted(manifest.plan[0])
+        p.open(1, manifest.schema, manifest.plan[0])
+        assert await p.take(snap) == (False, None)
+        # A record that is not the one downloaded is fetched by the closer itself.
+        p.open(0, manifest.schema, manifest.plan[0])
+        p.start("a")
+        other = await r.contribute(1, "a")
+        assert await p.take(other) == (False, None)
+        p.close()
+
+    asyncio.run(main())
+
+
+def test_an_embedded_closer_does_not_download_ahead() -> None:
+    async def main() -> None:
+        box = fresh("prefetch-embedded")
+        r = Run(box, algorithm(fragments=1, quorum_size=3))
+        await r.create()
+        await r.contribute(0, "b")
+        await r.contribute(0, "c")
+        logged = Logged(box)
+        # The round's preferred closer: it lists the round and sees b and c.
+        assert preferred_closer(0, LIVE) == "a"
+        s = r.syncer("a", mailbox=logged, embedded=True)
+        assert not await s.poll(live=LIVE)
+        await settle(s)
+        assert s.publishers_seen(0) == {"b", "c"}
+        assert logged.payloads() == []
+
+    asyncio.run(main())
