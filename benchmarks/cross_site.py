@@ -93,10 +93,10 @@ __all__ = ["PRESETS", "SYSTEMS", "Links", "main", "parse_rate", "run_system"]
 
 HERE = Path(__file__).resolve().parent
 SYSTEMS = ("ddp", "torchft", "standard", "standard-closer", "decoupled", "decoupled-f4",
-           "decoupled-mean")
+           "decoupled-mean", "standard-closer-zstd")
 #: Systems run only when named (`--systems`): what they measure is a question, not a row of
 #: the default comparison.
-OPT_IN = frozenset({"decoupled-mean"})
+OPT_IN = frozenset({"decoupled-mean", "standard-closer-zstd"})
 LABELS = {
     "ddp": "DDP-equivalent (gloo allreduce of gradients every step)",
     "torchft": "torchft 0.2.0 DiLoCo (lighthouse + Manager per site)",
@@ -105,6 +105,7 @@ LABELS = {
     "decoupled": "gradientmail Decoupled defaults (P=2)",
     "decoupled-f4": "gradientmail Decoupled, F4 deltas + commits, zstd",
     "decoupled-mean": "gradientmail Decoupled defaults with merge=WeightedMean()",
+    "standard-closer-zstd": "gradientmail standard DiLoCo, closer next to the bucket, zstd",
 }
 PRESETS: dict[str, conv.Settings] = {
     "full": vt.BASE,
@@ -247,7 +248,7 @@ def _torchft_worker(spec: dict[str, Any], s: conv.Settings, model: Any, opt: Any
 def _algorithm(system: str, s: conv.Settings) -> Any:
     from gradientmail.algorithms.diloco import DiLoCo
 
-    if system in ("standard", "standard-closer"):
+    if system in ("standard", "standard-closer", "standard-closer-zstd"):
         return DiLoCo.standard(s.sync_every, s.learners)
     if system == "decoupled":
         return DiLoCo(sync_every=s.sync_every, fragments=s.fragments)
@@ -290,7 +291,8 @@ def _gradientmail_worker(spec: dict[str, Any], s: conv.Settings, model: Any, opt
     # The learners keep their embedded closers (the library's default) in every system:
     # beside a live standalone closer they stand by as its backups.
     options = LearnerOptions(poll_interval=spec["poll"],
-                             compression="zstd" if system.endswith("-f4") else "off")
+                             compression="zstd" if system.endswith(("-f4", "-zstd"))
+                             else "off")
     learner = Learner(TorchAdapter(model), _algorithm(system, s), box, f"learner-{rank}",
                       on_event=on_event, options=options)
     learner.start()
@@ -502,7 +504,7 @@ def run_system(run: Run) -> dict[str, Any]:
             port = stack.enter_context(_lighthouse(m))
             for r, spec in enumerate(specs):
                 spec["lighthouse"] = f"http://{run.links.host(r)}:{port}"
-        if system == "standard-closer":
+        if system.startswith("standard-closer"):
             stack.enter_context(_standalone_closer(name, run.s3_port, run.poll,
                                                    run.workdir / f"{name}-closer.out"))
         wall, codes = _launch(specs, run.links, run.workdir, run.timeout)
@@ -557,10 +559,11 @@ def run_system(run: Run) -> dict[str, Any]:
             events = {r: _events(run.workdir / f"{name}-{r}.events") for r in range(m)}
             fragment_bytes = [e["bytes"] for evs in events.values() for e in evs
                               if e["event"] == "SnapshotPublished" and not e.get("held")]
-            if fragment_bytes:
+            if fragment_bytes and not system.endswith("-zstd"):
+                # The floor moves a fragment's F32 bytes: compressed payloads beat it.
                 row["fragment_bytes"] = max(fragment_bytes)
             if config == "standard":
-                if system == "standard-closer":
+                if system.startswith("standard-closer"):
                     events[-1] = closer_events(run.workdir / f"{name}-closer.out")
                 row["breakdown"] = barrier_breakdown(events)
             recorded = {e["round"]: e["participants"] for evs in events.values() for e in evs

@@ -279,6 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--scenarios", default="healthy,slow")
     ap.add_argument("--arms", default="standard,decoupled")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=None,
+                    help="model, data order and batch seed (default: the preset's)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes for CI (seconds)")
     ap.add_argument("--slow-budget", type=float, default=0.8,
                     help="slow: decoupled learners train this share of standard's wall time")
@@ -288,6 +290,8 @@ def main(argv: list[str] | None = None) -> None:
     base = SMOKE if args.smoke else BASE
     if args.steps is not None:
         base = dataclasses.replace(base, steps=args.steps)
+    if args.seed is not None:
+        base = dataclasses.replace(base, seed=args.seed)
     ms = [int(m) for m in args.learners.split(",")]
     scenarios = args.scenarios.split(",")
     arms = args.arms.split(",")
