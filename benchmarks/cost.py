@@ -16,8 +16,8 @@ and counts only that learner's requests, through a CountingMailbox:
   the standalone closers' leases (`closers/`) per lease period, one GET of the roll call
   (`rollcall.json`) every `READ_EVERY` polls, and a beat for each call it answers
   (`gradientmail.run.rollcall.reply`);
-- its embedded closer: the real `Syncer(embedded=True)`, which watches a round closely
-  only when it is the round's preferred closer (1 in N rounds) and closes those rounds
+- its embedded closer: the real `Syncer` with the learner as its `Host`, which watches a
+  round closely only when it is the round's preferred closer (1 in N rounds) and closes those rounds
   (claim, contributions, step, record, sweep; theta and outer state every 20 versions),
   and calls the roll when a round waits short of its quorum (never here: quorum 1; the
   `calls/h` column counts the calls it answered or made);
@@ -59,7 +59,8 @@ from gradientmail.mailbox.wrappers import CountingMailbox, RequestCounts
 from gradientmail.run.lease import CLOSERS, LeaseTracker
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.rollcall import READ_EVERY, Call, reply
-from gradientmail.syncer.runtime import Syncer
+from gradientmail.syncer.hosted import Host
+from gradientmail.syncer.runtime import CloserSettings, Syncer
 from gradientmail.syncer.state import preferred_closer
 from gradientmail.wire.records import Manifest
 from gradientmail.wire.serialization import Schema, TensorBytes
@@ -100,11 +101,10 @@ async def simulate(learners: int, seconds: float, step: float = 1.0, poll: float
     tracker = LeaseTracker(2 * lease_every)
     closers = LeaseTracker(2 * lease_every)  # none runs here; the learner still looks
     made: list[ev.Event] = []  # roll calls its closer made
-    mine = Syncer(counted, closer_id=ME, clock=clock, poll_interval=poll, embedded=True,
-                  exchange=me, leases=tracker,
+    host = Host(ME, tracker, None, clock)
+    mine = Syncer(me, closer_id=ME, settings=CloserSettings(poll_interval=poll), host=host,
                   on_event=lambda e: made.append(e) if isinstance(e, ev.RollCalled) else None)
-    theirs = Syncer(store, closer_id="peer-1", clock=clock, poll_interval=poll,
-                    exchange=them)
+    theirs = Syncer(them, closer_id="peer-1", settings=CloserSettings(poll_interval=poll))
     live = await me.observe_leases(tracker)
 
     async def refresh() -> frozenset[str]:
@@ -178,7 +178,7 @@ async def simulate(learners: int, seconds: float, step: float = 1.0, poll: float
         await mine.poll(live=live, refresh_live=refresh, records=fresh)
         live = tracker.live(clock.now())
         r_open = cursor + 1
-        if mine.publishers_seen(r_open) is None and t >= next_watch:
+        if host.publishers_seen(r_open) is None and t >= next_watch:
             await me.publishers(r_open)
             next_watch = t + (BACKUP_EVERY - 1) * poll * 0.999
         if cycle[ME] < k and (ME, r_open) not in published and into < poll:
@@ -191,11 +191,11 @@ async def simulate(learners: int, seconds: float, step: float = 1.0, poll: float
             tensors = _tensors(plan[frag], 0.02)
             # Offered to its closer first (`Mailman._publish`): one poll, which lists the
             # round; uploaded unless that closed the round on it.
-            taken = mine.offer(draft, tensors)
+            taken = host.offer(draft, tensors)
             await mine.poll(live=live, refresh_live=refresh, records=[])
             if not taken.result():
                 await me.publish_draft(draft, tensors)
-                mine.note_contribution(r_open, ME)
+                host.note(r_open)
         t += poll
         clock.advance(poll)
     return counted.snapshot(), cursor + 1, len(made) + answers

@@ -77,7 +77,7 @@ async def measure(quick: bool, m: int, rounds: int) -> list[tuple[int, float, fl
         if isinstance(e, RoundClosed):
             closed.append(e)
 
-    syncer = Syncer(mailbox, closer_id="closer", on_event=on_event)
+    syncer = Syncer.open(mailbox, closer_id="closer", on_event=on_event)
     manifest = await ex.read_manifest()
     assert manifest is not None
     # An auditor that follows the run: it verifies each round once its record is in.

@@ -95,8 +95,6 @@ def test_a_short_or_mistyped_key_is_refused() -> None:
         Exchange(MemoryMailbox(), seal=PlainSeal(), run_key=KEY)
     with pytest.raises(ConfigError, match="the run key is 3 bytes"):
         Learner(TorchAdapter(make_model()), DiLoCo(4, 2), MemoryMailbox(), "w", run_key="abc")
-    with pytest.raises(ConfigError, match="an exchange or a run_key, not both"):
-        Syncer(MemoryMailbox(), exchange=Exchange(MemoryMailbox()), run_key=KEY)
 
 
 def forged_message(key: str, fp: str = FP) -> str:
@@ -159,7 +157,7 @@ def test_an_exchange_seals_every_record_and_reads_back_only_what_verifies() -> N
         r = AuthRun(mailbox)
         await r.create()
         await r.contribute(0, "a")
-        assert await Syncer(mailbox, run_key=KEY, closer_id="s").poll(live=frozenset({"a"}))
+        assert await Syncer.open(mailbox, run_key=KEY, closer_id="s").poll(live=frozenset({"a"}))
         raw = await mailbox.get(round_key(0))
         assert raw is not None and raw.startswith(b'{"auth":"hmac-sha256","mac":"')
         back = await r.ex.read_round(0)
@@ -397,7 +395,7 @@ def test_a_learner_never_applies_a_forged_commit_and_goes_on_once_it_is_removed(
         # The operator deletes the forgery; a closer holding the key commits round 0 from
         # the learner's contribution, and the learner applies that.
         run(mailbox.delete(round_key(0)))
-        syncer = Syncer(mailbox, run_key=KEY, closer_id="op", on_event=lambda e: None)
+        syncer = Syncer.open(mailbox, run_key=KEY, closer_id="op", on_event=lambda e: None)
         assert run(syncer.poll(live=frozenset({"w0"})))
         deadline = time.monotonic() + 20
         while learner.rounds_seen < 0 and time.monotonic() < deadline:

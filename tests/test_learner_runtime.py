@@ -22,7 +22,7 @@ from gradientmail.mailbox import FaultPlan, FaultyMailbox, Mailbox, MemoryMailbo
 from gradientmail.mailbox.wrappers import CountingMailbox
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
-from gradientmail.syncer.runtime import Syncer
+from gradientmail.syncer.runtime import CloserSettings, Syncer
 from gradientmail.wire.records import RoundRecord
 
 FAST = {"poll_interval": 0.005, "lease_every": 5.0, "lease_timeout": 30.0}
@@ -909,8 +909,8 @@ def test_learners_leave_their_rounds_to_a_live_standalone_closer() -> None:
     standalone closer merges them, and both learners end on its commits."""
     mailbox = MemoryMailbox()
     ex = Exchange(mailbox)
-    closer = Syncer(mailbox, closer_id="sync-beside", poll_interval=0.005,
-                    lease_timeout=30.0)
+    closer = Syncer.open(mailbox, closer_id="sync-beside",
+                         settings=CloserSettings(poll_interval=0.005, lease_timeout=30.0))
     stop = threading.Event()
 
     def close_rounds() -> None:

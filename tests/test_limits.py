@@ -263,7 +263,7 @@ def test_ids_are_checked_wherever_they_enter() -> None:
     with pytest.raises(LocalProtocolError, match="learner id 'a/b' is invalid"):
         Learner(TorchAdapter(WB()), DiLoCo(4, 1, in_flight=1), MemoryMailbox(), "a/b")
     with pytest.raises(LocalProtocolError, match=r"learner id '\.\./x' is invalid"):
-        Syncer(MemoryMailbox(), closer_id="../x")
+        Syncer.open(MemoryMailbox(), closer_id="../x")
     assert check_learner_id("x" * 64) == "x" * 64
     # Keys of a listing that name no valid learner are ignored (leases) or rejected by
     # name (contributions): a stray key never denies the others.

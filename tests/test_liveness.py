@@ -159,7 +159,7 @@ def test_a_dead_preferred_closer_of_a_full_round_leaves_it_to_a_contributor(
         await refresh()
         for x in sorted(["a", "b"], key=lambda x: x == last):
             await r.contribute(0, x)
-        s.note_contribution(0, "b")
+        s.host.note(0)
         t0 = fake(r).now()
         fake(r).advance(1.0)
         assert await s.poll(live=tracker.live(fake(r).now()), refresh_live=refresh,

@@ -26,7 +26,7 @@ from gradientmail.run import row_replica
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
 from gradientmail.run.row_replica import RowReplica, plan_chain
-from gradientmail.syncer.runtime import Syncer
+from gradientmail.syncer.runtime import CloserSettings, Syncer
 from gradientmail.wire.compression import decode
 from gradientmail.wire.payload_ranges import Rows, rows_of
 from gradientmail.wire.records import Manifest, RoundRecord
@@ -60,8 +60,8 @@ async def make_run(ex: Exchange, commit_dtype: str | None) -> tuple[Manifest, li
     manifest = Manifest(SCHEMA, plan, alg.to_json(), "creator", (ref,), "off")
     assert await ex.create_manifest(manifest)
     # Closed through `ex`, so that its codec is the commits' too.
-    syncer = Syncer(ex.mailbox, closer_id="closer", clock=ex.clock, on_event=lambda e: None,
-                    keep_versions=10, sweep=False, exchange=ex)
+    syncer = Syncer(ex, closer_id="closer", on_event=lambda e: None,
+                    settings=CloserSettings(keep_versions=10, sweep=False))
     for r in range(ROUNDS):
         delta = tensors(100 + r, 0.05, f32=True)
         await ex.publish(r, "a", delta, fragment=0, base_version=r, local_step=4 * (r + 1),

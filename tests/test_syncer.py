@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import hashlib
 import json
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
@@ -35,9 +35,11 @@ from gradientmail.events import (
 from gradientmail.mailbox import Mailbox, MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox, FaultPlan, FaultyMailbox
 from gradientmail.run.cadence import FREE_WAITING_CAP, WAITING_CAP
+from gradientmail.run.lease import LeaseTracker
 from gradientmail.run.protocol import Exchange, round_key
 from gradientmail.run.replica import state_at
-from gradientmail.syncer.runtime import Syncer
+from gradientmail.syncer.hosted import Host
+from gradientmail.syncer.runtime import CloserSettings, Syncer
 from gradientmail.syncer.state import ESTIMATE_DECAY, head_start
 from gradientmail.wire.records import Arrival, Manifest, RoundRecord, SnapshotRecord
 from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
@@ -137,11 +139,21 @@ class Run:
             delta_format="F32", step_seconds=step_seconds,
         )
 
-    def syncer(self, closer_id: str = "s1", mailbox: Mailbox | None = None,
-               **kw: Any) -> Syncer:
-        kw.setdefault("poll_interval", 1.0)
-        return Syncer(mailbox if mailbox is not None else self.mailbox, closer_id=closer_id,
-                      clock=self.clock, on_event=self.events.append, **kw)
+    def syncer(self, closer_id: str = "s1", mailbox: Mailbox | None = None, *,
+               embedded: bool = False, leases: LeaseTracker | None = None,
+               run_key: str | None = None, wall_clock: Callable[[], float] | None = None,
+               **settings: Any) -> Syncer:
+        """A closer of this run: standalone, or `embedded` in learner `closer_id` (its
+        host with `leases`, or a tracker of its own); `settings` are `CloserSettings`'."""
+        cs = CloserSettings(**settings)
+        host = None if not embedded else Host(
+            closer_id, leases if leases is not None else LeaseTracker(cs.lease_timeout), None,
+            self.clock)
+        ex = Exchange(mailbox if mailbox is not None else self.mailbox, clock=self.clock,
+                      run_key=run_key)
+        extra = {} if wall_clock is None else {"wall_clock": wall_clock}
+        return Syncer(ex, closer_id=closer_id, on_event=self.events.append, settings=cs,
+                      host=host, **extra)
 
     async def records(self) -> list[RoundRecord]:
         return await self.ex.rounds_after(-1)
@@ -447,7 +459,7 @@ def test_a_backup_that_contributed_closes_soon_after_a_silent_preferred_closer(
         s = r.syncer("b", embedded=True)
         live = frozenset({"a", "b"})
         await r.contribute(0, "b")
-        s.note_contribution(0, "b")
+        s.host.note(0)
         t0 = fake(r).now()
         while not await s.poll(live=live):
             assert fake(r).now() - t0 <= 10.0, "the backup gave a silent closer 30 polls"
@@ -814,7 +826,8 @@ def test_run_stops_when_told_without_waiting_out_the_poll_interval(mailbox: Mail
         await r.create()
         await r.ex.beat("a")
         await r.contribute(0, "a")
-        s = Syncer(mailbox, closer_id="looper", poll_interval=3600.0)  # the real clock
+        s = Syncer.open(mailbox, closer_id="looper",  # the real clock
+                        settings=CloserSettings(poll_interval=3600.0))
         stop = asyncio.Event()
         task = asyncio.create_task(s.run(stop))
         while await r.ex.read_round(0) is None:
@@ -860,8 +873,8 @@ def test_an_embedded_closer_merges_its_own_delta_from_memory(mailbox: Mailbox) -
                 gets.append(key)
                 return await super().get(key)
 
-        s = r.syncer("a", mailbox=Logged(mailbox))
-        s.note_contribution(0, "a", mine.payload, delta(0, "a", r.plan[0]))
+        s = r.syncer("a", mailbox=Logged(mailbox), embedded=True)
+        s.host.note(0, mine.payload, delta(0, "a", r.plan[0]))
         assert await s.poll(live=frozenset({"a", "b"}))
         # Its own delta is not downloaded; b's is.
         assert [k for k in gets if k.startswith("payloads/")] == [
@@ -893,7 +906,7 @@ def test_a_contribution_that_completes_its_set_is_merged_from_memory_never_uploa
         await r.create()
         await r.contribute(0, "b")
         s = r.syncer("a", embedded=True, sweep=False)
-        taken = s.offer(_draft(r, 0, "a"), delta(0, "a", r.plan[0]))
+        taken = s.host.offer(_draft(r, 0, "a"), delta(0, "a", r.plan[0]))
         assert not taken.done()  # decided by the next poll
         assert await s.poll(live=frozenset({"a", "b"}))
         assert taken.result() is True
@@ -935,7 +948,7 @@ def test_a_declined_offer_does_not_count_while_its_upload_is_on_the_way(
         assert await r.ex.claim_round(0, 0, "ghost")
         s = r.syncer("b", embedded=True, sweep=False)
         live = frozenset({"a", "b"})
-        taken = s.offer(_draft(r, 0, "b"), delta(0, "b", r.plan[0]))
+        taken = s.host.offer(_draft(r, 0, "b"), delta(0, "b", r.plan[0]))
         assert not await s.poll(live=live)
         assert taken.result() is False  # declined: b uploads
         for _ in range(40):  # well past the ghost's takeover timeout
@@ -943,7 +956,7 @@ def test_a_declined_offer_does_not_count_while_its_upload_is_on_the_way(
             assert not await s.poll(live=live), "closed without b's own contribution"
         assert await r.ex.read_round(0) is None
         await r.contribute(0, "b")  # the upload lands
-        s.note_contribution(0, "b")
+        s.host.note(0)
         assert await s.poll(live=live)
         rec = await r.ex.read_round(0)
         assert rec is not None and [p.learner for p in rec.participants] == ["a", "b"]
@@ -958,25 +971,25 @@ def test_an_offer_the_round_cannot_close_on_is_declined_for_upload(mailbox: Mail
         s = r.syncer("a", embedded=True)
         live = frozenset({"a", "b"})
         # b is not in: the round waits for it, so a's contribution must go up.
-        taken = s.offer(_draft(r, 0, "a"), delta(0, "a", r.plan[0]))
+        taken = s.host.offer(_draft(r, 0, "a"), delta(0, "a", r.plan[0]))
         assert not await s.poll(live=live)
         assert taken.result() is False and await r.ex.read_round(0) is None
         # An offer for a round that is not the open one: declined at the next poll.
-        later = s.offer(_draft(r, 1, "a"), delta(1, "a", r.plan[0]))
+        later = s.host.offer(_draft(r, 1, "a"), delta(1, "a", r.plan[0]))
         assert not await s.poll(live=live)
         assert later.result() is False
         # A record of this learner id is in the round already (an earlier run of it):
         # declined, so that the upload meets AlreadyContributed rather than merging twice.
         await r.contribute(0, "a")
         await r.contribute(0, "b")
-        again = s.offer(_draft(r, 0, "a"), delta(0, "a", r.plan[0]))
+        again = s.host.offer(_draft(r, 0, "a"), delta(0, "a", r.plan[0]))
         assert await s.poll(live=live)
         assert again.result() is False
         rec = await r.ex.read_round(0)
         assert rec is not None and not any(p.held for p in rec.participants)
         # An offer for a closed round, or by another learner id, is declined at once.
-        assert s.offer(_draft(r, 0, "a"), delta(0, "a", r.plan[0])).result() is False
-        assert s.offer(_draft(r, 1, "b"), delta(1, "b", r.plan[0])).result() is False
+        assert s.host.offer(_draft(r, 0, "a"), delta(0, "a", r.plan[0])).result() is False
+        assert s.host.offer(_draft(r, 1, "b"), delta(1, "b", r.plan[0])).result() is False
 
     run(main())
 
@@ -991,10 +1004,10 @@ def test_while_a_standalone_closer_is_live_an_embedded_one_leaves_it_the_rounds(
         live = frozenset({"a", "b"})
         # The offer that would complete the set is declined at once: it goes up, so the
         # standalone closer can merge it; the embedded closer does not close the round.
-        taken = s.offer(_draft(r, 0, "a"), delta(0, "a", r.plan[0]))
+        taken = s.host.offer(_draft(r, 0, "a"), delta(0, "a", r.plan[0]))
         assert not await s.poll(live=live, standalone=frozenset({"sync-1"}))
         await r.contribute(0, "a")
-        s.note_contribution(0, "a")
+        s.host.note(0)
         assert not await s.poll(live=live, standalone=frozenset({"sync-1"}))
         assert taken.done() and taken.result() is False
         assert await r.ex.read_round(0) is None
@@ -1006,7 +1019,7 @@ def test_while_a_standalone_closer_is_live_an_embedded_one_leaves_it_the_rounds(
         # With no standalone closer live, the same learner closes the next round itself.
         await r.contribute(1, "b")
         assert await s.poll(live=live) is False  # its own contribution is not in yet
-        taken = s.offer(_draft(r, 1, "a"), delta(1, "a", r.plan[0]))
+        taken = s.host.offer(_draft(r, 1, "a"), delta(1, "a", r.plan[0]))
         assert await s.poll(live=live)
         assert taken.result() is True
         rec = await r.ex.read_round(1)
@@ -1025,7 +1038,7 @@ def test_a_round_commits_the_same_bytes_wherever_it_is_closed() -> None:
         s = r.syncer(closer, embedded=embedded, sweep=False)
         live = frozenset({"a", "b"})
         if embedded:
-            taken = s.offer(_draft(r, 0, "a"), delta(0, "a", r.plan[0]))
+            taken = s.host.offer(_draft(r, 0, "a"), delta(0, "a", r.plan[0]))
             assert await s.poll(live=live) and taken.result() is True
         else:
             await r.contribute(0, "a")
@@ -1053,7 +1066,7 @@ def test_an_embedded_backup_takes_over_from_a_standalone_closer_that_died_mid_ro
         assert await r.ex.claim_round(0, 0, "sync-1")
         s = r.syncer("a", embedded=True)
         live, standalone = frozenset({"a", "b"}), frozenset({"sync-1"})
-        s.note_contribution(0, "a")
+        s.host.note(0)
         t0 = fake(r).now()
         while not await s.poll(live=live, standalone=standalone):
             assert fake(r).now() - t0 <= 60.0, "the round was never taken over"
@@ -1080,7 +1093,7 @@ def test_a_standalone_closer_gone_without_a_word_costs_a_round_a_backups_head_st
         await r.contribute(0, "a")
         await r.contribute(0, "b")
         s = r.syncer("b", embedded=True)
-        s.note_contribution(0, "b")
+        s.host.note(0)
         t0 = fake(r).now()
         while not await s.poll(live=frozenset({"a", "b"}), standalone=frozenset({"sync-1"})):
             assert fake(r).now() - t0 <= 60.0, "the round never closed"
@@ -1119,7 +1132,8 @@ def test_a_standalone_closers_lease_outlives_any_learners_judgement(mailbox: Mai
 def test_a_standalone_syncer_holds_a_closer_lease_while_it_runs(mailbox: Mailbox) -> None:
     async def main() -> None:
         r = Run(mailbox, algorithm(fragments=1, quorum_size=1))
-        s = Syncer(mailbox, closer_id="sync-1", poll_interval=0.01, lease_timeout=120.0)
+        s = Syncer.open(mailbox, closer_id="sync-1",
+                        settings=CloserSettings(poll_interval=0.01, lease_timeout=120.0))
         stop = asyncio.Event()
         task = asyncio.create_task(s.run(stop))
         # From the start, before the run exists: learners that join see it at once.

@@ -130,7 +130,7 @@ def test_an_embedded_closer_does_not_download_ahead() -> None:
         s = r.syncer("a", mailbox=logged, embedded=True)
         assert not await s.poll(live=LIVE)
         await settle(s)
-        assert s.publishers_seen(0) == {"b", "c"}
+        assert s.host is not None and s.host.publishers_seen(0) == {"b", "c"}
         assert logged.payloads() == []
 
     asyncio.run(main())

@@ -177,7 +177,7 @@ def test_an_offer_counts_as_seen_unless_its_learner_is_listed_already() -> None:
 def view(now: float, first_seen: dict[str, float], live: set[str], **kw: object) -> PollView:
     args: dict[str, object] = dict(
         round=4, now=now, me="me", first_seen=first_seen, live=frozenset(live), paces={},
-        quorum_size=2, grace=5.0, preferred=True, embedded=True, backup_every=30,
+        quorum_size=2, grace=5.0, preferred=True, backup_every=30,
         poll_interval=1.0, calling=True, waiting=False, refreshed=True, relisted=True)
     args.update(kw)
     return PollView(**args)  # type: ignore[arg-type]
@@ -237,10 +237,6 @@ def test_a_backup_gives_the_preferred_closer_a_head_start() -> None:
 def test_a_backup_whose_contribution_completes_the_set_closes_at_once() -> None:
     d = decide_poll(view(11.0, {"a": 10.0, "me": 11.0}, {"a", "me"}, preferred=False))
     assert d.closes and d.held is None and d.due == 11.0 and d.claim
-    # a standalone syncer is never a contributor: the head start stands
-    d = decide_poll(view(11.0, {"a": 10.0, "me": 11.0}, {"a", "me"}, preferred=False,
-                         embedded=False))
-    assert not d.closes and d.due == 14.0
     # the much slower learner is not awaited: the set is complete without it
     d = decide_poll(view(11.0, {"a": 10.0, "me": 11.0}, {"a", "me", "z"}, preferred=False,
                          paces={"a": 0.2, "me": 0.2, "z": 1.0}))

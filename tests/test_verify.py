@@ -221,7 +221,7 @@ def test_held_rounds_are_unverifiable_not_failures(mailbox: Mailbox) -> None:
         draft = r.ex.draft(0, "a", fragment=0, base_version=0, local_step=4, steps=4,
                            tokens=40, final=False, schema_digest=SCHEMA.digest(),
                            delta_format="F32")
-        taken = s.offer(draft, delta(0, "a", r.plan[0]))
+        taken = s.host.offer(draft, delta(0, "a", r.plan[0]))
         assert await s.poll(live=LIVE)
         assert taken.result() is True
         for rnd in (1, 2, 3):  # round 2 is fragment 0 again, from the held round's state

@@ -428,12 +428,13 @@ def _default_closer_id() -> str:
 
 
 async def _sync(args: argparse.Namespace, closer: str) -> tuple[int, str]:
-    from gradientmail.syncer.runtime import Syncer
+    from gradientmail.syncer.runtime import CloserSettings, Syncer
 
     mailbox = _open(args)
-    syncer = Syncer(mailbox, closer_id=closer, poll_interval=args.poll_interval,
-                    keep_versions=args.keep, lease_timeout=args.lease_timeout,
-                    run_key=env_run_key())
+    syncer = Syncer.open(mailbox, run_key=env_run_key(), closer_id=closer,
+                         settings=CloserSettings(poll_interval=args.poll_interval,
+                                                 keep_versions=args.keep,
+                                                 lease_timeout=args.lease_timeout))
     stop = asyncio.Event()
     caught: list[str] = []
     loop = asyncio.get_running_loop()

@@ -23,7 +23,7 @@ from typing import Any
 from gradientmail.adapters.base import Adapter
 from gradientmail.algorithms.base import Algorithm
 from gradientmail.clock import Clock, sleep_unless
-from gradientmail.errors import RemoteProtocolError, RunVanished
+from gradientmail.errors import RunVanished
 from gradientmail.events import (
     CommitRejected,
     EventSink,
@@ -34,6 +34,8 @@ from gradientmail.events import (
 )
 from gradientmail.learner.crew import Crew, crew_of
 from gradientmail.learner.fetcher import CommitFetcher
+from gradientmail.learner.hosting import hosted_closer
+from gradientmail.learner.lease_keeper import LeaseKeeper
 from gradientmail.learner.messages import Commit, Observed, Outgoing, delta_format
 from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.poster import Poster
@@ -44,8 +46,7 @@ from gradientmail.run.cadence import poll_delay
 from gradientmail.run.join import InitUploader, JoinResult, Loader, join_run
 from gradientmail.run.lease import CLOSERS, LeaseTracker
 from gradientmail.run.protocol import MANIFEST_KEY, Exchange
-from gradientmail.run.replica import Replica
-from gradientmail.run.rollcall import READ_EVERY, Call, reply
+from gradientmail.syncer.hosted import Host
 from gradientmail.syncer.runtime import Syncer
 from gradientmail.syncer.standalone import closer_timeout
 from gradientmail.wire.auth import HmacSeal
@@ -144,8 +145,10 @@ class Mailman:
         self._tracker = LeaseTracker(options.lease_timeout)
         # The standalone closers' leases, judged by a timeout they are known to beat in.
         self._closers = LeaseTracker(closer_timeout(options.lease_timeout))
-        self._syncer: Syncer | None = None  # the embedded closer, once the receive loop runs
-        self._replica: Replica | None = None  # each fragment's state (shared with the closer)
+        # The embedded closer and the seam to it, once joined (`options.sync`).
+        self._syncer: Syncer | None = None
+        self._host: Host | None = None
+        self._leases: LeaseKeeper | None = None  # the lease loop, once joined
         self._plan: tuple[tuple[str, ...], ...] = ()
         self._fetcher: CommitFetcher | None = None  # the way in
         self._poster: Poster | None = None  # the way out
@@ -153,7 +156,6 @@ class Mailman:
         # and `_settle` ask of "has this round closed"; `observed.received` shows it).
         self._cursor = -1
         self._next_watch = -math.inf
-        self._bad_call: str | None = None  # the last damaged roll call reported
 
     # -- messages from the training thread ------------------------------------------------
 
@@ -287,15 +289,23 @@ class Mailman:
             joined.set_exception(exc)
             self._see(dead=exc)
             return
-        self._replica, self._plan = result.replica, result.plan
+        self._plan = result.plan
         self._fetcher = CommitFetcher(ex, self.adapter, result)
+        if self.options.sync:
+            self._host, self._syncer = hosted_closer(
+                ex, self.learner_id, self.options, leases=self._tracker,
+                replica=result.replica, on_event=self.on_event, backend=self.backend)
         assert self._wake is not None
         self._poster = Poster(
             ex, self.adapter, self.algorithm, self.learner_id, result.plan, clock=self.clock,
             on_event=self.on_event, hold_own=self.options.hold_own, closed=lambda: self._cursor,
-            closer=lambda: self._syncer, wake=self._wake, failed=self._failed,
+            host=self._host, wake=self._wake, failed=self._failed,
             poll_interval=self.poll_interval,
         )
+        self._leases = LeaseKeeper(
+            ex, self.learner_id, self._tracker, clock=self.clock, lease_every=self.lease_every,
+            poll_interval=self.poll_interval, on_event=self.on_event,
+            on_drop=lambda now: self._see(live=self._tracker.live(now)))
         self._cursor = result.rounds_seen
         self._see(received=result.rounds_seen)
         self._begin_loops()
@@ -306,10 +316,10 @@ class Mailman:
 
     def _begin_loops(self) -> None:
         loop = self._loop
-        assert loop is not None
+        assert loop is not None and self._leases is not None
         self._tasks = [
             loop.create_task(self._receive_loop()),
-            loop.create_task(self._lease_loop()),
+            loop.create_task(self._leases.run()),
             loop.create_task(self._publish_loop()),
         ]
         for task in self._tasks:
@@ -353,29 +363,6 @@ class Mailman:
         ex = self._exchange
         assert ex is not None
         tracker = self._tracker
-        syncer = None
-        if self.options.sync:
-            from gradientmail.backends.numpy_backend import NumpyBackend
-
-            # The closer inside a learner merges on one thread: the machine's other cores
-            # belong to training. A standalone `gradientmail sync` uses several.
-            backend = self.backend if self.backend is not None else NumpyBackend(threads=1)
-            syncer = Syncer(
-                ex.mailbox,
-                closer_id=self.learner_id,
-                backend=backend,
-                clock=self.clock,
-                poll_interval=self.poll_interval,
-                lease_timeout=self.lease_timeout,
-                on_event=self.on_event,
-                prefix=self.options.prefix,
-                exchange=ex,
-                keep_versions=self.options.keep_versions,
-                embedded=True,
-                leases=tracker,
-                replica=self._replica,
-            )
-            self._syncer = syncer
 
         async def refresh() -> frozenset[str]:
             live = await ex.observe_leases(tracker)
@@ -383,10 +370,10 @@ class Mailman:
             return live
 
         try:
-            await self._receive(syncer, refresh)
+            await self._receive(self._syncer, refresh)
         finally:
-            if syncer is not None:
-                syncer.decline_offers()  # no poll will take them: the publishes upload
+            if self._host is not None:
+                self._host.close()  # no poll will take an offer now: the publishes upload
 
     async def _receive(self, syncer: Syncer | None,
                        refresh: Callable[[], Awaitable[frozenset[str]]]) -> None:
@@ -432,7 +419,7 @@ class Mailman:
                     await syncer.sweep_due()
                 # A roll call's verdict may have dropped learners from the tracker.
                 self._see(live=tracker.live(self.clock.now()))
-                await self._watch_next_round(syncer, now)
+                await self._watch_next_round(now)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -445,54 +432,6 @@ class Mailman:
             # set): neither waits out a poll interval begun before.
             await sleep_unless(self.clock, poll_delay(self.poll_interval, blocked, metered),
                                self._wake)
-
-    async def _lease_loop(self) -> None:
-        """Beat the lease every `lease_every`, and answer roll calls: the call key is read
-        every READ_EVERY polls. A task of its own, so that a receive loop busy for seconds
-        (a large commit arriving, its closer merging a round) never makes a live learner
-        look gone."""
-        ex = self._exchange
-        assert ex is not None
-        next_beat = self.clock.now() + self.lease_every  # join_run beat already
-        next_read = -math.inf
-        handled: Call | None = None
-        while True:
-            now = self.clock.now()
-            try:
-                beat, answering = now >= next_beat, None
-                if now >= next_read:
-                    next_read = now + READ_EVERY * self.poll_interval * 0.999
-                    call = await self._read_call()
-                    if call is not None and call != handled:
-                        answer = reply(call, self.learner_id, ex.lease_counter(self.learner_id))
-                        for learner, counter in answer.drop.items():
-                            self._tracker.drop(learner, counter)
-                        if answer.drop:
-                            self._see(live=self._tracker.live(now))
-                        beat, answering = beat or answer.beat, call
-                if beat:
-                    await ex.beat(self.learner_id)
-                    next_beat = now + self.lease_every
-                if answering is not None:
-                    handled = answering  # only once answered: a failed beat answers again
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.on_event(PollFailed(self.learner_id, repr(exc)))
-            await self.clock.sleep(self.poll_interval)
-
-    async def _read_call(self) -> Call | None:
-        """The roll call, or None; a damaged (or, in an authenticated run, forged) call
-        is reported once and ignored until a closer overwrites it with a call of its own."""
-        ex = self._exchange
-        assert ex is not None
-        try:
-            return await ex.read_call()
-        except RemoteProtocolError as exc:
-            if str(exc) != self._bad_call:
-                self._bad_call = str(exc)
-                self.on_event(PollFailed(self.learner_id, repr(exc)))
-            return None
 
     async def _check_run_exists(self) -> None:
         """Raise `RunVanished` (ending the thread, so `step()` raises it) when the run's
@@ -578,7 +517,7 @@ class Mailman:
         self._cursor = max(self._cursor, newest)
         self._see(received=self._cursor)
 
-    async def _watch_next_round(self, syncer: Syncer | None, now: float) -> None:
+    async def _watch_next_round(self, now: float) -> None:
         """Count the others who published the round the training thread watches (the one
         it may publish next, for "due by opportunity"). The embedded syncer's listing is
         reused when it watches that round; otherwise one LIST every `BACKUP_EVERY` polls:
@@ -586,7 +525,7 @@ class Mailman:
         ex, candidate = self._exchange, self._watch
         if ex is None or candidate is None:
             return
-        who = syncer.publishers_seen(candidate) if syncer is not None else None
+        who = self._host.publishers_seen(candidate) if self._host is not None else None
         if who is None:
             if now < self._next_watch and self.observed.watched == candidate:
                 return

@@ -23,7 +23,7 @@ from gradientmail.events import EventSink, PublishCancelled, PublishFailed, Snap
 from gradientmail.learner.crew import crew_of
 from gradientmail.learner.messages import Outgoing, delta_format
 from gradientmail.run.protocol import Exchange
-from gradientmail.syncer.runtime import Syncer
+from gradientmail.syncer.hosted import Host
 from gradientmail.wire.quantization import quantize
 from gradientmail.wire.records import SnapshotRecord
 from gradientmail.wire.serialization import TensorBytes
@@ -34,8 +34,8 @@ __all__ = ["Poster"]
 class Poster:
     """Publishes the contributions of learner `learner` through `exchange`. `closed()` is
     the newest round whose commit the learner has (a job of a round closed already is
-    cancelled), `closer()` the embedded closer once it runs (None without one), `wake`
-    wakes the receive loop, and `failed` takes the rounds whose publish is known not to
+    cancelled), `host` the seam to the learner's embedded closer (None without one),
+    `wake` wakes the receive loop, and `failed` takes the rounds whose publish is known not to
     have landed (the training thread retracts them)."""
 
     def __init__(
@@ -50,7 +50,7 @@ class Poster:
         on_event: EventSink,
         hold_own: bool,
         closed: Callable[[], int],
-        closer: Callable[[], Syncer | None],
+        host: Host | None,
         wake: asyncio.Event,
         failed: queue.SimpleQueue[int],
         poll_interval: float = 1.0,
@@ -64,7 +64,7 @@ class Poster:
         self._on_event = on_event
         self._hold_own = hold_own
         self._closed = closed
-        self._closer = closer
+        self._host = host
         self._wake = wake
         self._failed_rounds = failed
         self._poll_interval = poll_interval
@@ -121,9 +121,9 @@ class Poster:
 
     def _published(self, job: Outgoing, record: SnapshotRecord, t0: float,
                    tensors: dict[str, TensorBytes] | None = None, held: bool = False) -> None:
-        syncer = self._closer()
-        if syncer is not None and not held:
-            syncer.note_contribution(job.round, self._learner, record.payload, tensors)
+        host = self._host
+        if host is not None and not held:
+            host.note(job.round, record.payload, tensors)
             self._wake.set()
         self._on_event(
             SnapshotPublished(
@@ -158,11 +158,10 @@ class Poster:
         # A run kept auditable (`keep_rounds`) holds nothing back: a merge is re-derived
         # from the uploaded contributions, and a held one was never uploaded.
         hold = self._hold_own and self._algorithm.keep_rounds is None
-        syncer = self._closer()
-        if hold and syncer is not None:
+        if hold and self._host is not None:
             # Offered to the embedded closer first: if this contribution completes the
             # round's set, the closer merges it from memory and it is never uploaded.
-            taken = syncer.offer(draft, tensors)
+            taken = self._host.offer(draft, tensors)
             self._wake.set()
             if await taken:
                 self._published(job, draft, t0, held=True)

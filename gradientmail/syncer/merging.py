@@ -4,27 +4,39 @@ what the aggregator makes of the rest.
 One code path for the two parties that need it: the `Syncer`, which closes rounds, and
 `gradientmail.app.verify`, which re-derives closed rounds from the store and compares bytes.
 Everything here is pure but `screen_round`, which gets each delta through the caller's
-`fetch` (the closer reads its own from memory; a verifier reads the stored payload).
+`fetch` (the closer reads its own from memory; a verifier reads the stored payload);
+`round_record` builds the commit a closer writes from what it merged and uploaded.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 
 from gradientmail.algorithms.base import Algorithm, Contribution, FragmentState, RoundResult
 from gradientmail.algorithms.diloco import merged_step, outliers, step_format
+from gradientmail.algorithms.schedule import Estimates
 from gradientmail.backends.base import Backend
 from gradientmail.errors import GradientmailError, NonFiniteError, SchemaMismatch
 from gradientmail.run.keyspace import screen_snapshot
 from gradientmail.syncer.screening import delta_norms, screen_delta
-from gradientmail.wire.records import SnapshotRecord
+from gradientmail.wire.records import (
+    Arrival,
+    Dropped,
+    PayloadRef,
+    RoundRecord,
+    SnapshotRecord,
+    StepRef,
+    UpdateRef,
+)
 from gradientmail.wire.row_pieces import DeltaTensor
 from gradientmail.wire.serialization import Schema, TensorBytes
 
 __all__ = [
+    "CommitRefs",
     "Merged",
     "merge_round",
+    "round_record",
     "screen_round",
     "unchanged",
 ]
@@ -121,3 +133,52 @@ def _outliers(alg: Algorithm, contributions: Sequence[Contribution],
     if factor is None or len(contributions) < 3:
         return {}
     return outliers(delta_norms(contributions, backend), factor)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitRefs:
+    """What a commit's payloads were uploaded as (None: not written for this commit)."""
+
+    theta: PayloadRef | None = None
+    outer: PayloadRef | None = None
+    update: UpdateRef | None = None
+    step: StepRef | None = None
+
+
+def round_record(
+    r: int, fragment: int, result: RoundResult, snaps: Sequence[SnapshotRecord],
+    merged: Collection[str], refs: CommitRefs, closer: str, *, held: SnapshotRecord | None,
+    estimates: Estimates, arrival: Arrival, dropped: Sequence[Dropped],
+    committed_at: float,
+) -> RoundRecord:
+    """The commit of round `r`: `result` of merging the contributions of `merged` among
+    `snaps`, written as `refs` by `closer`. What the run's history needs of each merged
+    contribution is copied from its record (the contributions are swept once the round
+    commits): its step-time EMA, loss and payload size; `held` is the closer's own
+    contribution merged from memory (marked `held`, no payload size)."""
+    kept = [s for s in snaps if s.learner in merged]
+    paces = {s.learner: s.step_seconds for s in kept if s.step_seconds is not None}
+    losses = {s.learner: s.loss for s in kept}
+    sizes = {s.learner: s.payload_size for s in kept if s is not held}
+    return RoundRecord(
+        round=r,
+        fragment=fragment,
+        version=result.state.version,
+        theta=refs.theta,
+        outer=refs.outer,
+        update=refs.update,
+        participants=tuple(
+            dataclasses.replace(p, step_seconds=paces.get(p.learner),
+                                held=held is not None and p.learner == held.learner,
+                                loss=losses.get(p.learner), payload_size=sizes.get(p.learner))
+            for p in result.participants
+        ),
+        estimates=estimates,
+        mean_cosine=result.mean_cosine,
+        dropped=tuple(dropped),
+        closer=closer,
+        all_final=result.all_final,
+        arrival=arrival,
+        step=refs.step,
+        committed_at=committed_at,
+    )

@@ -17,10 +17,13 @@ import asyncio
 import dataclasses
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
 from gradientmail.algorithms.base import (
     Algorithm,
+    Contribution,
     FragmentState,
+    RoundResult,
 )
 from gradientmail.algorithms.registry import algorithm_from_json
 from gradientmail.algorithms.schedule import Estimates, RoundSchedule
@@ -45,7 +48,8 @@ from gradientmail.run.lease import LeaseTracker
 from gradientmail.run.protocol import Exchange, check_delta
 from gradientmail.run.replica import Replica, theta_digest
 from gradientmail.syncer.caller import RollCaller
-from gradientmail.syncer.merging import merge_round, screen_round
+from gradientmail.syncer.hosted import Host, Offer
+from gradientmail.syncer.merging import CommitRefs, merge_round, round_record, screen_round
 from gradientmail.syncer.standalone import Awaiting, CloserLease, Prefetcher, arrived
 from gradientmail.syncer.state import (
     PollDecision,
@@ -64,14 +68,13 @@ from gradientmail.wire.records import (
     Arrival,
     Dropped,
     Manifest,
-    PayloadRef,
     RoundRecord,
     SnapshotRecord,
     StepRef,
     UpdateRef,
 )
 from gradientmail.wire.row_pieces import DeltaTensor
-from gradientmail.wire.serialization import Schema, TensorBytes
+from gradientmail.wire.serialization import Schema
 
 __all__ = ["Syncer", "theta_digest"]
 
@@ -93,91 +96,75 @@ class _Open:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Offer:
-    """The embedding learner's contribution before its upload (`Syncer.offer`)."""
+class CloserSettings:
+    """How a closer looks at the store and what it keeps.
 
-    draft: SnapshotRecord
-    tensors: dict[str, TensorBytes]
-    taken: asyncio.Future[bool]
+    `poll_interval`: seconds between polls. `lease_timeout`: after how long without a
+    beat a learner counts as gone (a standalone closer's own lease beats at least twice
+    in it). `keep_versions`: theta versions of each fragment kept by the sweep, which
+    runs after each commit when `sweep`. Listing a round's contributions is a LIST, the
+    dearest request on S3: a closer lists every `watch_every` polls (None: every poll
+    standalone; every 5 polls embedded, for the rounds whose preferred closer it is) and,
+    embedded, every `backup_every` polls for the rest, so that a learner's requests do not
+    grow with the number of learners.
+    """
 
-    def decline(self) -> None:
-        if not self.taken.done():
-            self.taken.set_result(False)
+    poll_interval: float = 1.0
+    lease_timeout: float = 120.0
+    keep_versions: int = 2
+    sweep: bool = True
+    watch_every: int | None = None
+    backup_every: int = 30
 
 
 class Syncer:
-    """Closes the rounds of the run in `mailbox`. `poll()` does one pass; `run()` loops.
+    """Closes the rounds of the run in `exchange`. `poll()` does one pass; `run()` loops.
 
-    Construction does no I/O; the manifest is read on the first poll. `run_key` makes
-    it read and write the sealed records of an authenticated run (see `gradientmail.wire.auth`).
-    `leases` is the lease tracker the caller's `refresh_live` feeds (an embedded syncer
-    shares its learner's); a standalone syncer keeps its own. `wall_clock` stamps each
+    Standalone (`gradientmail sync`, `Syncer.open`) or embedded in a learner, it is this
+    one class: an embedded closer is given its learner as `host`
+    (`gradientmail.syncer.hosted.Host`: the learner's own contributions, lease tracker and
+    replica); a standalone one keeps its own tracker and replica, holds a closer lease in
+    `run()`, and downloads deltas as they arrive. Construction does no I/O; the manifest
+    is read on the first poll; the clock is the exchange's. `wall_clock` stamps each
     commit's `committed_at` (Unix seconds), read by people only.
     """
 
     def __init__(
         self,
-        mailbox: Mailbox | str,
+        exchange: Exchange,
         *,
         closer_id: str = "syncer",
         backend: Backend | None = None,
-        clock: Clock | None = None,
-        poll_interval: float = 1.0,
-        lease_timeout: float = 120.0,
-        keep_versions: int = 2,
-        sweep: bool = True,
+        settings: CloserSettings = CloserSettings(),
         on_event: EventSink = log_events,
-        prefix: str = "",
-        exchange: Exchange | None = None,
-        run_key: str | bytes | None = None,
-        watch_every: int | None = None,
-        backup_every: int = 30,
-        embedded: bool = False,
-        leases: LeaseTracker | None = None,
-        replica: Replica | None = None,
+        host: Host | None = None,
         wall_clock: Callable[[], float] = wall_time,
     ) -> None:
         from gradientmail.wire.records import check_learner_id
 
         self.closer_id = check_learner_id(closer_id)
-        self.clock: Clock = clock if clock is not None else MonotonicClock()
-        self.wall_clock = wall_clock
-        if exchange is None:
-            exchange = Exchange(open_mailbox(mailbox), clock=self.clock, prefix=prefix,
-                                run_key=run_key)
-        elif run_key is not None:
-            raise ConfigError("give a Syncer an exchange or a run_key, not both: the "
-                              "exchange's seal decides how records are checked")
+        if host is not None and host.learner != self.closer_id:
+            raise ConfigError(f"closer_id={closer_id!r} must be its host learner's id "
+                              f"{host.learner!r}")
         self.exchange = exchange
+        self.clock: Clock = exchange.clock
+        self.wall_clock = wall_clock
         self.backend = backend
-        self.poll_interval = float(poll_interval)
-        self.keep_versions = keep_versions
-        self.sweep_after_commit = sweep
-        self._sweep_due = False  # a commit of this syncer's awaits its sweep
         self.on_event = on_event
-        # Listing a round's contributions is a LIST request, the dearest kind on S3.
-        # A standalone syncer (the operator's closer) lists every `watch_every` polls; a
-        # syncer embedded in a learner does so only for the rounds whose preferred closer
-        # it is, and every `backup_every` polls otherwise, so a learner's requests do not
-        # grow with the number of learners.
-        if watch_every is None:
-            watch_every = 5 if embedded else 1
-        self.watch_every = max(1, int(watch_every))
-        self.backup_every = max(1, int(backup_every))
-        self.embedded = embedded
-        self.lease_timeout = float(lease_timeout)
-        # The standalone closers holding a lease, as the embedding learner last listed
-        # them: while there is one, this embedded closer is only a backup.
-        self._standalone: frozenset[str] = frozenset()
+        self.host = host
+        self.poll_interval = float(settings.poll_interval)
+        self.lease_timeout = float(settings.lease_timeout)
+        self.keep_versions = settings.keep_versions
+        self.sweep_after_commit = settings.sweep
+        watch = settings.watch_every
+        self.watch_every = max(1, int((1 if host is None else 5) if watch is None else watch))
+        self.backup_every = max(1, int(settings.backup_every))
+        self._sweep_due = False  # a commit of this syncer's awaits its sweep
         self._next_watch = -math.inf
         # The tracker `refresh_live` feeds: an embedded syncer shares its learner's.
-        self._tracker = leases if leases is not None else LeaseTracker(lease_timeout)
+        self._tracker = host.leases if host is not None else LeaseTracker(self.lease_timeout)
         self._caller = RollCaller(exchange, self._tracker, self.closer_id, self.poll_interval,
                                   on_event)
-        self._noted: dict[int, dict[str, float]] = {}  # note_contribution, by round
-        # The embedding learner's own deltas, by round: (payload SHA-256, its entries).
-        self._own: dict[int, tuple[str, dict[str, TensorBytes]]] = {}
-        self._offers: dict[int, _Offer] = {}  # its contributions not uploaded yet, by round
         self._manifest: Manifest | None = None
         self._algorithm: Algorithm | None = None
         self._schedule: RoundSchedule | None = None
@@ -185,14 +172,25 @@ class Syncer:
         self._last: RoundRecord | None = None
         self._latest: dict[int, RoundRecord] = {}
         # The fragments' states: an embedded syncer shares its learner's replica.
-        self._replica = replica
+        self._replica = host.replica if host is not None else None
         # Each learner's step seconds as the newest record it took part in reported them.
         self._paces: dict[str, float] = {}
         self._open = _Open(0, self.clock.now())
         self._awaiting: Awaiting | None = None
         # A standalone closer downloads each delta of its open round as it arrives.
-        self._prefetch = None if embedded else Prefetcher(exchange)
+        self._prefetch = Prefetcher(exchange) if host is None else None
         self.rounds_closed = 0
+
+    @classmethod
+    def open(cls, mailbox: Mailbox | str, *, prefix: str = "",
+             run_key: str | bytes | None = None, clock: Clock | None = None,
+             **kwargs: Any) -> Syncer:
+        """A standalone closer of the run at `mailbox` (a URL or a `Mailbox`) under
+        `prefix`; `run_key` makes it read and write the sealed records of an
+        authenticated run (`gradientmail.wire.auth`); `kwargs` are the constructor's."""
+        exchange = Exchange(open_mailbox(mailbox), clock=clock or MonotonicClock(),
+                            prefix=prefix, run_key=run_key)
+        return cls(exchange, **kwargs)
 
     # -- loop ---------------------------------------------------------------------------
 
@@ -204,7 +202,7 @@ class Syncer:
         learners' embedded closers see it and leave the rounds to it, so that no round
         is funnelled through one learner's link while a closer next to the bucket runs.
         """
-        beats = None if self.embedded else CloserLease(
+        beats = None if self.host is not None else CloserLease(
             self.exchange, self.closer_id, self.clock, self.lease_timeout, self.on_event)
         try:
             while stop is None or not stop.is_set():
@@ -245,10 +243,13 @@ class Syncer:
         takes no offer, prefers no round, and closes none on completing its set).
         Returns True when this call committed a round.
         """
-        self._standalone = standalone if self.embedded else frozenset()
+        host = self.host
+        if host is None:
+            return await self._poll(live, refresh_live, records, waiting, {})
+        host.standalone = bool(standalone)
         # The offers made before this pass: it merges the open round's if it closes that
         # round now; every other is declined when it ends (the learner uploads them).
-        offers, self._offers = self._offers, {}
+        offers = host.take_offers()
         try:
             return await self._poll(live, refresh_live, records, waiting, offers)
         finally:
@@ -256,10 +257,12 @@ class Syncer:
                 o.decline()
                 if o.taken.result() is False:
                     self._forget_offer(o.draft.round)
+            if self._manifest is not None:
+                host.saw(self._open.round, frozenset(self._open.first_seen))
 
     def _forget_offer(self, round_: int) -> None:
         """A declined offer is no contribution: its learner uploads it now, and until that
-        upload is in (`note_contribution`, a listing) the round must not count it. Kept,
+        upload is in (`Host.note`, a listing) the round must not count it. Kept,
         the sighting let this closer claim the round at a later poll (its window over)
         and commit it without its own delta, still on its way up: 5 of 20 standard
         rounds at 20 Mbit/s went out with one learner of two."""
@@ -274,18 +277,12 @@ class Syncer:
         refresh_live: Callable[[], Awaitable[frozenset[str]]] | None,
         records: Sequence[RoundRecord] | None,
         waiting: bool,
-        offers: Mapping[int, _Offer],
+        offers: Mapping[int, Offer],
     ) -> bool:
         if self._manifest is None and not await self._load_manifest():
             return False
         await self.sweep_due()
-        if records is None or (records and records[0].round > self._cursor + 1):
-            await self._catch_up()
-        else:
-            # The embedding learner read these already: no second GET per poll.
-            for rec in records:
-                if rec.round == self._cursor + 1:
-                    self._accept(rec)
+        await self._take_records(records)
         calling = live is None or refresh_live is not None
         if refresh_live is None:
             refresh_live = self._observe_leases if live is None else _constant(live)
@@ -297,11 +294,58 @@ class Syncer:
         if calling and self._caller.judging:
             # A call of ours is open: the leases every poll, until the verdict.
             live = await self._caller.judge(now, live if listed_now else await refresh_live())
-        o = self._open
-        standalone = bool(self._standalone)
-        preferred = not self.embedded or (
+        standalone = self.host is not None and self.host.standalone
+        preferred = self.host is None or (
             not standalone and preferred_closer(r, live) == self.closer_id)
-        offer = None if standalone else offers.get(r)
+        offer = await self._watch(r, now, preferred, None if standalone else offers.get(r))
+        alg = self._alg()
+        grace = alg.grace_window(self._estimates(), self._sch(), r, self.poll_interval)
+        view = PollView(r, now, self.closer_id, dict(self._open.first_seen), live,
+                        dict(self._paces), alg.quorum_size, grace, preferred,
+                        self.backup_every, self.poll_interval, calling, waiting,
+                        self._open.refreshed, standalone=standalone)
+        decision = decide_poll(view)
+        while decision.relist is not None:
+            self._open.refreshed = self._open.refreshed or decision.relist == "early"
+            live = await refresh_live()
+            view = dataclasses.replace(view, live=live, refreshed=self._open.refreshed,
+                                       relisted=True)
+            decision = decide_poll(view)
+        if decision.watch_next_poll:
+            # The window is open: look every poll, so the round closes as soon as the
+            # last learner it waits for is in (one LIST a poll, for one closer a round).
+            self._next_watch = -math.inf
+        self._awaiting = self._awaited(r, self._open, decision)
+        if decision.call_roll:
+            await self._caller.maybe_call(r, self._open.first_seen, alg.quorum_size, live,
+                                          refresh_live, now, decision.held,
+                                          waiting and not decision.closes)
+        if not decision.claim:
+            return False
+        return await self._claim(r, now, RoundWatch(r, view.first_seen), decision, grace,
+                                 offer)
+
+    async def _take_records(self, records: Sequence[RoundRecord] | None) -> None:
+        """Accept the rounds committed since the cursor: those the embedding learner read
+        (`records`: no second GET per poll), or as read now."""
+        if records is None or (records and records[0].round > self._cursor + 1):
+            await self._catch_up()
+            return
+        for rec in records:
+            if rec.round == self._cursor + 1:
+                self._accept(rec)
+
+    async def _watch(self, r: int, now: float, preferred: bool,
+                     offer: Offer | None) -> Offer | None:
+        """Update what this closer has seen of the open round `r`: a listing when one is
+        due, its host's contributions, and (standalone) the downloads of what arrived.
+        Returns `offer` if it still counts."""
+        o = self._open
+        noted = self.host.take_noted(r) if self.host is not None else {}
+        if noted:
+            # Its own contribution is in: look at the round now (one LIST a round),
+            # preferred closer or not: if it completed the set, it closes at once.
+            self._next_watch = -math.inf
         if lists_contributions(now, self._next_watch, preferred, o.preferred,
                                offer is not None):
             self._next_watch = -math.inf  # should the LIST fail, the next poll tries again
@@ -314,44 +358,20 @@ class Syncer:
             offer = offer if seen.keeps_offer else None
             o.offered = seen.keeps_offer
         o.preferred = preferred
-        for learner, t in self._noted.pop(r, {}).items():
+        for learner, t in noted.items():
             o.first_seen[learner] = min(o.first_seen.get(learner, t), t)
-        alg = self._alg()
         if self._prefetch is not None:
             assert self._manifest is not None
             self._prefetch.open(r, self._manifest.schema,
                                 self._manifest.plan[self._sch().fragment_of(r)])
             for learner in sorted(o.first_seen.keys() - {self.closer_id}):  # its own: in memory
                 self._prefetch.start(learner)
-        grace = alg.grace_window(self._estimates(), self._sch(), r, self.poll_interval)
-        view = PollView(r, now, self.closer_id, dict(o.first_seen), live, dict(self._paces),
-                        alg.quorum_size, grace, preferred, self.embedded, self.backup_every,
-                        self.poll_interval, calling, waiting, o.refreshed,
-                        standalone=standalone)
-        decision = decide_poll(view)
-        while decision.relist is not None:
-            o.refreshed = o.refreshed or decision.relist == "early"
-            live = await refresh_live()
-            view = dataclasses.replace(view, live=live, refreshed=o.refreshed, relisted=True)
-            decision = decide_poll(view)
-        if decision.watch_next_poll:
-            # The window is open: look every poll, so the round closes as soon as the
-            # last learner it waits for is in (one LIST a poll, for one closer a round).
-            self._next_watch = -math.inf
-        self._awaiting = self._awaited(r, o, decision)
-        if decision.call_roll:
-            await self._caller.maybe_call(r, o.first_seen, alg.quorum_size, live,
-                                          refresh_live, now, decision.held,
-                                          waiting and not decision.closes)
-        if not decision.claim:
-            return False
-        return await self._claim(r, now, RoundWatch(r, view.first_seen), decision, grace,
-                                 offer)
+        return offer
 
     def _awaited(self, r: int, o: _Open, decision: PollDecision) -> Awaiting | None:
         """What a standalone syncer looks for between polls (`probe_from`): the awaited
         learners not in yet, while the round is not due."""
-        if self.embedded or decision.claim:
+        if self.host is not None or decision.claim:
             return None
         missing = tuple(sorted(decision.awaited - set(o.first_seen)))
         first = min(o.first_seen.values(), default=None)
@@ -384,7 +404,7 @@ class Syncer:
                 return
 
     async def _claim(self, r: int, now: float, watch: RoundWatch, decision: PollDecision,
-                     grace: float, offer: _Offer | None) -> bool:
+                     grace: float, offer: Offer | None) -> bool:
         """Claim the due round `r` if no current claim is another closer's, and close it."""
         ex = self.exchange
         timeout = self._estimates().takeover_timeout(self.poll_interval)
@@ -414,48 +434,6 @@ class Syncer:
     async def _observe_leases(self) -> frozenset[str]:
         return await self.exchange.observe_leases(self._tracker)
 
-    def offer(self, draft: SnapshotRecord, tensors: dict[str, TensorBytes]) -> asyncio.Future[bool]:
-        """The embedding learner's contribution `draft` (`Exchange.draft`) with its delta,
-        before any upload. The next `poll` lists the round; if the contribution completes
-        its set (or the round is due anyway) and this syncer closes the round, it merges
-        the delta from memory and the record marks the participant `held`: the future
-        resolves True and nothing is uploaded. Otherwise it resolves False (when that
-        poll ends) and the learner uploads as usual. Rounds other than the open one are
-        declined at the next poll."""
-        taken: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        if draft.learner != self.closer_id or draft.round <= self._cursor or self._standalone:
-            taken.set_result(False)
-            return taken
-        old = self._offers.pop(draft.round, None)
-        if old is not None:
-            old.decline()
-        self._offers[draft.round] = _Offer(draft, tensors, taken)
-        return taken
-
-    def decline_offers(self) -> None:
-        """Decline every pending offer (the loop that polls this syncer is ending)."""
-        offers, self._offers = self._offers, {}
-        for o in offers.values():
-            o.decline()
-
-    def note_contribution(self, round_: int, learner: str, payload: PayloadRef | None = None,
-                          tensors: dict[str, TensorBytes] | None = None) -> None:
-        """`learner` (the embedding learner) published to `round_`: seen now, without
-        waiting for a listing (a backup closer lists every `backup_every` polls), so that
-        a round short of its quorum is called on time. With the `tensors` it uploaded as
-        `payload`, closing that round merges them from memory: a closer does not download
-        its own delta."""
-        if round_ > self._cursor:
-            self._noted.setdefault(round_, {}).setdefault(learner, self.clock.now())
-            if payload is not None and tensors is not None and learner == self.closer_id:
-                self._own[round_] = (payload.sha256, tensors)
-        self._noted = {k: v for k, v in self._noted.items() if k > self._cursor}
-        self._own = {k: v for k, v in self._own.items() if k > self._cursor}
-        if round_ == self._open.round:
-            # Its own contribution is in: look at the round at the next poll (one LIST a
-            # round), preferred closer or not: if it completed the set, it closes now.
-            self._next_watch = -math.inf
-
     # -- state --------------------------------------------------------------------------
 
     def _alg(self) -> Algorithm:
@@ -483,17 +461,13 @@ class Syncer:
         self._cursor = newest
         self._last = max(self._latest.values(), key=lambda rec: rec.round, default=None)
         self._open = _Open(newest + 1, self.clock.now())
+        if self.host is not None:
+            self.host.advance(newest)
         return True
 
     async def _catch_up(self) -> None:
         for rec in await self.exchange.rounds_after(self._cursor):
             self._accept(rec)
-
-    def publishers_seen(self, round_: int) -> frozenset[str] | None:
-        """The contributors of `round_` this syncer has listed (None: not watching it)."""
-        if self._manifest is None or self._open.round != round_:
-            return None
-        return frozenset(self._open.first_seen)
 
     def _accept(self, rec: RoundRecord) -> None:
         self._next_watch = -math.inf  # a new round is open: look at it at once
@@ -507,6 +481,8 @@ class Syncer:
         self._awaiting = None
         if self._prefetch is not None:
             self._prefetch.close()
+        if self.host is not None:
+            self.host.advance(rec.round)
 
     async def _fragment_state(self, fragment: int) -> FragmentState:
         assert self._replica is not None
@@ -523,110 +499,102 @@ class Syncer:
 
     async def _close(
         self, r: int, attempt: int, watch: RoundWatch, t_quorum: float | None,
-        window: float, expected: frozenset[str], offer: _Offer | None = None,
+        window: float, expected: frozenset[str], offer: Offer | None = None,
     ) -> bool:
-        ex, manifest = self.exchange, self._manifest
+        """Close round `r` under claim `attempt`: screen and merge its contributions,
+        write the payloads, build the record (`merging.round_record`) and commit it."""
+        ex, manifest, alg = self.exchange, self._manifest, self._alg()
         assert manifest is not None
         t_claim = self.clock.now()
-        t_first = watch.first_time()
-        schema = manifest.schema
         fragment = self._sch().fragment_of(r)
-        names = manifest.plan[fragment]
         state = await self._fragment_state(fragment)
-        found = await ex.contributions(r)
-        snaps = [s for s in found.records if offer is None or s.learner != self.closer_id]
-        if offer is not None:
-            snaps.append(offer.draft)
-        self.on_event(RoundClaimed(self.closer_id, r, attempt, len(snaps)))
         dropped: list[Dropped] = []
-        for bad in found.rejected:
-            self._drop(r, bad.learner or "?", bad.key, bad.reason, dropped)
-        contributions = await screen_round(
-            snaps, fragment=fragment, state=state, schema=schema, names=names,
-            fetch=lambda snap: self._delta(r, snap, offer, schema, names),
-            drop=lambda learner, key, reason: self._drop(r, learner, key, reason, dropped),
-        )
-        alg = self._alg()
-        merge = await asyncio.to_thread(merge_round, alg, state, contributions, schema,
-                                        self.backend)
+        snaps, contributions = await self._gather(r, attempt, fragment, state, offer, dropped)
+        merge = await asyncio.to_thread(merge_round, alg, state, contributions,
+                                        manifest.schema, self.backend)
         keys = {s.learner: s.payload_key for s in snaps}
         for learner, reason in merge.outliers.items():
             self._drop(r, learner, keys.get(learner, f"round {r}"), reason, dropped)
         for learner, reason in merge.overflowed.items():
             self._drop(r, learner, f"round {r}", reason, dropped)
-        # ξ_step: the step-time EMAs the merged learners reported with their snapshots
-        # (those of a round whose outer step overflowed too).
-        merged = {c.learner for c in contributions} - set(merge.outliers)
-        paces = {s.learner: s.step_seconds for s in snaps
-                 if s.learner in merged and s.step_seconds is not None}
-        step_seconds = list(paces.values())
-        # What the run's history needs of each merged contribution, copied into the
-        # record: the contributions themselves are swept once the round commits.
-        losses = {s.learner: s.loss for s in snaps if s.learner in merged}
-        sizes = {s.learner: s.payload_size for s in snaps
-                 if s.learner in merged and (offer is None or s is not offer.draft)}
-        result = merge.result
-        new_state = result.state
-        participants, cosine, all_final = (
-            result.participants, result.mean_cosine, result.all_final)
-        theta_ref = outer_ref = update_ref = step_ref = None
-        fmt = alg.commit_dtype
-        # The new theta's digest, which a step and an update carry: hashed once, off the loop.
-        digest = "" if result.step is None and (result.update is None or fmt is None) else \
-            await asyncio.to_thread(theta_digest, new_state.theta, names)
-        if result.step is not None and result.step_format is not None:
-            ref = await ex.put_step(fragment, new_state.version, result.step, attempt=attempt)
-            step_ref = StepRef(ref, result.step_format, result.rule, digest)
-        if step_ref is None or alg.checkpoint_at(new_state.version):
-            theta_ref = await ex.put_theta(
-                fragment, new_state.version, new_state.theta, attempt=attempt
-            )
-            outer_ref = await ex.put_outer(
-                fragment, new_state.version, new_state.outer(), attempt=attempt
-            )
-        if result.update is not None and fmt is not None:
-            ref = await ex.put_update(fragment, new_state.version, result.update,
-                                      attempt=attempt)
-            update_ref = UpdateRef(ref, fmt, digest)
+        refs = await self._write(fragment, attempt, merge.result)
         now = self.clock.now()
-        estimates = updated_estimates(
-            self._estimates(),
-            step_seconds,
-            None if t_first is None or t_quorum is None else t_quorum - t_first,
-            now - (t_claim if t_quorum is None else t_quorum),
-        )
-        arrival = Arrival(
-            window, max(now - (t_claim if t_first is None else t_first), 0.0),
-            watch.first_learner(), tuple(sorted(expected - {s.learner for s in snaps})),
-        )
-        record = RoundRecord(
-            round=r,
-            fragment=fragment,
-            version=new_state.version,
-            theta=theta_ref,
-            outer=outer_ref,
-            update=update_ref,
-            participants=tuple(
-                dataclasses.replace(p, step_seconds=paces.get(p.learner),
-                                    held=offer is not None and p.learner == self.closer_id,
-                                    loss=losses.get(p.learner),
-                                    payload_size=sizes.get(p.learner))
-                for p in participants
-            ),
-            estimates=estimates,
-            mean_cosine=cosine,
-            dropped=tuple(dropped),
-            closer=self.closer_id,
-            all_final=all_final,
-            arrival=arrival,
-            step=step_ref,
-            committed_at=round(self.wall_clock(), 3),
-        )
+        t_first = watch.first_time()
+        merged = {c.learner for c in contributions} - set(merge.outliers)
+        paces = [s.step_seconds for s in snaps
+                 if s.learner in merged and s.step_seconds is not None]
+        record = round_record(
+            r, fragment, merge.result, snaps, merged, refs, self.closer_id,
+            held=None if offer is None else offer.draft,
+            estimates=updated_estimates(
+                self._estimates(), paces,
+                None if t_first is None or t_quorum is None else t_quorum - t_first,
+                now - (t_claim if t_quorum is None else t_quorum)),
+            arrival=Arrival(window, max(now - (t_claim if t_first is None else t_first), 0.0),
+                            watch.first_learner(),
+                            tuple(sorted(expected - {s.learner for s in snaps}))),
+            dropped=dropped, committed_at=round(self.wall_clock(), 3))
         if not await ex.commit(record):
             self.on_event(CommitLost(self.closer_id, r))
             return False
+        await self._committed(record, merge.result.state, offer, now - t_claim)
+        return True
+
+    async def _gather(self, r: int, attempt: int, fragment: int, state: FragmentState,
+                      offer: Offer | None,
+                      dropped: list[Dropped]) -> tuple[list[SnapshotRecord], list[Contribution]]:
+        """Round `r`'s contribution records (the offered one in place of any listed for
+        this closer) and the contributions among them that screening keeps; each other
+        one is dropped into `dropped` with its reason."""
+        manifest = self._manifest
+        assert manifest is not None
+        schema, names = manifest.schema, manifest.plan[fragment]
+        found = await self.exchange.contributions(r)
+        snaps = [s for s in found.records if offer is None or s.learner != self.closer_id]
+        if offer is not None:
+            snaps.append(offer.draft)
+        self.on_event(RoundClaimed(self.closer_id, r, attempt, len(snaps)))
+        for bad in found.rejected:
+            self._drop(r, bad.learner or "?", bad.key, bad.reason, dropped)
+        contributions = await screen_round(
+            snaps, fragment=fragment, state=state, schema=schema, names=names,
+            fetch=lambda snap: self._delta(snap, offer, schema, names),
+            drop=lambda learner, key, reason: self._drop(r, learner, key, reason, dropped),
+        )
+        return snaps, contributions
+
+    async def _write(self, fragment: int, attempt: int, result: RoundResult) -> CommitRefs:
+        """Upload what a commit of `result` references: the step, and the new theta and
+        outer state when the algorithm publishes or checkpoints them, and the update."""
+        ex, alg, state = self.exchange, self._alg(), result.state
+        names = self._manifest.plan[fragment] if self._manifest is not None else ()
+        fmt = alg.commit_dtype
+        # The new theta's digest, which a step and an update carry: hashed once, off the loop.
+        digest = "" if result.step is None and (result.update is None or fmt is None) else \
+            await asyncio.to_thread(theta_digest, state.theta, names)
+        refs = CommitRefs()
+        if result.step is not None and result.step_format is not None:
+            ref = await ex.put_step(fragment, state.version, result.step, attempt=attempt)
+            refs = dataclasses.replace(
+                refs, step=StepRef(ref, result.step_format, result.rule, digest))
+        if refs.step is None or alg.checkpoint_at(state.version):
+            refs = dataclasses.replace(
+                refs,
+                theta=await ex.put_theta(fragment, state.version, state.theta,
+                                         attempt=attempt),
+                outer=await ex.put_outer(fragment, state.version, state.outer(),
+                                         attempt=attempt))
+        if result.update is not None and fmt is not None:
+            ref = await ex.put_update(fragment, state.version, result.update, attempt=attempt)
+            refs = dataclasses.replace(refs, update=UpdateRef(ref, fmt, digest))
+        return refs
+
+    async def _committed(self, record: RoundRecord, state: FragmentState, offer: Offer | None,
+                         took: float) -> None:
+        """`record` is committed: hold its state, settle the offer, move on, report, and
+        sweep (a standalone closer at once; an embedded one once its learner took it)."""
         assert self._replica is not None
-        self._replica.hold(new_state)
+        self._replica.hold(state)
         if offer is not None:
             offer.taken.set_result(True)
         self._accept(record)
@@ -634,21 +602,20 @@ class Syncer:
         self.on_event(
             RoundClosed(
                 self.closer_id,
-                r,
-                fragment,
-                new_state.version,
-                tuple(p.learner for p in participants),
-                sum(p.tokens for p in participants),
-                cosine,
-                now - t_claim,
+                record.round,
+                record.fragment,
+                record.version,
+                tuple(p.learner for p in record.participants),
+                sum(p.tokens for p in record.participants),
+                record.mean_cosine,
+                took,
                 sum(ref.size for ref in record.payload_refs()),
             )
         )
         if self.sweep_after_commit:
             self._sweep_due = True
-            if not self.embedded:
+            if self.host is None:
                 await self.sweep_due()
-        return True
 
     async def sweep_due(self) -> None:
         """Delete what the newest commit made obsolete, if a commit since the last sweep
@@ -671,16 +638,15 @@ class Syncer:
         if learner != "?" and all(d.learner != learner for d in out):
             out.append(Dropped(learner, reason[:500]))
 
-    async def _delta(self, r: int, snap: SnapshotRecord, offer: _Offer | None, schema: Schema,
+    async def _delta(self, snap: SnapshotRecord, offer: Offer | None, schema: Schema,
                      names: Sequence[str]) -> dict[str, DeltaTensor] | None:
-        """The delta of `snap`: an offered one (never uploaded), this learner's own from
+        """The delta of `snap`: an offered one (never uploaded), its host's own from
         memory, or one downloaded as it arrived, else the stored payload (None if swept)."""
-        own = self._own.get(r)
         if offer is not None and snap is offer.draft:
             return dict(check_delta(offer.tensors, snap, schema, names))
-        if own is not None and snap.learner == self.closer_id and snap.payload is not None \
-                and own[0] == snap.payload.sha256:
-            return dict(check_delta(own[1], snap, schema, names))
+        own = self.host.own_delta(snap) if self.host is not None else None
+        if own is not None:
+            return dict(check_delta(own, snap, schema, names))
         if self._prefetch is not None:
             fetched, delta = await self._prefetch.take(snap)
             if fetched:

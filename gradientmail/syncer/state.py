@@ -268,7 +268,6 @@ class PollView:
     quorum_size: int
     grace: float
     preferred: bool
-    embedded: bool
     backup_every: int
     poll_interval: float
     calling: bool = False
@@ -330,7 +329,7 @@ def decide_poll(view: PollView) -> PollDecision:
     # which between sites is the slowest one a round crosses (20 Mbit/s, M = 2: a standard
     # round's barrier 5.4 s, against 2.0 s for torchft's allreduce on the same links).
     closes = view.preferred or (
-        due is not None and view.embedded and not view.standalone
+        due is not None and not view.standalone
         and completes(watch, view.me, view.live, view.quorum_size, expected))
     held = None
     if due is not None and not closes:

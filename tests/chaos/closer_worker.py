@@ -25,7 +25,7 @@ from gradientmail.errors import GradientmailError
 from gradientmail.events import Event, PollFailed
 from gradientmail.mailbox import LocalMailbox, Mailbox
 from gradientmail.run.protocol import Exchange
-from gradientmail.syncer.runtime import Syncer
+from gradientmail.syncer.runtime import CloserSettings, Syncer
 
 
 async def close_rounds(args: argparse.Namespace, events: list[dict[str, object]]) -> int:
@@ -35,8 +35,9 @@ async def close_rounds(args: argparse.Namespace, events: list[dict[str, object]]
     mailbox: Mailbox = LocalMailbox(args.mailbox)
     if args.kill:
         mailbox = KillSwitch(mailbox, args.kill)
-    syncer = Syncer(mailbox, closer_id=args.closer_id, poll_interval=args.poll,
-                    keep_versions=args.keep, on_event=on_event)
+    syncer = Syncer.open(mailbox, closer_id=args.closer_id, on_event=on_event,
+                         settings=CloserSettings(poll_interval=args.poll,
+                                                 keep_versions=args.keep))
     watch = Exchange(LocalMailbox(args.mailbox))
     while await watch.read_round(args.rounds - 1) is None:
         try:
