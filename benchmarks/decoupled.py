@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes for CI (seconds)")
     ap.add_argument("--slow-budget", type=float, default=0.8,
                     help="slow: decoupled learners train this share of standard's wall time")
-    ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--results", default=str(RESULTS), help="append here ('': print only)")
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
     base = SMOKE if args.smoke else BASE
@@ -347,11 +347,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     text = header + body + "\n\n" + "\n".join(f"- {g}" for g in goals)
     if have_plot:
-        link = conv.image_link(png, Path(args.results))
+        link = conv.image_link(png, Path(args.results or RESULTS))
         text += f"\n\n![held-out loss against tokens and wall-clock time]({link})"
     print(text)
-    with open(args.results, "a") as f:
-        f.write(text + "\n")
+    if args.results:  # --results '': print only
+        with open(args.results, "a") as f:
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":
