@@ -27,7 +27,7 @@ from gradientmail.algorithms.diloco import (
     span_scales,
     weighted_mean,
 )
-from gradientmail.algorithms.merge import gram_of, mean_cosine
+from gradientmail.algorithms.merge import gram_of, mean_cosine, merge_from_json
 from gradientmail.backends import NumpyBackend, TorchBackend
 from gradientmail.backends.base import Backend
 from gradientmail.errors import (
@@ -194,6 +194,40 @@ def test_final_round_moves_the_master_by_the_mean_delta_and_keeps_momentum(
     res2 = cfg.aggregator().close_round(state, mixed, schema)
     assert not res2.all_final
     assert res2.state.momentum["ln.w"] != state.momentum["ln.w"]
+
+
+@pytest.mark.parametrize(("least", "learners", "by_rda"),
+                         [(3, 2, False), (3, 3, True), (2, 2, True), (4, 3, False)])
+def test_rda_merges_rounds_of_fewer_than_min_deltas_by_the_weighted_mean(
+    least: int, learners: int, by_rda: bool
+) -> None:
+    merge = Rda(direct_pattern=None, min_deltas=least)
+    cfg = DiLoCo(sync_every=12, fragments=1, in_flight=1, outer_lr=0.5, merge=merge)
+    schema = make_schema()
+    state = cfg.initial_state(0, make_theta(schema))
+    cs = make_contributions(0, learners=learners)
+    res = cfg.aggregator().close_round(state, cs, schema)
+    weights = [c.tokens**2 / c.steps for c in cs]
+    for name in SHAPES:
+        deltas = [NP.load(c.delta[name]) for c in cs]
+        want = (rda if by_rda else weighted_mean)(deltas, weights)
+        assert res.state.momentum[name] == want.to_bytes("F32")
+        other = (weighted_mean if by_rda else rda)(deltas, weights)
+        assert res.state.momentum[name] != other.to_bytes("F32")
+
+
+def test_min_deltas_is_in_the_json_only_when_not_2() -> None:
+    # Runs begun before min_deltas merged every round of two by RDA: their records name
+    # none and keep their bytes; the default (3) is written.
+    old = {"type": "rda", "direct_pattern": "embed"}
+    assert merge_from_json(old) == Rda(min_deltas=2) and Rda(min_deltas=2).to_json() == old
+    assert Rda().to_json() == {**old, "min_deltas": 3}
+    assert merge_from_json({**old, "min_deltas": 5}).min_deltas == 5
+    for bad in (2, 1, True, "3"):
+        with pytest.raises(RemoteProtocolError, match=r"min_deltas=.* must be an int > 2"):
+            merge_from_json({**old, "min_deltas": bad})
+    with pytest.raises(ConfigError, match="min_deltas=1 must be an int >= 2"):
+        Rda(min_deltas=1)
 
 
 @pytest.mark.parametrize("merge", [WeightedMean(), Rda(direct_pattern=None)])

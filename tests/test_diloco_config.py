@@ -141,7 +141,7 @@ def test_schedule_for_a_shorter_plan() -> None:
 GOLDEN = {
     "type": "diloco", "version": 1, "sync_every": 100, "fragments": 4, "in_flight": 2,
     "overlap_steps": None, "mixing": 0.0, "quorum_size": 1, "outer_lr": 0.7,
-    "outer_momentum": 0.9, "merge": {"type": "rda", "direct_pattern": "embed"},
+    "outer_momentum": 0.9, "merge": {"type": "rda", "direct_pattern": "embed", "min_deltas": 3},
     "partition": {"type": "by_bytes"}, "global_batch_size": None, "delta_dtype": None,
     "commit_dtype": None, "flush_on_close": True, "checkpoint_every": 20,
 }
@@ -286,7 +286,7 @@ def _with(**changes: Any) -> dict[str, Any]:
         (_with(merge={"type": "mean"}), "merge.type='mean' is not a merge; use "
          "'weighted_mean' or 'rda'"),
         (_with(merge={"type": "rda"}), "merge: rda needs exactly 'type' and "
-         "'direct_pattern' (and may have 'direct_names'); got ['type']"),
+         "'direct_pattern' (and may have 'direct_names' and 'min_deltas'); got ['type']"),
         (_with(merge={"type": "rda", "direct_pattern": 3}),
          "merge.direct_pattern=3 must be a string or null"),
         (_with(merge={"type": "weighted_mean", "x": 1}),
@@ -429,7 +429,8 @@ def test_direct_names_come_from_the_model_and_are_in_the_json_only_when_there_ar
     assert d.with_direct_names(()).to_json() == d.to_json()
     resolved = d.with_direct_names({"wte.weight", "pos.weight"})
     assert resolved.to_json()["merge"] == {"type": "rda", "direct_pattern": "embed",
-                                           "direct_names": ["pos.weight", "wte.weight"]}
+                                           "direct_names": ["pos.weight", "wte.weight"],
+                                           "min_deltas": 3}
     assert algorithm_from_json(json.loads(json.dumps(resolved.to_json()))) == resolved
     # names the user gave, or another merge, are left alone
     mine = DiLoCo(sync_every=4, fragments=2, merge=Rda(None, ("a",)))

@@ -898,7 +898,7 @@ def test_a_run_of_a_model_with_embeddings_names_them_in_its_merge() -> None:
     assert manifest is not None
     assert manifest.algorithm["merge"] == {
         "type": "rda", "direct_pattern": "embed",
-        "direct_names": ["transformer.wpe.weight", "transformer.wte.weight"]}
+        "direct_names": ["transformer.wpe.weight", "transformer.wte.weight"], "min_deltas": 3}
     for learner in learners:
         learner.close(flush=False)
 

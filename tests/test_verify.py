@@ -131,7 +131,7 @@ def mailbox() -> Iterator[Mailbox]:
 # -- honest runs verify ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("merge", [WeightedMean(), Rda(direct_pattern=None)],
+@pytest.mark.parametrize("merge", [WeightedMean(), Rda(direct_pattern=None, min_deltas=2)],
                          ids=["weighted-mean", "rda"])
 @pytest.mark.parametrize("checkpoint_every", [1, 2, 20])
 def test_every_round_of_an_audited_run_verifies(mailbox: Mailbox, merge: Any,
@@ -145,7 +145,7 @@ def test_every_round_of_an_audited_run_verifies(mailbox: Mailbox, merge: Any,
 
 @pytest.mark.parametrize("checkpoint_every", [1, 2], ids=["update", "step"])
 def test_f4_deltas_and_commits_verify(mailbox: Mailbox, checkpoint_every: int) -> None:
-    alg = audited(Rda(direct_pattern=None), delta_dtype="F4", commit_dtype="F4",
+    alg = audited(Rda(direct_pattern=None, min_deltas=2), delta_dtype="F4", commit_dtype="F4",
                   checkpoint_every=checkpoint_every)
     r = closed_run(mailbox, alg)
     recs = run(r.records())
@@ -520,7 +520,7 @@ def test_a_closer_that_merges_differently_is_caught(
         return honest(alg, state, contributions, schema, backend)
 
     monkeypatch.setattr(syncer_module, "merge_round", plausible)
-    closed_run(mailbox, audited(Rda(direct_pattern=None), checkpoint_every=20))
+    closed_run(mailbox, audited(Rda(direct_pattern=None, min_deltas=2), checkpoint_every=20))
     report = verify(mailbox)
     assert [v.round for v in report.rounds if v.status == "failed"] == [4]
     whats = [(m.what, m.tensor) for m in report.rounds[4].mismatches]

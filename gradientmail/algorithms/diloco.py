@@ -196,7 +196,8 @@ class DiLoCo:
     # Merge, Partition and Prices values are frozen: one shared default is safe.
     merge: Merge = _setting(  # noqa: RUF009
         _DEFAULT_MERGE, "how a round's deltas merge: rda (RDA; tensors matching "
-        "direct_pattern by weighted mean) or mean (the token-weighted mean)")
+        "direct_pattern, and rounds of two deltas, by weighted mean) or mean (the "
+        "token-weighted mean)")
     partition: Partition = _setting(  # noqa: RUF009
         _DEFAULT_PARTITION, "how tensors are dealt into fragments: bytes (balanced by size) "
         "or strided (blocks numbered by block_pattern dealt round-robin)")
@@ -342,7 +343,7 @@ class DiLoCo:
         m = self.merge
         if not isinstance(m, Rda) or m.direct_names is not None:
             return self
-        return dataclasses.replace(self, merge=Rda(m.direct_pattern, tuple(names)))
+        return dataclasses.replace(self, merge=dataclasses.replace(m, direct_names=tuple(names)))
 
     @property
     def replicated(self) -> bool:
@@ -589,7 +590,8 @@ class DiLoCoAggregator:
         merge = self.config.merge
         if len(shares) == 1:
             return [spans[0]]
-        if averaged or isinstance(merge, WeightedMean) or merge.is_direct(name):
+        if averaged or isinstance(merge, WeightedMean) or not merge.applies_to(
+                name, len(shares)):
             return [p * s for p, s in zip(shares, spans, strict=True)]
         m = len(spans)
         scaled = [[gram[i][j] * spans[i] * spans[j] for j in range(m)] for i in range(m)]
