@@ -102,12 +102,12 @@ class Run:
         self.schedule = alg.schedule_for(len(self.plan))
         self.events: list[Event] = []
 
-    async def create(self) -> Manifest:
+    async def create(self, codec: str = "off") -> Manifest:
         init = init_tensors()
         refs = []
         for p, names in enumerate(self.plan):
             refs.append(await self.ex.put_init(p, {n: init[n] for n in names}, attempt=0))
-        manifest = Manifest(SCHEMA, self.plan, self.alg.to_json(), "creator", tuple(refs), "off")
+        manifest = Manifest(SCHEMA, self.plan, self.alg.to_json(), "creator", tuple(refs), codec)
         assert await self.ex.create_manifest(manifest)
         return manifest
 

@@ -1,7 +1,7 @@
-"""A standalone closer downloads each delta of its open round as soon as it sees the
-contribution (`gradientmail.syncer.standalone.Prefetcher`), so that closing a round reads
-only what arrived last; what it commits is byte for byte what a closer that fetched
-everything at closing time commits."""
+"""What a standalone closer does that an embedded one does not: it downloads each delta
+of its open round as soon as it sees the contribution (`Prefetcher`), so that closing a
+round reads only what arrived last, committing byte for byte what a closer that fetched
+everything at closing time commits; and it writes commits in the run's codec."""
 
 from __future__ import annotations
 
@@ -132,5 +132,31 @@ def test_an_embedded_closer_does_not_download_ahead() -> None:
         await settle(s)
         assert s.host is not None and s.host.publishers_seen(0) == {"b", "c"}
         assert logged.payloads() == []
+
+    asyncio.run(main())
+
+
+def test_a_standalone_closer_writes_commits_in_the_runs_codec() -> None:
+    async def main() -> None:
+        box = fresh("standalone-codec")
+        r = Run(box, algorithm(fragments=1, quorum_size=1, checkpoint_every=1))
+        await r.create(codec="zstd")
+        await r.contribute(0, "a")
+        s = Syncer.open(box, clock=r.clock, closer_id="sync-1")
+        assert s.exchange.compression == "off"
+        assert await s.poll(live=frozenset({"a"}))
+        (rec,) = await r.records()
+        assert rec.theta is not None and rec.outer is not None
+        assert all(ref.key.endswith(".zst") for ref in rec.payload_refs())
+        # ... and reads back as the same tensors a closer writing uncompressed gives.
+        plain = fresh("standalone-codec-off")
+        r2 = Run(plain, algorithm(fragments=1, quorum_size=1, checkpoint_every=1))
+        await r2.create()
+        await r2.contribute(0, "a")
+        assert await Syncer.open(plain, clock=r2.clock, closer_id="sync-1").poll(
+            live=frozenset({"a"}))
+        (rec2,) = await r2.records()
+        assert rec2.theta is not None and not rec2.theta.key.endswith(".zst")
+        assert await r.ex.fetch_tensors(rec.theta) == await r2.ex.fetch_tensors(rec2.theta)
 
     asyncio.run(main())
