@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -31,7 +32,7 @@ from gradientmail.wire.quantization import (
 )
 from gradientmail.wire.serialization import TensorBytes, handed_over
 
-__all__ = ["quantize_bytes", "quantize_tensor"]
+__all__ = ["quantize_bytes", "quantize_tensor", "quantize_tensors"]
 
 _F32_MAX = float(np.finfo(np.float32).max)
 # Elements per op on the CPU: ATen's grain size, below which an op runs in the calling
@@ -52,11 +53,30 @@ def quantize_bytes(name: str, tensor: TensorBytes, fmt: str) -> dict[str, Tensor
     return quantize_tensor(name, flat.view(_SOURCE[tensor.dtype]).reshape(tensor.shape), fmt)
 
 
-@torch.no_grad()
 def quantize_tensor(name: str, tensor: torch.Tensor, fmt: str) -> dict[str, TensorBytes]:
     """The entries `quantization.quantize` gives for `tensor` (float32, float16 or
     bfloat16, on any device), computed on its device: only the codes and scales are
     copied to the host. The same errors (`NonFiniteError` naming the tensor)."""
+    return _launch(name, tensor, fmt)()
+
+
+def quantize_tensors(tensors: Mapping[str, torch.Tensor], fmt: str) -> dict[str, TensorBytes]:
+    """`quantize_tensor` of each of `tensors`, every kernel launched before any result is
+    read: on a GPU the host waits for the device once, then copies the codes, instead
+    of once per tensor. Errors as `quantize_tensor`'s, for the first bad tensor in order."""
+    finish = [_launch(name, t, fmt) for name, t in tensors.items()]
+    out: dict[str, TensorBytes] = {}
+    for done in finish:
+        out.update(done())
+    return out
+
+
+_Finish = Callable[[], dict[str, TensorBytes]]
+
+
+@torch.no_grad()
+def _launch(name: str, tensor: torch.Tensor, fmt: str) -> _Finish:
+    """Launch `tensor`'s kernels; the returned function waits for them, checks, and copies."""
     check_format(fmt)
     if tensor.dtype not in _SOURCE.values():
         raise ConfigError(
@@ -66,20 +86,27 @@ def quantize_tensor(name: str, tensor: torch.Tensor, fmt: str) -> dict[str, Tens
     x = tensor.detach().reshape(-1)
     step = _CPU_CHUNK if x.device.type == "cpu" else max(x.numel(), 1)
     if fmt == "F4":
-        return _quantize_f4(name, shape, x, step)
+        return _launch_f4(name, shape, x, step)
+    if fmt == "F8_E4M3":
+        return _launch_f8(name, shape, x, step)
     amax = _absmax(x, step)
-    if not math.isfinite(amax):
-        raise _non_finite(name, x, fmt)
-    if fmt == "BF16":
-        if not math.isfinite(float(np.array(amax, np.float32).astype(ml_dtypes.bfloat16))):
+    codes = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+
+    def finish() -> dict[str, TensorBytes]:
+        a = float(amax)
+        if not math.isfinite(a):
+            raise _non_finite(name, x, fmt)
+        if not math.isfinite(float(np.array(a, np.float32).astype(ml_dtypes.bfloat16))):
             raise overflow_error(name, fmt)
-        codes = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
         return {name: TensorBytes("BF16", shape, _host(codes, copy=codes is x))}
-    return _quantize_f8(name, shape, x, step, amax)
+
+    return finish
 
 
 def _host(t: torch.Tensor, *, copy: bool = False) -> npt.NDArray[np.uint8]:
     """`t`'s bytes as a read-only host array; copied when `t` may be someone else's."""
+    if not t.numel():  # an empty tensor's stride may be 0, which `view` refuses
+        return handed_over(np.empty(0, np.uint8))
     out = t.reshape(-1).view(torch.uint8).cpu()
     arr: npt.NDArray[np.uint8] = out.numpy()
     if copy and out.data_ptr() == t.data_ptr():
@@ -91,10 +118,12 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.to(torch.float32)
 
 
-def _absmax(x: torch.Tensor, step: int) -> float:
-    """max |x| as a float (NaN or infinity if any), 0 when empty."""
-    parts = [x[i : i + step].abs().amax() for i in range(0, x.numel(), step)]
-    return float(torch.stack(parts).amax()) if parts else 0.0
+def _absmax(x: torch.Tensor, step: int) -> torch.Tensor:
+    """max |x| as a float32 0-d tensor on x's device (NaN or infinity if any), 0 when empty."""
+    parts = [_f32(x[i : i + step]).abs().amax() for i in range(0, x.numel(), step)]
+    if not parts:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return parts[0] if len(parts) == 1 else torch.stack(parts).amax()
 
 
 def _non_finite(name: str, x: torch.Tensor, fmt: str) -> Exception:
@@ -102,21 +131,33 @@ def _non_finite(name: str, x: torch.Tensor, fmt: str) -> Exception:
     return non_finite_error(name, int(bad.sum()), int(torch.nonzero(bad)[0, 0]), fmt)
 
 
-def _quantize_f8(
-    name: str, shape: tuple[int, ...], x: torch.Tensor, step: int, amax: float
-) -> dict[str, TensorBytes]:
-    # The smallest k with amax <= 448 · 2^k (448 = 1.75 · 2^8), as the numpy path finds it.
-    m, e = math.frexp(amax)
-    k = 0 if amax == 0 else min(max(e - 9 + (m > 0.875), -126), 127)
-    inv = math.ldexp(1.0, -k)
-    top = float(np.array(amax * inv, np.float32).astype(ml_dtypes.float8_e4m3fn))
-    if math.ldexp(top, k) > _F32_MAX:
-        raise overflow_error(name, "F8_E4M3")
+def _launch_f8(name: str, shape: tuple[int, ...], x: torch.Tensor, step: int) -> _Finish:
+    # The smallest k with amax <= 448 · 2^k, from the bits as `_launch_f4` finds F4's:
+    # absmax = 1.f · 2^(b − 127) against 448 = 1.75 · 2^8. On the device, so that no
+    # kernel waits for the host.
+    amax = _absmax(x, step)
+    bits = amax.view(torch.int32)
+    k = (bits >> 23) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+    k = torch.where(bits == 0, 0, k.clamp(-126, 127))
+    # A finite absmax has k <= 120 (448 · 2^120 > 2^128), so 2^-k is a normal float;
+    # the clamp only keeps a NaN's factor a number until the check refuses it.
+    inv = ((127 - k.clamp(max=126)) << 23).view(torch.float32)
     out = torch.empty(x.numel(), dtype=torch.float8_e4m3fn, device=x.device)
     for i in range(0, x.numel(), step):
-        out[i : i + step] = _f32(x[i : i + step]).mul(inv)
-    scale = TensorBytes("F32", (), np.float32(math.ldexp(1.0, k)).tobytes())
-    return {name: TensorBytes("F8_E4M3", shape, _host(out)), scale_name(name): scale}
+        out[i : i + step] = _f32(x[i : i + step]) * inv
+
+    def finish() -> dict[str, TensorBytes]:
+        a = float(amax)
+        if not math.isfinite(a):
+            raise _non_finite(name, x, "F8_E4M3")
+        e = int(k)
+        top = float(np.array(a * math.ldexp(1.0, -e), np.float32).astype(ml_dtypes.float8_e4m3fn))
+        if math.ldexp(top, e) > _F32_MAX:
+            raise overflow_error(name, "F8_E4M3")
+        scale = TensorBytes("F32", (), np.float32(math.ldexp(1.0, e)).tobytes())
+        return {name: TensorBytes("F8_E4M3", shape, _host(out)), scale_name(name): scale}
+
+    return finish
 
 
 def _codes_table(device: torch.device) -> torch.Tensor:
@@ -126,9 +167,7 @@ def _codes_table(device: torch.device) -> torch.Tensor:
     return table
 
 
-def _quantize_f4(
-    name: str, shape: tuple[int, ...], x: torch.Tensor, step: int
-) -> dict[str, TensorBytes]:
+def _launch_f4(name: str, shape: tuple[int, ...], x: torch.Tensor, step: int) -> _Finish:
     n = x.numel()
     step = -(-step // BLOCK) * BLOCK
     table = _codes_table(x.device)
@@ -146,7 +185,7 @@ def _quantize_f4(
         # As `quantization._f4_exponents`: absmax = 1.f · 2^(b − 127) against 6 = 1.5 · 2^2.
         bits = amax.view(torch.int32)
         k = (bits >> 23) - 129 + ((bits & 0x7FFFFF) > 0x400000).to(torch.int32)
-        k = torch.where(bits == 0, 0, k.clamp_(min=-127))
+        k = torch.where(bits == 0, 0, k.clamp(-127, 126))
         e8[i // BLOCK : i // BLOCK + k.numel()] = (k + 127).to(torch.uint8)
         inv = ((127 - k) << 23).view(torch.float32)
         y = (blocks * inv[:, None]).view(torch.int32)
@@ -154,17 +193,22 @@ def _quantize_f4(
         idx = ((y | ((y & 0xFFFF) + 0xFFFF)) >> 16) & 0xFFFF
         codes = table[idx.reshape(-1)]
         packed[i // 2 : i // 2 + codes.numel() // 2] = codes[0::2] | (codes[1::2] << 4)
-    if finite and not bool(torch.stack(finite).all()):
-        raise _non_finite(name, x, "F4")
-    e8_host = _host(e8)
-    k_host = e8_host.astype(np.int32) - 127
-    big = k_host >= 126
-    if big.any():
-        amax_big = torch.cat(amaxes)[torch.from_numpy(np.flatnonzero(big))].cpu().numpy()
-        inv_big = np.ldexp(np.ones(amax_big.size, np.float32), -k_host[big]).astype(np.float32)
-        top = (amax_big * inv_big).astype(ml_dtypes.float4_e2m1fn).astype(np.float64)
-        if (np.ldexp(top, k_host[big]) > _F32_MAX).any():
-            raise overflow_error(name, "F4")
-    codes_host = _host(packed[: (n + 1) // 2])
-    scale = TensorBytes("F8_E8M0", (e8_host.size,), e8_host)
-    return {name: TensorBytes("F4", shape, codes_host), scale_name(name): scale}
+
+    def finish() -> dict[str, TensorBytes]:
+        if finite and not bool(torch.stack(finite).all()):
+            raise _non_finite(name, x, "F4")
+        e8_host = _host(e8)
+        k_host = e8_host.astype(np.int32) - 127
+        big = k_host >= 126  # only these can round past float32's maximum when decoded
+        if big.any():
+            where = torch.from_numpy(np.flatnonzero(big)).to(x.device)
+            amax_big = torch.cat(amaxes)[where].cpu().numpy()
+            inv_big = np.ldexp(np.ones(amax_big.size, np.float32), -k_host[big])
+            top = (amax_big * inv_big.astype(np.float32)).astype(ml_dtypes.float4_e2m1fn)
+            if (np.ldexp(top.astype(np.float64), k_host[big]) > _F32_MAX).any():
+                raise overflow_error(name, "F4")
+        codes_host = _host(packed[: (n + 1) // 2])
+        scale = TensorBytes("F8_E8M0", (e8_host.size,), e8_host)
+        return {name: TensorBytes("F4", shape, codes_host), scale_name(name): scale}
+
+    return finish
