@@ -271,23 +271,27 @@ def _verdict(met: bool) -> str:
     return "met" if met else "MISSED"
 
 
-def gpu_rows(reps: int, fragments: int) -> list[dict[str, Any]] | None:
+def gpu_rows(reps: int, fragments: int, device: str = "cuda") -> list[dict[str, Any]] | None:
     """The torch kernels on a CUDA device: one fragment of GPT-2 (124M) in F32 on the
     GPU to its entries on the host (`quantize_tensors`, the device-to-host copy of the
-    codes included), beside a plain copy of the same payload bytes to the host. None
-    when there is no CUDA device."""
+    codes included), beside a plain copy of the same payload bytes to the host, and
+    whether the entries are byte for byte numpy's. None when there is no CUDA device."""
     try:
         import torch
     except ImportError:
         return None
-    if not torch.cuda.is_available():
+    if device == "cuda" and not torch.cuda.is_available():
         return None
     from gradientmail.wire.quantization import quantized_nbytes
     from gradientmail.wire.quantization_torch import quantize_tensors
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    gen = torch.Generator(device=device).manual_seed(0)
     shapes = gpt2_shapes(quick=False)
-    model = {n: torch.randn(s, device="cuda", generator=gen) * 0.02 for n, s in shapes.items()}
+    model = {n: torch.randn(s, device=device, generator=gen) * 0.02 for n, s in shapes.items()}
     total = sum(t.numel() for t in model.values())
     # Fragment 0 of `fragments`: consecutive parameters up to 1/fragments of the model.
     fragment: dict[str, Any] = {}
@@ -301,21 +305,23 @@ def gpu_rows(reps: int, fragments: int) -> list[dict[str, Any]] | None:
         fn()  # warm-up: kernels compiled, tables on the device, allocator primed
         best = math.inf
         for _ in range(reps):
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             fn()
-            torch.cuda.synchronize()
+            sync()
             best = min(best, time.perf_counter() - t0)
         return best * 1e3
 
     rows = []
     for fmt in FORMATS:
         nbytes = sum(quantized_nbytes(fmt, t.numel()) for t in fragment.values())
-        staged = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        staged = torch.empty(nbytes, dtype=torch.uint8, device=device)
         ms = timed(partial(quantize_tensors, fragment, fmt))
         copy_ms = timed(staged.cpu)
+        same = quantize_tensors(fragment, fmt) == quantize_all(
+            {n: TensorBytes.from_numpy(t.cpu().numpy()) for n, t in fragment.items()}, fmt)
         rows.append({"fmt": fmt, "params": numel, "tensors": len(fragment), "ms": ms,
-                     "copy_ms": copy_ms, "gbps": 4 * numel / ms / 1e6})
+                     "copy_ms": copy_ms, "gbps": 4 * numel / ms / 1e6, "same": same})
     return rows
 
 
@@ -326,14 +332,16 @@ def gpu_table(rows: list[dict[str, Any]], fragments: int, device: str) -> str:
         "the repetitions after a warm-up); copy = the same number of payload bytes copied "
         "device to host alone (the floor).",
         "",
-        "| format | params | tensors | encode ms | copy ms | GB/s of F32 | goal |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| format | params | tensors | encode ms | copy ms | GB/s of F32 | bytes = numpy's "
+        "| goal |",
+        "|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         verdict = _verdict(r["ms"] <= GOALS["gpu_ms"]) if r["fmt"] != "BF16" else "-"
         lines.append(
             f"| {r['fmt']} | {r['params'] / 1e6:.1f}M | {r['tensors']} | {r['ms']:.2f} | "
-            f"{r['copy_ms']:.2f} | {r['gbps']:.0f} | <= {GOALS['gpu_ms']:.0f} ms: {verdict} |"
+            f"{r['copy_ms']:.2f} | {r['gbps']:.0f} | {'yes' if r['same'] else 'NO'} | "
+            f"<= {GOALS['gpu_ms']:.0f} ms: {verdict} |"
         )
     return "\n".join(lines)
 
