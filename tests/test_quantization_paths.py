@@ -143,3 +143,22 @@ def test_torch_tensors_and_batches_give_the_same_entries(fmt: str) -> None:
     tensors["b"][3] = math.nan
     with pytest.raises(NonFiniteError, match="tensor 'b' holds 1 NaN"):
         quantize_tensors(tensors, fmt)
+
+
+@pytest.mark.parametrize("fmt", ("BF16", *CODED))
+def test_on_the_device_the_bytes_are_numpys(device: str, fmt: str) -> None:
+    # On a GPU the same kernels run as one batch with one wait; the bytes stay numpy's.
+    rng = np.random.default_rng(3)
+    arrays = {"edge": _edge_values(), "odd": rng.standard_normal((7, 9)).astype(np.float32),
+              "none": np.zeros((0, 4), np.float32),
+              "wide": (rng.standard_normal(100_003) * 1e-4).astype(np.float32)}
+    want: dict[str, TensorBytes] = {}
+    for name, a in arrays.items():
+        want |= quantize(name, TensorBytes.from_numpy(a), fmt)
+    on_device = {name: torch.from_numpy(a.copy()).to(device) for name, a in arrays.items()}
+    assert quantize_tensors(on_device, fmt) == want
+    assert quantize_tensor("odd", on_device["odd"], fmt) == quantize(
+        "odd", TensorBytes.from_numpy(arrays["odd"]), fmt)
+    on_device["wide"][99_999] = math.inf
+    with pytest.raises(NonFiniteError, match=r"'wide' holds 1 NaN .*flat index 99999"):
+        quantize_tensors(on_device, fmt)
