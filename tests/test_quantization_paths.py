@@ -162,3 +162,15 @@ def test_on_the_device_the_bytes_are_numpys(device: str, fmt: str) -> None:
     on_device["wide"][99_999] = math.inf
     with pytest.raises(NonFiniteError, match=r"'wide' holds 1 NaN .*flat index 99999"):
         quantize_tensors(on_device, fmt)
+
+
+@pytest.mark.parametrize("fmt", CODED)
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("values", [[1e-45, -3e-45], [1.17e-38, -2e-40, 0.0], [-2.5e38, 1.0],
+                                    [0.0, -0.0], [448.0, -447.9], [6.0, 5.99]])
+def test_whole_tensor_scales_at_the_ends(fmt: str, path: str, values: list[float]) -> None:
+    # F8's one scale from a subnormal absmax (k clamps at -126), from one near float32's
+    # maximum, from zeros; and absmaxes right at the formats' largest codes.
+    x = np.array(values, np.float32)
+    entries = quantize("s", TensorBytes.from_numpy(x), fmt, backend=path)
+    assert (entries["s"].data, entries["s.scale"].data) == _oracle(x, fmt)
