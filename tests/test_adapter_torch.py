@@ -13,6 +13,7 @@ import torch
 from gradientmail.adapters import TorchAdapter
 from gradientmail.adapters.torch import from_torch, to_torch
 from gradientmail.errors import ConfigError, SchemaMismatch
+from gradientmail.wire.quantization import FORMATS, quantize
 from gradientmail.wire.serialization import ParameterSpec, TensorBytes
 
 
@@ -166,3 +167,21 @@ def test_embedding_parameters_are_named_by_their_module_type_not_their_name() ->
     assert TorchAdapter(lin, direct_modules=(torch.nn.LayerNorm,)).direct_names == {
         "1.weight", "1.bias"}
     assert TorchAdapter(model()).direct_names == frozenset()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_delta_quantized_is_quantize_of_the_delta(device: str, fmt: str) -> None:
+    m = model(device)
+    m[1].to(torch.bfloat16)
+    a = TorchAdapter(m)
+    anchor = a.snapshot(a.schema.names)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(1.5).add_(0.01)
+    snap = a.snapshot(a.schema.names)
+    want: dict[str, TensorBytes] = {}
+    for name, t in a.delta(anchor, snap).items():
+        want |= quantize(name, t, fmt)
+    got = a.delta_quantized(anchor, snap, fmt)
+    assert got == want
+    assert list(got) == list(want)

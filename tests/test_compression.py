@@ -86,6 +86,21 @@ def test_shuffle_layout() -> None:
     assert shuffle(f4) == f4
 
 
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
+def test_shuffle_over_many_blocks_is_the_byte_transpose(dtype: str) -> None:
+    # Several of the (un)shuffle's steps and a short last one, on random bytes (every
+    # byte value in every plane): the planes are the plain transpose of the elements.
+    width = {"F32": 4, "F16": 2, "BF16": 2}[dtype]
+    numel = 3 * (1 << 16) + 5
+    raw = np.random.default_rng(width).integers(0, 256, numel * width, dtype=np.uint8)
+    t = TensorBytes(dtype, (numel,), raw.tobytes())
+    shuffled = shuffle(t)
+    assert shuffled.data == np.ascontiguousarray(raw.reshape(-1, width).T).tobytes()
+    assert unshuffle(shuffled) == t
+    blob = encode({"w": t}, "zstd")
+    assert decode(blob, "zstd") == {"w": t}
+
+
 def test_zstd_compresses_smooth_floats_better_than_plain_zstd() -> None:
     rng = np.random.default_rng(0)
     w = TensorBytes.from_numpy((rng.standard_normal(200_000) * 0.02).astype(np.float32))

@@ -19,7 +19,10 @@ __all__ = ["Adapter"]
 class Adapter(Protocol):
     """What a learner needs from a model. An adapter may also have `direct_names`, the
     frozenset of its embedding parameters' names (RDA merges them by weighted mean,
-    `Rda.direct_names`); without it, only `Rda.direct_pattern` picks them."""
+    `Rda.direct_names`); without it, only `Rda.direct_pattern` picks them. It may also have
+    `delta_quantized(anchor, snapshot, fmt)`: `delta` already quantized to transfer format
+    `fmt` (the entries `wire.quantization.quantize` gives), which the learner then uses
+    instead of quantizing the host bytes itself (`TorchAdapter` quantizes on a GPU)."""
 
     @property
     def schema(self) -> Schema: ...

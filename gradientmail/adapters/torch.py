@@ -16,10 +16,14 @@ from typing import Any
 import torch
 
 from gradientmail.errors import ConfigError, SchemaMismatch
+from gradientmail.wire.quantization import quantize
+from gradientmail.wire.quantization_torch import quantize_tensors
 from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
 
 __all__ = ["TorchAdapter", "from_torch", "to_torch"]
 
+# Bytes of F32 differences `delta_quantized` holds on the device between two waits.
+_QUANTIZE_BATCH = 64 << 20
 _TO_NAME = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 _FROM_NAME = {
     "F32": torch.float32,
@@ -157,6 +161,33 @@ class TorchAdapter:
             n: from_torch(anchor[n].to(torch.float32) - snapshot[n].to(torch.float32), "F32")
             for n in snapshot
         }
+
+    @torch.no_grad()
+    def delta_quantized(
+        self, anchor: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor], fmt: str
+    ) -> dict[str, TensorBytes]:
+        """`delta` in transfer format `fmt`: the entries `quantization.quantize` gives for
+        each name, byte for byte. On a GPU each difference is quantized there and only the
+        codes and scales cross to the host; on the CPU numpy quantizes the host bytes."""
+        out: dict[str, TensorBytes] = {}
+        batch: dict[str, torch.Tensor] = {}
+        held = 0
+        for n in snapshot:
+            diff = anchor[n].to(torch.float32) - snapshot[n].to(torch.float32)
+            if diff.device.type == "cpu":  # numpy's quantizers beat torch's on a CPU
+                out |= quantize_tensors(batch, fmt) if batch else {}
+                batch, held = {}, 0
+                out |= quantize(n, from_torch(diff, "F32"), fmt)
+                continue
+            # Kernels of several tensors are launched before the host waits once for all
+            # of them; the batch's differences, up to _QUANTIZE_BATCH bytes, are held
+            # on the device meanwhile.
+            batch[n] = diff
+            held += diff.numel() * 4
+            if held >= _QUANTIZE_BATCH:
+                out |= quantize_tensors(batch, fmt)
+                batch, held = {}, 0
+        return out | quantize_tensors(batch, fmt) if batch else out
 
     @torch.no_grad()
     def apply(self, values: Mapping[str, Any], mixing: float = 0.0) -> None:

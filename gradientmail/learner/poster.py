@@ -5,7 +5,8 @@ The mailman's publish loop hands each `Outgoing` job to `Poster.post`, one at a 
 Copies of a fragment's bytes on the way out (F32, codec off; "+1 GPU" where a device adds
 one): the snapshot clone (training thread), anchor − θ (a new tensor), its device-to-host
 copy (GPU only; `from_torch` then holds that host memory as is), quantize (only with a
-delta_dtype: the codes), `pack` (header and tensors joined into one blob), upload. The
+delta_dtype: the codes; an adapter with `delta_quantized` quantizes on the GPU and copies
+only the codes to the host), `pack` (header and tensors joined into one blob), upload. The
 way in is `gradientmail.learner.fetcher`.
 """
 
@@ -170,6 +171,10 @@ class Poster:
         self._published(job, record, t0, tensors)
 
     def _encode(self, job: Outgoing, fmt: str) -> dict[str, TensorBytes]:
+        quantized = getattr(self._adapter, "delta_quantized", None)
+        if fmt != "F32" and quantized is not None:
+            entries: dict[str, TensorBytes] = quantized(job.anchor, job.snapshot, fmt)
+            return entries
         delta = self._adapter.delta(job.anchor, job.snapshot)
         if fmt == "F32":
             return delta

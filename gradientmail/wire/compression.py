@@ -64,7 +64,9 @@ SHUFFLE_KEY = "gradientmail.shuffle"
 DEFAULT_MAX_BYTES = 8 << 30
 _LEVEL = 1
 _THREADED_FROM = 8 << 20  # below this, starting zstd's worker threads costs more than it saves
-_BLOCK = 1 << 16  # elements per transpose step of the (un)shuffle
+_BLOCK = 1 << 16  # elements per step of the (un)shuffle: its reads and writes stay in cache
+# Element width -> an unsigned little-endian integer of that width.
+_WORDS: dict[int, np.dtype[Any]] = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 
 
 def check_compression(compression: str) -> str:
@@ -113,8 +115,9 @@ def shuffle(tensor: TensorBytes) -> TensorBytes:
     width = dtype_bits(tensor.dtype) // 8
     if width <= 1 or not tensor.nbytes:
         return tensor
-    planes = np.frombuffer(tensor.buffer, np.uint8).reshape(-1, width).T
-    return TensorBytes(tensor.dtype, tensor.shape, handed_over(np.ascontiguousarray(planes)))
+    out = np.empty(tensor.nbytes, np.uint8)
+    _shuffle_into(tensor.buffer, width, out)
+    return TensorBytes(tensor.dtype, tensor.shape, handed_over(out))
 
 
 def unshuffle(tensor: TensorBytes) -> TensorBytes:
@@ -131,22 +134,45 @@ def _shuffle_into(data: bytes | memoryview, width: int, out: npt.NDArray[np.uint
     if width <= 1:
         out[:] = source
         return
-    elements = source.reshape(-1, width)
     planes = out.reshape(width, -1)
-    # A block of elements at a time, so the transpose reads and writes stay in cache.
-    for i in range(0, elements.shape[0], _BLOCK):
-        planes[:, i : i + _BLOCK] = elements[i : i + _BLOCK].T
+    words = _WORDS.get(width)
+    if words is None:  # no such dtype today: a byte transpose, a block at a time
+        elements = source.reshape(-1, width)
+        for i in range(0, elements.shape[0], _BLOCK):
+            planes[:, i : i + _BLOCK] = elements[i : i + _BLOCK].T
+        return
+    # Byte k of each little-endian word is (word >> 8k) cast to uint8: contiguous integer
+    # loops, 2-3x faster than numpy's strided byte transpose.
+    values = source.view(words)
+    for i in range(0, values.size, _BLOCK):
+        part = values[i : i + _BLOCK]
+        np.copyto(planes[0, i : i + _BLOCK], part, casting="unsafe")
+        for k in range(1, width):
+            np.right_shift(part, 8 * k, out=planes[k, i : i + _BLOCK], casting="unsafe")
 
 
 def _interleave(shuffled: memoryview, width: int) -> npt.NDArray[np.uint8]:
     """Inverse of the shuffle: `shuffled` holds `width` byte planes one after another.
     Returns a new read-only array (no further copy into bytes)."""
     planes = np.frombuffer(shuffled, np.uint8).reshape(width, -1)
-    out = np.empty((planes.shape[1], width), np.uint8)
-    for i in range(0, planes.shape[1], _BLOCK):
-        out[i : i + _BLOCK] = planes[:, i : i + _BLOCK].T
-    return handed_over(out)
-
+    words = _WORDS.get(width)
+    if words is None:
+        out = np.empty((planes.shape[1], width), np.uint8)
+        for i in range(0, planes.shape[1], _BLOCK):
+            out[i : i + _BLOCK] = planes[:, i : i + _BLOCK].T
+        return handed_over(out)
+    # Each word is the OR of its bytes shifted into place, built in the output a block
+    # at a time (the block's shifted plane in a small reused buffer).
+    values = np.empty(planes.shape[1], words)
+    shifted = np.empty(min(_BLOCK, values.size), words)
+    for i in range(0, values.size, _BLOCK):
+        word = values[i : i + _BLOCK]
+        np.copyto(word, planes[0, i : i + _BLOCK])
+        for k in range(1, width):
+            t = shifted[: word.size]
+            np.left_shift(planes[k, i : i + _BLOCK], 8 * k, out=t, dtype=words)
+            word |= t
+    return handed_over(values.view(np.uint8))
 
 
 def _zstd() -> Any:

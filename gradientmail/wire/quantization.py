@@ -24,17 +24,20 @@ Errors: non-finite input, or finite input whose rounding would exceed float32's 
 raises `NonFiniteError` naming the tensor; missing, mis-typed or mis-shaped entries and
 NaN, infinite, zero or non-power-of-two scales raise `CorruptPayload` naming the tensor.
 
-F8 and F4 quantization of large inputs runs on torch when it is importable (its float8
-cast is several times faster than ml_dtypes', and F4 is computed from the float bits),
-single-threaded in the calling thread; both paths give identical bytes, which the tests
-check. BF16 always uses ml_dtypes' cast, which is fast already.
+F8 and F4 codes come from the float32 bits: each scaled value is rounded to odd at 16
+bits (its top 16 bits, the lowest of them set when any bit below is), and a 65,536-entry
+table maps that to the code ml_dtypes' round-to-nearest-even cast gives (rounding to odd
+first, with at least two bits more than the target keeps, rounds the same). numpy does it
+a cache-sized chunk at a time in the calling thread; `backend="torch"` runs the kernels of
+`gradientmail.wire.quantization_torch` instead (the same bytes, which the tests check),
+which also quantize a torch tensor on its own device (`quantize_tensor`). BF16 uses
+ml_dtypes' cast, which is fast already.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import ml_dtypes
@@ -46,13 +49,16 @@ from gradientmail.wire.serialization import STORAGE_DTYPES, TensorBytes, handed_
 
 __all__ = [
     "BLOCK",
+    "F4_CODES",
+    "F8_CODES",
     "FORMATS",
-    "TORCH_MIN_NUMEL",
     "Quantized",
     "bytes_per_element",
     "check_format",
     "dequantize",
     "dequantizing",
+    "non_finite_error",
+    "overflow_error",
     "quantize",
     "quantized_nbytes",
     "roundtrip",
@@ -62,25 +68,21 @@ __all__ = [
 FORMATS: tuple[str, ...] = ("BF16", "F8_E4M3", "F4")
 #: Elements per F4 scale block (the MX block size).
 BLOCK = 32
-#: Inputs with at least this many elements use the torch path under backend="auto".
-TORCH_MIN_NUMEL = 1 << 16
 
 _F32 = np.float32
 _F32_MAX = float(np.finfo(np.float32).max)
-_CHUNK = 1 << 18  # elements per numpy pass: keeps temporaries in cache
+# Elements per pass of the numpy quantizers: their temporaries (9 bytes per element,
+# 576 KiB) stay in a core's L2, so each pass after the first reads cache, not memory;
+# smaller chunks lose more to numpy's per-call cost (measured: 1 << 14 is 25% slower).
+_CODE_CHUNK = 1 << 16
 # Elements `Quantized` decodes at a time: its temporaries (a few bytes per element) stay
 # far below the window of F32 a closer's merge reads (the numpy backend's 64 Ki).
 _DECODE = 1 << 16
 _GATHER = 1 << 13  # codes per `take`: its int64 copy of them is 64 KiB
-# Elements per torch op: ATen's grain size, below which an op runs in the calling thread.
-# The learner quantizes on its communication thread while training runs torch on the
-# others; multi-threaded ops there meet at OpenMP barriers that stall whenever the cores
-# are oversubscribed (measured 10x to 100x slowdowns on a busy 2-core machine).
-_TORCH_CHUNK = 1 << 15
 
 # (largest code value as mantissa · 2^exponent with mantissa in [0.5, 1), k range)
 _F8_MAX_M, _F8_MAX_E, _F8_K = 0.875, 9, (-126, 127)  # 448 = 0.875 · 2^9
-_F4_MAX_M, _F4_MAX_E, _F4_K = 0.75, 3, (-127, 127)  # 6 = 0.75 · 2^3
+_F4_K = (-127, 127)  # 6 = 1.5 · 2^2: see `_f4_exponents`
 
 # Code → value tables for decoding, built from ml_dtypes (a gather beats its cast 3×).
 _F8_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(_F32)
@@ -123,7 +125,8 @@ def quantize(
 ) -> dict[str, TensorBytes]:
     """The entries carrying `tensor` in format `fmt`: ``{name: codes[, name.scale: scale]}``.
 
-    `backend` is "auto" (torch for large inputs when importable), "numpy" or "torch".
+    `backend` is "auto" or "numpy" (numpy, the faster on a CPU), or "torch" (the torch
+    kernels on the CPU: the same bytes).
     """
     check_format(fmt)
     if not isinstance(tensor, TensorBytes) or tensor.dtype not in STORAGE_DTYPES:
@@ -133,15 +136,18 @@ def quantize(
         )
     if backend not in ("auto", "numpy", "torch"):
         raise ConfigError(f"backend {backend!r} must be 'auto', 'numpy' or 'torch'")
+    if backend == "torch":
+        try:
+            from gradientmail.wire import quantization_torch
+        except ImportError:
+            raise MissingExtra("torch", "the torch quantization path") from None
+        return quantization_torch.quantize_bytes(name, tensor, fmt)
     x = tensor.to_numpy().reshape(-1)
     if fmt == "BF16":
         return {name: _quantize_bf16(name, tensor, x)}
-    torch_path = _use_torch(backend, tensor.numel)
-    if tensor.dtype != "F32":
-        x = x.astype(_F32)
     if fmt == "F8_E4M3":
-        return _quantize_f8(name, tensor.shape, x, torch_path)
-    return _quantize_f4(name, tensor.shape, x, torch_path)
+        return _quantize_f8(name, tensor.shape, x)
+    return _quantize_f4(name, tensor.shape, x)
 
 
 def roundtrip(tensor: TensorBytes, fmt: str, *, backend: str = "auto") -> TensorBytes:
@@ -149,52 +155,64 @@ def roundtrip(tensor: TensorBytes, fmt: str, *, backend: str = "auto") -> Tensor
     return dequantize(quantize("t", tensor, fmt, backend=backend), "t", fmt)
 
 
-def _use_torch(backend: str, numel: int) -> bool:
-    if backend == "numpy" or (backend == "auto" and numel < TORCH_MIN_NUMEL):
-        return False
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        if backend == "torch":
-            raise MissingExtra("torch", "the torch quantization path") from None
-        return False
-    return True
-
-
-def _non_finite(name: str, x: npt.NDArray[Any], fmt: str) -> NonFiniteError:
-    bad = np.flatnonzero(~np.isfinite(x))
+def non_finite_error(name: str, count: int, first: int, fmt: str) -> NonFiniteError:
+    """The error for a tensor holding `count` NaN or infinite values, the first at flat
+    index `first` (shared with the torch kernels, which count on the device)."""
     return NonFiniteError(
-        f"tensor {name!r} holds {bad.size} NaN or infinite values (first at flat index "
-        f"{int(bad[0])}); cannot quantize to {fmt}. Check the training loss and gradients "
+        f"tensor {name!r} holds {count} NaN or infinite values (first at flat index "
+        f"{first}); cannot quantize to {fmt}. Check the training loss and gradients "
         "before publishing"
     )
 
 
-def _overflow(name: str, fmt: str) -> NonFiniteError:
+def _non_finite(name: str, x: npt.NDArray[Any], fmt: str) -> NonFiniteError:
+    bad = np.flatnonzero(~np.isfinite(x))
+    return non_finite_error(name, int(bad.size), int(bad[0]), fmt)
+
+
+def overflow_error(name: str, fmt: str) -> NonFiniteError:
+    """The error for finite values that round past float32's range."""
     return NonFiniteError(
         f"tensor {name!r} holds values near float32's maximum that overflow to infinity "
         f"when rounded to {fmt}; rescale the tensor"
     )
 
 
-def _absmax(x: npt.NDArray[np.float32]) -> float:
-    """max |x| (NaN if any NaN), 0 for an empty array; chunked to stay in cache."""
-    best = 0.0
-    for i in range(0, x.size, _CHUNK):
-        part = x[i : i + _CHUNK]
-        hi, lo = float(part.max()), float(part.min())
-        if math.isnan(hi) or math.isnan(lo):
-            return math.nan  # max() would drop a NaN operand silently
-        best = max(best, hi, -lo)
+def _chunks(x: npt.NDArray[Any], step: int) -> Iterator[tuple[int, npt.NDArray[np.float32]]]:
+    """(start, x[start : start + step] as float32) over flat `x`: views of F32 input,
+    F16/BF16 converted a chunk at a time into one reused buffer."""
+    buf = None if x.dtype == _F32 else np.empty(min(step, x.size), _F32)
+    for i in range(0, x.size, step):
+        part = x[i : i + step]
+        if buf is not None:
+            part = buf[: part.size]
+            part[...] = x[i : i + step]
+        yield i, part
+
+
+def _absmax_bits(x: npt.NDArray[Any]) -> int:
+    """The largest float32 bit pattern of |x| (0 when empty): above 0x7F800000 for a NaN,
+    equal for an infinity. Integer max over the sign-cleared bits: one pass, no NaN rules."""
+    best = 0
+    tmp = np.empty(min(_CODE_CHUNK, x.size), np.uint32)
+    for _, part in _chunks(x, _CODE_CHUNK):
+        t = tmp[: part.size]
+        np.bitwise_and(part.view(np.uint32), 0x7FFFFFFF, out=t)
+        best = max(best, int(t.max()))
     return best
 
 
+def _absmax(x: npt.NDArray[Any]) -> float:
+    """max |x| (NaN if any NaN, inf if any infinity), 0 for an empty array."""
+    return float(np.array(_absmax_bits(x), np.uint32).view(_F32))
+
+
 def _quantize_bf16(name: str, tensor: TensorBytes, x: npt.NDArray[Any]) -> TensorBytes:
-    amax = _absmax(x if x.dtype == _F32 else x.astype(_F32))
+    amax = _absmax(x)
     if not math.isfinite(amax):
         raise _non_finite(name, x.astype(_F32), "BF16")
     if not math.isfinite(float(np.array(amax, _F32).astype(ml_dtypes.bfloat16))):
-        raise _overflow(name, "BF16")
+        raise overflow_error(name, "BF16")
     if tensor.dtype == "BF16":
         return TensorBytes("BF16", tensor.shape, tensor.buffer)
     data = handed_over(x.astype(ml_dtypes.bfloat16))
@@ -216,164 +234,130 @@ def _exponents(
     return out
 
 
+def _f4_exponents(bits: npt.NDArray[np.uint32]) -> npt.NDArray[np.int32]:
+    """`_exponents` for F4 from the bits of finite block absmaxes (sign clear): with
+    absmax = 1.f · 2^(b − 127), 6 = 1.5 · 2^2, k = b − 129, one more when 1.f > 1.5
+    (f > 0x400000); a subnormal (b = 0) clamps to −127."""
+    k = (bits >> 23).astype(np.int32)
+    k += (bits & 0x7FFFFF) > 0x400000
+    k -= 129
+    np.maximum(k, _F4_K[0], out=k)
+    k[bits == 0] = 0
+    return k
+
+
 def _pow2(k: npt.NDArray[np.int32]) -> npt.NDArray[np.float32]:
     return np.ldexp(np.ones(k.shape, _F32), k).astype(_F32)
 
 
+def _code_table(dtype: Any) -> npt.NDArray[np.uint8]:
+    """Code of every 16-bit pattern (the top half of a float32) cast to `dtype`; the
+    patterns of NaN and infinity, which no finite input reaches, map to 0."""
+    top = (np.arange(1 << 16, dtype=np.uint32) << 16).view(_F32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        codes = np.where(np.isfinite(top), top, 0).astype(dtype).view(np.uint8)
+    return handed_over(np.ascontiguousarray(codes))
+
+
+#: F8_E4M3 and F4 (E2M1, one per byte) codes of each float32's top 16 bits, rounded to odd.
+F8_CODES = _code_table(ml_dtypes.float8_e4m3fn)
+F4_CODES = _code_table(ml_dtypes.float4_e2m1fn)
+
+
+def _round_to_odd_16(bits: npt.NDArray[np.uint32], tmp: npt.NDArray[np.uint32]) -> None:
+    """bits ← its top 16 bits, the lowest set when any of the low 16 is (in place).
+
+    That is the value rounded to odd at 8 significant bits (bfloat16), from which
+    rounding to nearest even at 4 or fewer bits (E4M3, E2M1) gives what rounding the
+    float32 directly gives: a tie stays a tie only when it was one (no bit below), and
+    nothing else moves across a rounding boundary. (low + 0xFFFF) carries into bit 16
+    exactly when low is not 0.
+    """
+    np.bitwise_and(bits, 0xFFFF, out=tmp)
+    np.add(tmp, 0xFFFF, out=tmp)
+    np.bitwise_or(bits, tmp, out=bits)
+    np.right_shift(bits, 16, out=bits)
+
+
 def _quantize_f8(
-    name: str, shape: tuple[int, ...], x: npt.NDArray[np.float32], torch_path: bool
+    name: str, shape: tuple[int, ...], x: npt.NDArray[Any]
 ) -> dict[str, TensorBytes]:
-    amax = _torch_absmax(x) if torch_path else _absmax(x)
+    amax = _absmax(x)
     if not math.isfinite(amax):
-        raise _non_finite(name, x, "F8_E4M3")
+        raise _non_finite(name, x.astype(_F32), "F8_E4M3")
     k = _exponents(np.array([amax]), _F8_MAX_M, _F8_MAX_E, _F8_K)
     inv = float(_pow2(-k)[0])
     top = np.array([amax * inv], _F32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
     if math.ldexp(float(top[0]), int(k[0])) > _F32_MAX:
-        raise _overflow(name, "F8_E4M3")
-    codes = _cast_f8_torch(x, inv) if torch_path else _cast_f8_numpy(x, inv)
-    scale = TensorBytes("F32", (), _pow2(k).reshape(()).tobytes())
-    return {name: TensorBytes("F8_E4M3", shape, codes), scale_name(name): scale}
-
-
-def _cast_f8_numpy(x: npt.NDArray[np.float32], inv: float) -> npt.NDArray[np.uint8]:
+        raise overflow_error(name, "F8_E4M3")
     out = np.empty(x.size, np.uint8)
+    y = np.empty(min(_CODE_CHUNK, x.size), _F32)
+    tmp = np.empty(y.size, np.uint32)
     f = _F32(inv)
-    for i in range(0, x.size, _CHUNK):
-        y = x[i : i + _CHUNK] * f
-        out[i : i + _CHUNK] = y.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
-    return handed_over(out)
-
-
-def _torch_view(x: npt.NDArray[Any]) -> Any:
-    import torch
-
-    with warnings.catch_warnings():  # read-only input: we never write through the view
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(x)
-
-
-def _torch_absmax(x: npt.NDArray[np.float32]) -> float:
-    import torch
-
-    xt = _torch_view(x)
-    best = 0.0
-    for i in range(0, x.size, _TORCH_CHUNK):
-        lo, hi = (float(v) for v in torch.aminmax(xt[i : i + _TORCH_CHUNK]))
-        if math.isnan(lo) or math.isnan(hi):
-            return math.nan
-        best = max(best, hi, -lo)
-    return best
-
-
-def _cast_f8_torch(x: npt.NDArray[np.float32], inv: float) -> npt.NDArray[np.uint8]:
-    import torch
-
-    xt = _torch_view(x)
-    out = torch.empty(x.size, dtype=torch.float8_e4m3fn)
-    buf = torch.empty(min(_TORCH_CHUNK, x.size), dtype=torch.float32)
-    for i in range(0, x.size, _TORCH_CHUNK):
-        part = xt[i : i + _TORCH_CHUNK]
-        y = torch.mul(part, inv, out=buf[: part.numel()])
-        out[i : i + _TORCH_CHUNK].copy_(y)
-    return handed_over(out.view(torch.uint8).numpy())
+    for i, part in _chunks(x, _CODE_CHUNK):
+        bits = y[: part.size].view(np.uint32)
+        np.multiply(part, f, out=y[: part.size])
+        _round_to_odd_16(bits, tmp[: part.size])
+        np.take(F8_CODES, bits, out=out[i : i + part.size])
+    scale = TensorBytes("F32", (), _pow2(k).reshape(()).tobytes())
+    return {name: TensorBytes("F8_E4M3", shape, handed_over(out)), scale_name(name): scale}
 
 
 def _quantize_f4(
-    name: str, shape: tuple[int, ...], x: npt.NDArray[np.float32], torch_path: bool
+    name: str, shape: tuple[int, ...], x: npt.NDArray[Any]
 ) -> dict[str, TensorBytes]:
+    """One pass over `x`, a chunk of whole blocks at a time: the blocks' absmaxes (an
+    integer max of the sign-cleared bits), their exponents, the scaled values, their
+    codes, the packed bytes; the short last block is padded with zeros, which change no
+    absmax and pack as the zero nibble an odd length ends in."""
     n = x.size
-    nfull, rest = divmod(n, BLOCK)
-    parts = [x[: nfull * BLOCK].reshape(nfull, BLOCK)]
-    if rest:
-        # Only the short last block is copied: zero padding changes no absmax.
-        tail = np.zeros((1, BLOCK), _F32)
-        tail[0, :rest] = x[nfull * BLOCK :]
-        parts.append(tail)
-    absmax = _block_absmax_torch if torch_path else _block_absmax_numpy
-    amax = np.concatenate([absmax(p) for p in parts])
-    if not np.isfinite(amax).all():
-        raise _non_finite(name, x, "F4")
-    k = _exponents(amax.astype(np.float64), _F4_MAX_M, _F4_MAX_E, _F4_K)
-    inv = _pow2(-k)
-    big = k >= _F4_K[1] - 1  # only scales this large can overflow float32 when decoded
-    if big.any():
-        top = (amax[big] * inv[big]).astype(ml_dtypes.float4_e2m1fn).astype(np.float64)
-        if (np.ldexp(top, k[big]) > _F32_MAX).any():
-            raise _overflow(name, "F4")
-    codes = _codes_f4_torch if torch_path else _codes_f4_numpy
-    packed = codes(parts[0], inv[:nfull])
-    if rest:
-        # The padding is zeros, so an odd tail ends in the zero nibble the layout requires.
-        packed = handed_over(
-            np.concatenate([packed, codes(parts[1], inv[nfull:])[: (rest + 1) // 2]])
-        )
-    scale = TensorBytes("F8_E8M0", (nfull + (rest > 0),), (k + 127).astype(np.uint8).tobytes())
-    return {name: TensorBytes("F4", shape, packed), scale_name(name): scale}
+    e8 = np.empty(-(-n // BLOCK), np.uint8)
+    packed = np.empty((n + 1) // 2, np.uint8)
+    y = np.empty(min(_CODE_CHUNK, -(-n // BLOCK) * BLOCK), _F32)
+    tmp = np.empty(y.size, np.uint32)
+    codes = np.empty(y.size, np.uint8)
+    for i, part in _chunks(x, _CODE_CHUNK):
+        m = part.size
+        if m % BLOCK:
+            padded = np.zeros(m + -m % BLOCK, _F32)
+            padded[:m] = part
+            part = padded
+        nb = part.size // BLOCK
+        t = tmp[: part.size]
+        np.bitwise_and(part.view(np.uint32), 0x7FFFFFFF, out=t)
+        amax = t.reshape(nb, BLOCK).max(axis=1)
+        if int(amax.max()) >= 0x7F800000:
+            raise _non_finite(name, x.astype(_F32), "F4")
+        k = _f4_exponents(amax)
+        if (k >= _F4_K[1] - 1).any():
+            _check_f4_overflow(name, amax.view(_F32), k)
+        e8[i // BLOCK : i // BLOCK + nb] = k + 127
+        # 2^-k from its bits: k <= 126 for any finite absmax (6 · 2^125 < 2^128), so
+        # 127 − k >= 1 and the factor is a normal float.
+        inv = ((127 - k) << 23).astype(np.uint32).view(_F32)
+        yb = y[: part.size]
+        np.multiply(part.reshape(nb, BLOCK), inv[:, None], out=yb.reshape(nb, BLOCK))
+        bits = yb.view(np.uint32)
+        _round_to_odd_16(bits, t)
+        c = codes[: part.size]
+        np.take(F4_CODES, bits, out=c)
+        # Two codes c0, c1 read as one little-endian uint16 c0 | c1 << 8; OR-ing in its
+        # shift by 4 puts c1 in the high nibble of the low byte, which the store keeps.
+        pairs = c.view("<u2")
+        joined = pairs >> 4
+        joined |= pairs
+        packed[i // 2 : i // 2 + (m + 1) // 2] = joined[: (m + 1) // 2]
+    scale = TensorBytes("F8_E8M0", (e8.size,), e8.tobytes())
+    return {name: TensorBytes("F4", shape, handed_over(packed)), scale_name(name): scale}
 
 
-def _block_absmax_numpy(blocks: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
-    out = np.empty(blocks.shape[0], _F32)
-    step = _CHUNK // BLOCK
-    for i in range(0, blocks.shape[0], step):
-        part = blocks[i : i + step]
-        out[i : i + step] = np.maximum(part.max(axis=1), -part.min(axis=1))
-    return out
-
-
-def _block_absmax_torch(blocks: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
-    import torch
-
-    bt = _torch_view(blocks)
-    out = torch.empty(blocks.shape[0], dtype=torch.float32)
-    step = _TORCH_CHUNK // BLOCK
-    for i in range(0, blocks.shape[0], step):
-        torch.amax(bt[i : i + step].abs(), dim=1, out=out[i : i + step])
-    result: npt.NDArray[np.float32] = out.numpy()
-    return result
-
-
-def _codes_f4_numpy(
-    blocks: npt.NDArray[np.float32], inv: npt.NDArray[np.float32]
-) -> npt.NDArray[np.uint8]:
-    """E2M1 codes of blocks · inv (one factor per block), packed two per byte."""
-    out = np.empty(blocks.size // 2, np.uint8)
-    step = _CHUNK // BLOCK
-    for i in range(0, blocks.shape[0], step):
-        y = blocks[i : i + step] * inv[i : i + step, None]
-        pairs = y.astype(ml_dtypes.float4_e2m1fn).view(np.uint8).reshape(-1, 2)
-        out[i * BLOCK // 2 : (i + step) * BLOCK // 2] = pairs[:, 0] | (pairs[:, 1] << 4)
-    return handed_over(out)
-
-
-def _codes_f4_torch(
-    blocks: npt.NDArray[np.float32], inv: npt.NDArray[np.float32]
-) -> npt.NDArray[np.uint8]:
-    """Same bytes as `_codes_f4_numpy`, by integer arithmetic on the float32 bits.
-
-    torch cannot cast to E2M1, and comparing against the seven rounding thresholds costs
-    twice as much as this. On [0, 2) E2M1 is a grid of step 1/2, on [2, 4) of step 1, on
-    [4, 8) of step 2: adding M = max(2^floor(log2 |y|), 1) · 2^22 rounds |y| to that step
-    (nearest even, in the float adder), and the low bits of the sum count the steps. The
-    code is that count plus 2 per binade above [0, 2); a rounding carry lands on the next
-    binade's first code, which is the right one.
-    """
-    import torch
-
-    bt, it = _torch_view(blocks), _torch_view(inv)
-    out = torch.empty(blocks.size // 2, dtype=torch.uint8)
-    step = _TORCH_CHUNK // BLOCK
-    for i in range(0, blocks.shape[0], step):
-        bits = (bt[i : i + step] * it[i : i + step, None]).view(torch.int32)
-        mag = bits & 0x7FFFFFFF
-        m = (mag & 0x7F800000).clamp_(min=0x3F800000).add_(22 << 23)  # bits of M
-        total = (mag.view(torch.float32) + m.view(torch.float32)).view(torch.int32)
-        # code = total - M + 2 · (biased exponent of M - 22 - 127); (m >> 22) is twice it.
-        code = total.sub_(m).add_(m >> 22).sub_(2 * (22 + 127))
-        code |= (bits >> 28) & 8  # sign bit 31 → bit 3
-        pairs = code.to(torch.uint8).view(-1, 2)
-        out[i * BLOCK // 2 : (i + step) * BLOCK // 2] = pairs[:, 0] | (pairs[:, 1] << 4)
-    return handed_over(out.numpy())
+def _check_f4_overflow(name: str, amax: npt.NDArray[np.float32], k: npt.NDArray[np.int32]) -> None:
+    """`overflow_error` if a block's largest value, rounded to E2M1 and scaled back by
+    its 2^k, passes float32's maximum (only k >= 126 can)."""
+    big = k >= _F4_K[1] - 1
+    top = (amax[big] * _pow2(-k[big])).astype(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    if (np.ldexp(top, k[big]) > _F32_MAX).any():
+        raise overflow_error(name, "F4")
 
 
 def dequantize(
