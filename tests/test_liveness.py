@@ -477,9 +477,15 @@ def test_learners_started_apart_leave_wait_for_learners_together() -> None:
                         on_event=rec) for w, x in enumerate(("a", "b"))]
     left: dict[str, float] = {}
 
-    def wait(learner: Learner) -> Callable[[], None]:
+    def wait(learner: Learner, start: bool = False) -> Callable[[], None]:
         def go() -> None:
-            learner.wait_for_learners(2, timeout=60)
+            # One busy() from b's start into its wait: fake time must not move between
+            # them (a jumped a poll interval there, 1 run in 5 on a loaded machine).
+            with clock.busy():
+                if start:
+                    learner.start()
+                    left["b-started"] = clock.now()
+                learner.wait_for_learners(2, timeout=60)
             left[learner.learner_id] = clock.now()
         return go
 
@@ -487,10 +493,7 @@ def test_learners_started_apart_leave_wait_for_learners_together() -> None:
         learners[0].start()
     done_a = background(wait(learners[0]))
     clock.pause(0.7)  # "a" waits alone, its receive loop well into a wait
-    with clock.busy():
-        learners[1].start()
-    left["b-started"] = clock.now()
-    run_until(clock, background(wait(learners[1])), limit=30)
+    run_until(clock, background(wait(learners[1], start=True)), limit=30)
     run_until(clock, done_a, limit=30)
     try:
         assert abs(left["a"] - left["b"]) <= 0.02, left

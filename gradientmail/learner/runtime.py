@@ -235,10 +235,11 @@ class Learner:
         # The mailman looks for them as for a commit (`poll_delay`): learners that start
         # together leave this wait within milliseconds of each other, not a poll interval
         # apart, and a barrier's first round does not pay for the difference.
-        self._mailman.want_live(n)
         clock = self.clock
         try:
             with clock.busy():
+                # Inside busy(): a FakeClock holds still until the mailman is awake.
+                self._mailman.want_live(n)
                 start = clock.now()
                 deadline = start + timeout
                 reported: tuple[frozenset[str], float] | None = None
