@@ -47,7 +47,7 @@ def test_core_imports_without_frameworks() -> None:
         "import sys\n"
         "import gradientmail, gradientmail.errors, gradientmail.clock, gradientmail.events\n"
         "import gradientmail.mailbox, gradientmail.algorithms.schedule\n"
-        "import gradientmail.learner, gradientmail.syncer, gradientmail.protocol\n"
+        "import gradientmail.learner, gradientmail.syncer, gradientmail.run.protocol\n"
         "import gradientmail.adapters, gradientmail.backends, gradientmail.wire.compression\n"
         "heavy = sorted(m for m in ('torch', 'boto3', 'zstandard', 'lightning', 'accelerate')"
         " if m in sys.modules)\n"
