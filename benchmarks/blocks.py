@@ -37,7 +37,7 @@ from gradientmail.wire.payload_ranges import (
     fetch_span_rows,
     header_length,
 )
-from gradientmail.wire.serialization import TensorBytes, nbytes_of
+from gradientmail.wire.tensor_bytes import TensorBytes, nbytes_of
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 KEY = "theta/0/0000000001-000000.safetensors"

@@ -122,7 +122,9 @@ class Job:
 
 def algorithm(arm: str, s: Settings) -> Any:
     """The DiLoCo configuration of a learner arm."""
-    from gradientmail.algorithms.diloco import DiLoCo, Strided, WeightedMean
+    from gradientmail.algorithms.diloco import DiLoCo
+    from gradientmail.algorithms.merge import WeightedMean
+    from gradientmail.algorithms.partition import Strided
 
     standard: dict[str, Any] = {"sync_every": s.sync_every, "fragments": 1, "in_flight": 1,
                                 "overlap_steps": 0, "merge": WeightedMean(),

@@ -26,14 +26,15 @@ from pathlib import Path
 
 import numpy as np
 
-from gradientmail.algorithms.schedule import Estimates
 from gradientmail.clock import FakeClock
 from gradientmail.mailbox.memory import MemoryMailbox
-from gradientmail.mailbox.wrappers import CountingMailbox, RequestCounts
+from gradientmail.mailbox.wrappers import CountingMailbox
 from gradientmail.run.lease import CLOSERS, LeaseTracker
 from gradientmail.run.protocol import Exchange
+from gradientmail.traffic import RequestCounts
+from gradientmail.wire.estimates import Estimates
 from gradientmail.wire.records import Participant, RoundRecord
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["PATTERNS", "Pattern", "per_learner_hour", "polling_requests"]
 

@@ -13,7 +13,8 @@ import torch
 from gradientmail.adapters import TorchAdapter
 from gradientmail.adapters.torch import from_torch, to_torch
 from gradientmail.errors import ConfigError, SchemaMismatch
-from gradientmail.wire.serialization import ParameterSpec, TensorBytes
+from gradientmail.wire.serialization import ParameterSpec
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 
 def model(device: str = "cpu") -> torch.nn.Module:

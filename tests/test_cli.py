@@ -29,12 +29,14 @@ from test_learner_runtime import in_threads
 from test_syncer import Run, algorithm
 
 from gradientmail.adapters import TorchAdapter
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.app.cli import main
 from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import LocalMailbox
-from gradientmail.run.protocol import Exchange, round_key
+from gradientmail.run.keyspace import round_key
+from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
 from gradientmail.wire.serialization import unpack
 

@@ -25,7 +25,8 @@ from test_syncer import Run, init_tensors
 from test_verify import audited, statuses, verify
 
 from gradientmail.adapters.sharded import chunk_rows
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.app.cli import read_status
 from gradientmail.clock import FakeClock
 from gradientmail.errors import LocalProtocolError, RemoteProtocolError, SchemaMismatch
@@ -38,8 +39,10 @@ from gradientmail.run.row_replica import RowReplica, plan_chain
 from gradientmail.wire.compression import decode_with_metadata
 from gradientmail.wire.parts import ROWS_KEY
 from gradientmail.wire.payload_ranges import Rows, rows_of
-from gradientmail.wire.records import Manifest, PayloadRef, RoundRecord
-from gradientmail.wire.serialization import Schema, TensorBytes
+from gradientmail.wire.records import Manifest, RoundRecord
+from gradientmail.wire.refs import PayloadRef
+from gradientmail.wire.serialization import Schema
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
 

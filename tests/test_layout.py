@@ -70,9 +70,9 @@ def test_layers_import_only_from_below() -> None:
 def test_learner_and_syncer_packages_export_their_runtimes() -> None:
     from gradientmail.learner import Learner
     from gradientmail.learner.runtime import Learner as RuntimeLearner
+    from gradientmail.run.replica import theta_digest as runtime_digest
     from gradientmail.syncer import Syncer, theta_digest
     from gradientmail.syncer.runtime import Syncer as RuntimeSyncer
-    from gradientmail.syncer.runtime import theta_digest as runtime_digest
 
     assert (Learner, Syncer, theta_digest) == (RuntimeLearner, RuntimeSyncer, runtime_digest)
 

@@ -12,7 +12,8 @@ from test_learner_runtime import all_records, make_model, newest_theta, train_st
 
 from gradientmail import events as ev
 from gradientmail.adapters import TorchAdapter
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.clock import FakeClock
 from gradientmail.errors import GradientmailError
 from gradientmail.learner.options import LearnerOptions

@@ -13,7 +13,8 @@ import torch
 
 from gradientmail import events as ev
 from gradientmail.adapters import TorchAdapter
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.clock import FakeClock
 from gradientmail.errors import GradientmailError, RunConfigMismatch, SchemaMismatch
 from gradientmail.learner.options import LearnerOptions

@@ -23,7 +23,9 @@ pytest.importorskip("transformers")
 import yaml
 from lightning.pytorch import Trainer
 
-from gradientmail.algorithms.diloco import ByBytes, DiLoCo, Rda, Strided, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import Rda, WeightedMean
+from gradientmail.algorithms.partition import ByBytes, Strided
 from gradientmail.errors import ConfigError
 from gradientmail.learner.options import LearnerOptions
 from gradientmail.traffic import Prices

@@ -27,7 +27,8 @@ from workers.toy import make_model
 from gradientmail import events as ev
 from gradientmail.adapters import TorchAdapter
 from gradientmail.adapters.sharded import ShardedAdapter
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.integration import RankSync, ThreadRanks
 from gradientmail.integration.parted import PartedRanks
 from gradientmail.learner.options import LearnerOptions

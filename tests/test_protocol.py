@@ -10,7 +10,6 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
-from gradientmail.algorithms.schedule import Estimates
 from gradientmail.clock import FakeClock
 from gradientmail.errors import (
     AlreadyContributed,
@@ -22,25 +21,20 @@ from gradientmail.errors import (
 )
 from gradientmail.mailbox import Mailbox, MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox
-from gradientmail.run.lease import LeaseTracker
-from gradientmail.run.protocol import (
-    Exchange,
+from gradientmail.run.keyspace import (
     artifact_key,
     current_attempt,
     plan_sweep,
     round_key,
     screen_snapshot,
-    screen_snapshots,
 )
-from gradientmail.wire.records import (
-    Dropped,
-    Manifest,
-    Participant,
-    PayloadRef,
-    RoundRecord,
-    SnapshotRecord,
-)
-from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
+from gradientmail.run.lease import LeaseTracker
+from gradientmail.run.protocol import Exchange
+from gradientmail.wire.estimates import Estimates
+from gradientmail.wire.records import Manifest, Participant, RoundRecord, SnapshotRecord
+from gradientmail.wire.refs import PayloadRef
+from gradientmail.wire.serialization import ParameterSpec, Schema
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 T = TypeVar("T")
 SCHEMA = Schema((ParameterSpec("w", "F32", (2, 3)), ParameterSpec("b", "F32", (3,))))
@@ -101,16 +95,16 @@ def snap(learner: str, fragment: int = 1, base: int = 3, digest: str = DIGEST) -
                           PayloadRef(f"payloads/0000000007/{learner}.safetensors", 1, "0" * 64))
 
 
-def test_screen_snapshots() -> None:
-    good, stale, other, alien = snap("a"), snap("b", base=2), snap("c", fragment=0), \
-        snap("d", digest="f" * 64)
-    usable, dropped = screen_snapshots([good, stale, other, alien], fragment=1, version=3,
-                                       schema_digest=DIGEST)
-    assert usable == [good]
-    assert dropped == [
-        Dropped("b", "stale: base version 2, the fragment is at version 3"),
-        Dropped("c", "fragment 0, the round trains fragment 1"),
-        Dropped("d", f"another schema digest ffffffffffff, the run's is {DIGEST[:12]}"),
+def test_screen_snapshot_names_what_each_contribution_breaks() -> None:
+    def screen(s: SnapshotRecord) -> str | None:
+        return screen_snapshot(s, fragment=1, version=3, schema_digest=DIGEST)
+
+    assert [screen(s) for s in (snap("a"), snap("b", base=2), snap("c", fragment=0),
+                                snap("d", digest="f" * 64))] == [
+        None,
+        "stale: base version 2, the fragment is at version 3",
+        "fragment 0, the round trains fragment 1",
+        f"another schema digest ffffffffffff, the run's is {DIGEST[:12]}",
     ]
 
 
@@ -129,8 +123,6 @@ def test_screen_snapshot_reports_the_first_rule_broken_in_one_order() -> None:
     assert screen(idle) == "no steps trained"
     assert screen(dataclasses.replace(idle, base_version=2)) == (
         "stale: base version 2, the fragment is at version 3")
-    assert screen_snapshots([idle], fragment=1, version=3, schema_digest=DIGEST) == (
-        [], [Dropped("a", "no steps trained")])
 
 
 def _ref(key: str) -> PayloadRef:

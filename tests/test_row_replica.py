@@ -16,7 +16,8 @@ import pytest
 
 from gradientmail.adapters.sharded import chunk_rows
 from gradientmail.algorithms.base import FragmentState
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.backends.numpy_backend import NumpyBackend
 from gradientmail.clock import FakeClock
 from gradientmail.errors import GradientmailError
@@ -30,7 +31,8 @@ from gradientmail.syncer.runtime import Syncer
 from gradientmail.wire.compression import decode
 from gradientmail.wire.payload_ranges import Rows, rows_of
 from gradientmail.wire.records import Manifest, RoundRecord
-from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
+from gradientmail.wire.serialization import ParameterSpec, Schema
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 #: Odd row counts, a BF16 tensor (the fragment keeps an fp32 master), a 0-d scalar;
 #: "wide" has rows of 32 elements: its F4 blocks end at every row, so ranks read its rows.

@@ -42,14 +42,10 @@ from gradientmail.wire.blocks import (
 from gradientmail.wire.compression import decode_with_metadata, encode
 from gradientmail.wire.parts import part_metadata
 from gradientmail.wire.payload_ranges import Rows, fetch_rows, header_length, rows_of
-from gradientmail.wire.records import Manifest, PayloadRef, RoundRecord
-from gradientmail.wire.serialization import (
-    ParameterSpec,
-    TensorBytes,
-    pack,
-    pack_header,
-    read_index,
-)
+from gradientmail.wire.records import Manifest, RoundRecord
+from gradientmail.wire.refs import PayloadRef
+from gradientmail.wire.serialization import ParameterSpec, pack, pack_header, read_index
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 KEY = "theta/0/0000000001-000000.safetensors"
 BLOCK = 64  # small blocks, so that every tensor here spans several

@@ -34,7 +34,8 @@ from gradientmail.wire.payload_ranges import (
     row_range,
     rows_of,
 )
-from gradientmail.wire.serialization import Span, TensorBytes, pack, read_index
+from gradientmail.wire.serialization import Span, pack, read_index
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 # -- get_range on every mailbox -------------------------------------------------------------
 

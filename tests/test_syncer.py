@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from gradientmail.algorithms.base import Contribution
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
-from gradientmail.algorithms.schedule import Estimates
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.clock import Clock, FakeClock
 from gradientmail.events import (
     ClaimSuperseded,
@@ -35,12 +35,16 @@ from gradientmail.events import (
 from gradientmail.mailbox import Mailbox, MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox, FaultPlan, FaultyMailbox
 from gradientmail.run.cadence import FREE_WAITING_CAP, WAITING_CAP
-from gradientmail.run.protocol import Exchange, round_key
+from gradientmail.run.keyspace import round_key
+from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
 from gradientmail.syncer.runtime import Syncer
 from gradientmail.syncer.state import ESTIMATE_DECAY, head_start
-from gradientmail.wire.records import Arrival, Manifest, RoundRecord, SnapshotRecord
-from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
+from gradientmail.wire.estimates import Estimates
+from gradientmail.wire.records import Manifest, RoundRecord, SnapshotRecord
+from gradientmail.wire.refs import Arrival
+from gradientmail.wire.serialization import ParameterSpec, Schema
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 T = TypeVar("T")
 SCHEMA = Schema((ParameterSpec("w", "F32", (2, 3)), ParameterSpec("b", "F32", (3,))))

@@ -25,7 +25,7 @@ from test_syncer import (
 from gradientmail.events import ClaimSuperseded, CommitLost, RoundClosed
 from gradientmail.mailbox import Mailbox, MemoryMailbox, S3Mailbox
 from gradientmail.mailbox.wrappers import FaultPlan, FaultyMailbox
-from gradientmail.run.protocol import round_key
+from gradientmail.run.keyspace import round_key
 from gradientmail.syncer.runtime import Syncer
 
 LEARNERS = {"a": 40, "b": 90}  # learner -> tokens per contribution

@@ -6,7 +6,6 @@ import dataclasses
 
 import pytest
 
-from gradientmail.algorithms.schedule import Estimates
 from gradientmail.syncer.state import (
     PollDecision,
     PollView,
@@ -25,6 +24,7 @@ from gradientmail.syncer.state import (
     updated_estimates,
     watch_polls,
 )
+from gradientmail.wire.estimates import Estimates
 
 
 def test_effective_quorum() -> None:

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from gradientmail.errors import ConfigError, SchemaMismatch
-from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
+from gradientmail.wire.serialization import ParameterSpec, Schema
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["TorchAdapter", "from_torch", "to_torch"]
 

@@ -1,7 +1,7 @@
 """The rules of a round, as pure functions: how long it waits for the learners it
 expects (`grace_window`), whether it is too light for an outer step (`light`), how a
 delta spanning several sync periods is scaled (`span_scales`), and which contributions
-are outliers (`outliers`). `gradientmail.algorithms.diloco` re-exports them."""
+are outliers (`outliers`). `gradientmail.algorithms.diloco` applies them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 
-from gradientmail.algorithms.schedule import Estimates, RoundSchedule
+from gradientmail.algorithms.schedule import RoundSchedule
+from gradientmail.wire.estimates import Estimates
 
 __all__ = [
     "ARRIVAL_POLLS",

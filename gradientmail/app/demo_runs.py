@@ -160,7 +160,8 @@ def train(job: _Job, report: Callable[[tuple[str, int, float, int, int]], None],
 
     from gradientmail.adapters import TorchAdapter
     from gradientmail.events import Event, SnapshotPublished
-    from gradientmail.learner.runtime import Learner, LearnerOptions
+    from gradientmail.learner.options import LearnerOptions
+    from gradientmail.learner.runtime import Learner
 
     torch.set_num_threads(1)
     cfg = job.config

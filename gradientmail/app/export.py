@@ -32,7 +32,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from gradientmail.errors import ConfigError, MissingExtra
-from gradientmail.wire.serialization import TensorBytes, pack
+from gradientmail.wire.serialization import pack
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = [
     "EMBEDDING",

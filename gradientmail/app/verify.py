@@ -67,9 +67,11 @@ from gradientmail.syncer.merging import merge_round, screen_round
 from gradientmail.wire import compression as codec
 from gradientmail.wire.blocks import ranged_problem
 from gradientmail.wire.parts import Part, pieces_of, rows_in
-from gradientmail.wire.records import Dropped, Manifest, PayloadRef, RoundRecord, SnapshotRecord
+from gradientmail.wire.records import Dropped, Manifest, RoundRecord, SnapshotRecord
+from gradientmail.wire.refs import PayloadRef
 from gradientmail.wire.row_pieces import DeltaTensor
-from gradientmail.wire.serialization import Schema, TensorBytes
+from gradientmail.wire.serialization import Schema
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = [
     "TRUSTED_DROPS",

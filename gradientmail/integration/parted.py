@@ -51,8 +51,9 @@ from gradientmail.wire.blocks import BLOCK_BYTES
 from gradientmail.wire.parts import assemble
 from gradientmail.wire.payload_ranges import Rows
 from gradientmail.wire.quantization import quantize
-from gradientmail.wire.records import Manifest, PayloadRef, RoundRecord
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.records import Manifest, RoundRecord
+from gradientmail.wire.refs import PayloadRef
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["Handle", "PartedRanks", "RankAdapter", "SideGroup", "check_meshes", "is_sharded"]
 

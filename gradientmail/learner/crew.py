@@ -25,7 +25,8 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from gradientmail.run.protocol import Exchange
-from gradientmail.wire.records import Manifest, PayloadRef, RoundRecord
+from gradientmail.wire.records import Manifest, RoundRecord
+from gradientmail.wire.refs import PayloadRef
 
 __all__ = ["Crew", "crew_of"]
 

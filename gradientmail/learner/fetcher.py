@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from gradientmail.adapters.base import Adapter
-from gradientmail.algorithms.diloco import rebuild_theta
+from gradientmail.algorithms.outer import rebuild_theta
 from gradientmail.errors import (
     ConfigError,
     GradientmailError,
@@ -20,11 +20,13 @@ from gradientmail.errors import (
 )
 from gradientmail.learner.crew import crew_of
 from gradientmail.learner.messages import Commit
+from gradientmail.run.bounds import payload_bound
 from gradientmail.run.join import JoinResult
-from gradientmail.run.protocol import Exchange, payload_bound
+from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import theta_digest
 from gradientmail.wire.records import RoundRecord
-from gradientmail.wire.serialization import TensorBytes, validate
+from gradientmail.wire.serialization import validate
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["CommitFetcher"]
 

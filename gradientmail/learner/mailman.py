@@ -42,14 +42,16 @@ from gradientmail.mailbox.url import open_mailbox
 from gradientmail.mailbox.wrappers import CountingMailbox
 from gradientmail.run.cadence import poll_delay
 from gradientmail.run.join import InitUploader, JoinResult, Loader, join_run
+from gradientmail.run.keyspace import MANIFEST_KEY
 from gradientmail.run.lease import CLOSERS, LeaseTracker
-from gradientmail.run.protocol import MANIFEST_KEY, Exchange
+from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import Replica
 from gradientmail.run.rollcall import READ_EVERY, Call, reply
 from gradientmail.syncer.runtime import Syncer
 from gradientmail.syncer.standalone import closer_timeout
 from gradientmail.wire.auth import HmacSeal
-from gradientmail.wire.records import Manifest, PayloadRef, RoundRecord
+from gradientmail.wire.records import Manifest, RoundRecord
+from gradientmail.wire.refs import PayloadRef
 
 __all__ = ["BACKUP_EVERY", "MANIFEST_EVERY", "Mailman", "delta_format"]
 

@@ -26,7 +26,7 @@ from gradientmail.run.protocol import Exchange
 from gradientmail.syncer.runtime import Syncer
 from gradientmail.wire.quantization import quantize
 from gradientmail.wire.records import SnapshotRecord
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["Poster"]
 

@@ -28,10 +28,13 @@ from gradientmail.events import (
     TookOverCreation,
 )
 from gradientmail.mailbox.selftest import verify_conditional_writes
-from gradientmail.run.protocol import Exchange, current_attempt
+from gradientmail.run.keyspace import current_attempt
+from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import Replica
-from gradientmail.wire.records import Manifest, PayloadRef, RoundRecord
-from gradientmail.wire.serialization import Schema, TensorBytes
+from gradientmail.wire.records import Manifest, RoundRecord
+from gradientmail.wire.refs import PayloadRef
+from gradientmail.wire.serialization import Schema
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = [
     "InitUploader",

@@ -1,8 +1,8 @@
 """The run's key layout and the pure decisions over keys and records: which claim counts,
 which contributions a round may use, what a sweep deletes.
 
-Kept apart from `gradientmail.run.protocol`, whose `Exchange` carries these out on a mailbox
-(and re-exports every public name here), so they are read and tested without any I/O.
+Kept apart from `gradientmail.run.protocol`, whose `Exchange` carries these out on a mailbox,
+so they are read and tested without any I/O.
 The whole layout is in `gradientmail.run.protocol`'s docstring. Two keys are fixed: the
 manifest, and `rollcall.json`, the roll call (`gradientmail.run.rollcall`): one object for the
 run, overwritten by each call and its verdict, read by every learner every few polls.
@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable, Mapping
 
 from gradientmail.errors import ConfigError, LocalProtocolError
-from gradientmail.wire.records import Dropped, RoundRecord, SnapshotRecord
+from gradientmail.wire.records import RoundRecord, SnapshotRecord
 
 __all__ = [
     "CALL_KEY",
@@ -32,7 +32,6 @@ __all__ = [
     "plan_sweep",
     "round_key",
     "screen_snapshot",
-    "screen_snapshots",
 ]
 
 MANIFEST_KEY = "manifest.json"
@@ -171,27 +170,6 @@ def screen_snapshot(
     if snapshot.steps < 1:
         return "no steps trained"
     return None
-
-
-def screen_snapshots(
-    snapshots: Iterable[SnapshotRecord],
-    *,
-    fragment: int,
-    version: int,
-    schema_digest: str,
-) -> tuple[list[SnapshotRecord], list[Dropped]]:
-    """Split a round's contributions into usable ones and dropped ones (with the reason
-    `screen_snapshot` gives)."""
-    usable: list[SnapshotRecord] = []
-    dropped: list[Dropped] = []
-    for s in snapshots:
-        reason = screen_snapshot(s, fragment=fragment, version=version,
-                                 schema_digest=schema_digest)
-        if reason is None:
-            usable.append(s)
-        else:
-            dropped.append(Dropped(s.learner, reason))
-    return usable, dropped
 
 
 def plan_sweep(

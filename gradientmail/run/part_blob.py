@@ -19,8 +19,10 @@ from gradientmail.run.protocol import Exchange
 from gradientmail.wire.blocks import BLOCKS_KEY, blocks_entry, blocks_placeholder
 from gradientmail.wire.compression import extension
 from gradientmail.wire.parts import part_metadata
-from gradientmail.wire.records import PayloadRef, check_learner_id
-from gradientmail.wire.serialization import ParameterSpec, TensorBytes, pack_header
+from gradientmail.wire.record_json import check_learner_id
+from gradientmail.wire.refs import PayloadRef
+from gradientmail.wire.serialization import ParameterSpec, pack_header
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["PartBlob", "put_init_blob", "put_part_blob"]
 

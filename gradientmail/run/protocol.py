@@ -22,7 +22,7 @@ Written payloads carry the claim attempt that wrote them, so a superseded creato
 closer that wakes up late can never overwrite what the winner's record references.
 
 Decisions (which keys to sweep, which contributions a round may use, which claim is
-current) are pure functions in `gradientmail.run.keyspace`, re-exported here; `Exchange` only
+current) are pure functions in `gradientmail.run.keyspace`; `Exchange` only
 does I/O, on `gradientmail.run.store.RunStore` (sealed records, verified payloads).
 Every record passes through a `Seal`: `PlainSeal` stores canonical JSON as is; with a run
 key, `gradientmail.wire.auth.HmacSeal` seals and checks every record.
@@ -53,15 +53,12 @@ from gradientmail.run.keyspace import (
     _check_number,
     _round_dir,
     artifact_key,
-    current_attempt,
     delta_keys_problem,
     init_key,
     init_part_key,
     part_key,
     plan_sweep,
     round_key,
-    screen_snapshot,
-    screen_snapshots,
 )
 from gradientmail.run.lease import (
     LEARNERS,
@@ -71,45 +68,25 @@ from gradientmail.run.lease import (
     lease_key,
 )
 from gradientmail.run.rollcall import Call
-from gradientmail.run.store import RANGED_AREAS, RunStore
+from gradientmail.run.store import RunStore
 from gradientmail.wire import compression as codec
-from gradientmail.wire.auth import PlainSeal, Seal, open_manifest
+from gradientmail.wire.auth import open_manifest
 from gradientmail.wire.parts import assemble, part_metadata, pieces_of
+from gradientmail.wire.record_json import CODECS, check_learner_id
 from gradientmail.wire.records import (
-    CODECS,
     CreationClaim,
     Manifest,
-    PayloadRef,
     RoundClaim,
     RoundRecord,
     SnapshotRecord,
-    check_learner_id,
 )
+from gradientmail.wire.refs import PayloadRef
 from gradientmail.wire.row_pieces import DeltaTensor
-from gradientmail.wire.serialization import Schema, TensorBytes
+from gradientmail.wire.serialization import Schema
+from gradientmail.wire.tensor_bytes import TensorBytes
 
-__all__ = [
-    "CALL_KEY",
-    "MANIFEST_KEY",
-    "RANGED_AREAS",
-    "Contributions",
-    "Exchange",
-    "PlainSeal",
-    "Rejected",
-    "Seal",
-    "artifact_key",
-    "check_delta",
-    "current_attempt",
-    "delta_bound",
-    "init_key",
-    "init_part_key",
-    "part_key",
-    "payload_bound",
-    "plan_sweep",
-    "round_key",
-    "screen_snapshot",
-    "screen_snapshots",
-]
+__all__ = ["Exchange"]
+
 
 class Exchange(RunStore):
     """The run's protocol on `mailbox`, under `prefix` (the constructor is `RunStore`'s:

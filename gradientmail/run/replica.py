@@ -24,9 +24,10 @@ from gradientmail.algorithms.base import Algorithm, FragmentState
 from gradientmail.algorithms.registry import algorithm_from_json
 from gradientmail.backends.numpy_backend import NumpyBackend
 from gradientmail.errors import ConfigError, GradientmailError, RemoteProtocolError
-from gradientmail.run.protocol import Exchange, payload_bound
+from gradientmail.run.bounds import payload_bound
+from gradientmail.run.protocol import Exchange
 from gradientmail.wire.records import Manifest, RoundRecord
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["Replica", "newest_model", "require_manifest", "state_at", "theta_digest"]
 

@@ -56,8 +56,10 @@ from gradientmail.wire.payload_ranges import (
     rows_of,
 )
 from gradientmail.wire.quantization import dequantize, scale_name
-from gradientmail.wire.records import Manifest, PayloadRef, RoundRecord, StepRef
-from gradientmail.wire.serialization import Span, TensorBytes
+from gradientmail.wire.records import Manifest, RoundRecord
+from gradientmail.wire.refs import PayloadRef, StepRef
+from gradientmail.wire.serialization import Span
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["CHUNK_BYTES", "RowChain", "RowReplica", "plan_chain"]
 

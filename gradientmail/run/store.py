@@ -20,8 +20,10 @@ from gradientmail.wire import compression as codec
 from gradientmail.wire.auth import HmacSeal, PlainSeal, Seal
 from gradientmail.wire.blocks import BLOCK_BYTES
 from gradientmail.wire.parts import Part, rows_in
-from gradientmail.wire.records import CODECS, PayloadRef, Record
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.record_json import CODECS
+from gradientmail.wire.records import Record
+from gradientmail.wire.refs import PayloadRef
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["RANGED_AREAS", "RunStore"]
 

@@ -23,7 +23,7 @@ from gradientmail.algorithms.base import (
     FragmentState,
 )
 from gradientmail.algorithms.registry import algorithm_from_json
-from gradientmail.algorithms.schedule import Estimates, RoundSchedule
+from gradientmail.algorithms.schedule import RoundSchedule
 from gradientmail.backends.base import Backend
 from gradientmail.clock import Clock, MonotonicClock, sleep_unless, wall_time
 from gradientmail.errors import ConfigError, GradientmailError
@@ -40,9 +40,10 @@ from gradientmail.events import (
 )
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
+from gradientmail.run.bounds import check_delta
 from gradientmail.run.cadence import poll_delay
 from gradientmail.run.lease import LeaseTracker
-from gradientmail.run.protocol import Exchange, check_delta
+from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import Replica, theta_digest
 from gradientmail.syncer.caller import RollCaller
 from gradientmail.syncer.merging import merge_round, screen_round
@@ -60,18 +61,12 @@ from gradientmail.syncer.state import (
     probe_from,
     updated_estimates,
 )
-from gradientmail.wire.records import (
-    Arrival,
-    Dropped,
-    Manifest,
-    PayloadRef,
-    RoundRecord,
-    SnapshotRecord,
-    StepRef,
-    UpdateRef,
-)
+from gradientmail.wire.estimates import Estimates
+from gradientmail.wire.records import Dropped, Manifest, RoundRecord, SnapshotRecord
+from gradientmail.wire.refs import Arrival, PayloadRef, StepRef, UpdateRef
 from gradientmail.wire.row_pieces import DeltaTensor
-from gradientmail.wire.serialization import Schema, TensorBytes
+from gradientmail.wire.serialization import Schema
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["Syncer", "theta_digest"]
 
@@ -137,7 +132,7 @@ class Syncer:
         replica: Replica | None = None,
         wall_clock: Callable[[], float] = wall_time,
     ) -> None:
-        from gradientmail.wire.records import check_learner_id
+        from gradientmail.wire.record_json import check_learner_id
 
         self.closer_id = check_learner_id(closer_id)
         self.clock: Clock = clock if clock is not None else MonotonicClock()

@@ -18,7 +18,7 @@ from gradientmail.backends.numpy_backend import NumpyBackend
 from gradientmail.errors import GradientmailError
 from gradientmail.wire.quantization import Quantized, dequantize, dequantizing
 from gradientmail.wire.row_pieces import DeltaTensor, RowPieces
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["delta_norms", "screen_delta"]
 

@@ -12,7 +12,7 @@ import math
 from collections.abc import Collection, Mapping
 from typing import Literal
 
-from gradientmail.algorithms.schedule import Estimates
+from gradientmail.wire.estimates import Estimates
 
 __all__ = [
     "CONTRIBUTOR_HEAD_START",

@@ -26,7 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gradientmail.errors import ConfigError, CorruptPayload
-from gradientmail.wire.serialization import Span, TensorBytes, read_index, write_order
+from gradientmail.wire.serialization import Span, read_index, write_order
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = [
     "BLOCKS_KEY",

@@ -30,16 +30,8 @@ import numpy.typing as npt
 from gradientmail.errors import ConfigError, CorruptPayload, MissingExtra, RemoteProtocolError
 from gradientmail.wire.blocks import BLOCKS_KEY, blocks_entry, digest_room
 from gradientmail.wire.quantization import quantized_nbytes
-from gradientmail.wire.serialization import (
-    Schema,
-    TensorBytes,
-    dtype_bits,
-    frozen_view,
-    handed_over,
-    pack,
-    pack_header,
-    read_index,
-)
+from gradientmail.wire.serialization import Schema, frozen_view, pack, pack_header, read_index
+from gradientmail.wire.tensor_bytes import TensorBytes, dtype_bits, handed_over
 
 __all__ = [
     "COMPRESSIONS",

@@ -37,15 +37,8 @@ from gradientmail.errors import ConfigError, CorruptPayload
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.wire.blocks import BLOCKS_KEY, BlockIndex
 from gradientmail.wire.compression import compression_of, decode
-from gradientmail.wire.serialization import (
-    MAX_HEADER_BYTES,
-    MAX_TENSORS,
-    Span,
-    TensorBytes,
-    dtype_bits,
-    read_header,
-)
-from gradientmail.wire.tensor_bytes import _numel
+from gradientmail.wire.serialization import MAX_HEADER_BYTES, MAX_TENSORS, Span, read_header
+from gradientmail.wire.tensor_bytes import TensorBytes, _numel, dtype_bits
 
 __all__ = [
     "HEADER_PROBE",

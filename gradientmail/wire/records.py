@@ -46,24 +46,14 @@ from gradientmail.wire.refs import Arrival, PayloadRef, StepRef, UpdateRef
 from gradientmail.wire.serialization import Schema
 
 __all__ = [
-    "CODECS",
-    "FORMAT_VERSION",
-    "MAX_RECORD_BYTES",
-    "Arrival",
     "CreationClaim",
     "Dropped",
     "Manifest",
     "Participant",
-    "PayloadRef",
     "Record",
     "RoundClaim",
     "RoundRecord",
     "SnapshotRecord",
-    "StepRef",
-    "UpdateRef",
-    "canonical_json",
-    "check_learner_id",
-    "parse_json",
 ]
 
 class Record:

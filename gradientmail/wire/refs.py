@@ -2,8 +2,8 @@
 
 `PayloadRef` (where a payload lies, its size and SHA-256), `UpdateRef` and `StepRef` (a
 commit's optional update and replicated step), and `Arrival` (how a round waited for its
-learners). Kept apart from `gradientmail.wire.records`, which re-exports them, so that the
-records module stays one concept: the records themselves.
+learners). Kept apart from `gradientmail.wire.records`, which holds the records that carry
+them, so that the records module stays one concept: the records themselves.
 """
 
 from __future__ import annotations

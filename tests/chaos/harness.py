@@ -42,10 +42,12 @@ from gradientmail.events import Event
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.local import TEMP_PREFIX
 from gradientmail.mailbox.wrappers import FaultPlan
-from gradientmail.run.protocol import Exchange, round_key
+from gradientmail.run.keyspace import round_key
+from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import Replica, state_at
 from gradientmail.wire.records import RoundRecord
-from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
+from gradientmail.wire.serialization import ParameterSpec, Schema
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = [
     "CHAOS_DIR",

@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 from alloc_meter import SharedMeter
 
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.integration import RankSync, TorchRanks
 from gradientmail.integration.parted import PartedRanks
 from gradientmail.learner.runtime import Learner

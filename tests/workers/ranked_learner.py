@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 from toy import inner_step, make_model
 
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.events import Event, SnapshotPublished
 from gradientmail.integration import RankSync, TorchRanks
 from gradientmail.integration.parted import PartedRanks

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from gradientmail.adapters.torch import from_torch
-from gradientmail.wire.serialization import Schema, TensorBytes
+from gradientmail.wire.serialization import Schema
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 MIXING = 0.25
 
