@@ -51,7 +51,6 @@ import numpy as np
 
 from gradientmail import events as ev
 from gradientmail.algorithms.diloco import DiLoCo
-from gradientmail.clock import FakeClock
 from gradientmail.learner.mailman import BACKUP_EVERY, MANIFEST_EVERY
 from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox
@@ -60,6 +59,7 @@ from gradientmail.run.protocol import Exchange
 from gradientmail.run.rollcall import READ_EVERY, Call, reply
 from gradientmail.syncer.runtime import Syncer
 from gradientmail.syncer.state import preferred_closer
+from gradientmail.testing import FakeClock
 from gradientmail.traffic import RequestCounts
 from gradientmail.wire.records import Manifest
 from gradientmail.wire.serialization import Schema

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from gradientmail.clock import FakeClock
 from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox
 from gradientmail.run.lease import CLOSERS, LeaseTracker
 from gradientmail.run.protocol import Exchange
+from gradientmail.testing import FakeClock
 from gradientmail.traffic import RequestCounts
 from gradientmail.wire.estimates import Estimates
 from gradientmail.wire.records import Participant, RoundRecord

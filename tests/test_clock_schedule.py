@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from gradientmail.algorithms.schedule import RoundSchedule
-from gradientmail.clock import FakeClock
 from gradientmail.errors import ConfigError, RemoteProtocolError
+from gradientmail.testing import FakeClock
 from gradientmail.wire.estimates import Estimates
 
 

@@ -28,7 +28,6 @@ from gradientmail.adapters.sharded import chunk_rows
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.app.cli import read_status
-from gradientmail.clock import FakeClock
 from gradientmail.errors import LocalProtocolError, RemoteProtocolError, SchemaMismatch
 from gradientmail.mailbox import Mailbox, MemoryMailbox
 from gradientmail.run.committed import read_committed
@@ -36,6 +35,7 @@ from gradientmail.run.keyspace import init_key, init_part_key, plan_sweep
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
 from gradientmail.run.row_replica import RowReplica, plan_chain
+from gradientmail.testing import FakeClock
 from gradientmail.wire.compression import decode_with_metadata
 from gradientmail.wire.parts import ROWS_KEY
 from gradientmail.wire.payload_ranges import Rows, rows_of

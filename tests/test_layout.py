@@ -10,7 +10,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "gradientmail"
 
 #: Bottom to top. A module may import from its own layer and any layer before it.
 LAYERS = [
-    ("errors", "clock", "events", "traffic"),
+    ("errors", "clock", "testing", "events", "traffic"),
     ("mailbox",),
     ("wire",),
     ("backends", "adapters"),

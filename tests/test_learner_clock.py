@@ -14,11 +14,11 @@ from gradientmail import events as ev
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.algorithms.merge import WeightedMean
-from gradientmail.clock import FakeClock
 from gradientmail.errors import GradientmailError
 from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import FaultPlan, FaultyMailbox, Mailbox, MemoryMailbox
+from gradientmail.testing import FakeClock
 
 
 class Stamped:

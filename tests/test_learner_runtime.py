@@ -15,7 +15,6 @@ from gradientmail import events as ev
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.algorithms.merge import WeightedMean
-from gradientmail.clock import FakeClock
 from gradientmail.errors import GradientmailError, RunConfigMismatch, SchemaMismatch
 from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
@@ -24,6 +23,7 @@ from gradientmail.mailbox.wrappers import CountingMailbox
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
 from gradientmail.syncer.runtime import Syncer
+from gradientmail.testing import FakeClock
 from gradientmail.wire.records import RoundRecord
 
 FAST = {"poll_interval": 0.005, "lease_every": 5.0, "lease_timeout": 30.0}

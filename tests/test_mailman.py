@@ -17,13 +17,13 @@ from gradientmail import events as ev
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.algorithms.merge import WeightedMean
-from gradientmail.clock import FakeClock
 from gradientmail.learner.mailman import Mailman
 from gradientmail.learner.messages import Observed, Outgoing
 from gradientmail.learner.options import LearnerOptions
 from gradientmail.mailbox import Mailbox, MemoryMailbox
 from gradientmail.run.join import JoinResult
 from gradientmail.run.protocol import Exchange
+from gradientmail.testing import FakeClock
 from gradientmail.wire.records import SnapshotRecord
 from gradientmail.wire.refs import PayloadRef
 

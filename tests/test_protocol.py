@@ -10,7 +10,6 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
-from gradientmail.clock import FakeClock
 from gradientmail.errors import (
     AlreadyContributed,
     ConfigError,
@@ -30,6 +29,7 @@ from gradientmail.run.keyspace import (
 )
 from gradientmail.run.lease import LeaseTracker
 from gradientmail.run.protocol import Exchange
+from gradientmail.testing import FakeClock
 from gradientmail.wire.estimates import Estimates
 from gradientmail.wire.records import Manifest, Participant, RoundRecord, SnapshotRecord
 from gradientmail.wire.refs import PayloadRef

@@ -19,7 +19,6 @@ from gradientmail.algorithms.base import FragmentState
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.backends.numpy_backend import NumpyBackend
-from gradientmail.clock import FakeClock
 from gradientmail.errors import GradientmailError
 from gradientmail.mailbox import MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox
@@ -28,6 +27,7 @@ from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
 from gradientmail.run.row_replica import RowReplica, plan_chain
 from gradientmail.syncer.runtime import Syncer
+from gradientmail.testing import FakeClock
 from gradientmail.wire.compression import decode
 from gradientmail.wire.payload_ranges import Rows, rows_of
 from gradientmail.wire.records import Manifest, RoundRecord

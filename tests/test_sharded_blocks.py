@@ -25,13 +25,13 @@ import numpy as np
 import pytest
 from test_row_replica import make_run, rank_rows, same_state
 
-from gradientmail.clock import FakeClock
 from gradientmail.errors import ConfigError, CorruptPayload, RemoteProtocolError
 from gradientmail.mailbox import FaultPlan, FaultyMailbox, MemoryMailbox
 from gradientmail.run.part_blob import PartBlob, put_init_blob
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
 from gradientmail.run.row_replica import RowReplica, plan_chain
+from gradientmail.testing import FakeClock
 from gradientmail.wire.blocks import (
     BLOCK_BYTES,
     BLOCKS_KEY,

@@ -23,7 +23,7 @@ import pytest
 from gradientmail.algorithms.base import Contribution
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.algorithms.merge import WeightedMean
-from gradientmail.clock import Clock, FakeClock
+from gradientmail.clock import Clock
 from gradientmail.events import (
     ClaimSuperseded,
     CommitLost,
@@ -40,6 +40,7 @@ from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
 from gradientmail.syncer.runtime import Syncer
 from gradientmail.syncer.state import ESTIMATE_DECAY, head_start
+from gradientmail.testing import FakeClock
 from gradientmail.wire.estimates import Estimates
 from gradientmail.wire.records import Manifest, RoundRecord, SnapshotRecord
 from gradientmail.wire.refs import Arrival
