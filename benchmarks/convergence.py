@@ -145,7 +145,7 @@ def algorithm(arm: str, s: Settings) -> Any:
 
 
 def build_model(s: Settings, vocab: int) -> Any:
-    from gradientmail.app.textdata import tiny_gpt2
+    from gradientmail.integration.textdata import tiny_gpt2
 
     return tiny_gpt2(vocab, n_layer=s.n_layer, n_embd=s.n_embd, n_head=s.n_head,
                      n_positions=s.block, seed=s.seed)
@@ -157,7 +157,12 @@ def prepare_data(s: Settings, workdir: Path) -> tuple[int, int]:
     workers; returns (vocabulary, training tokens)."""
     import torch
 
-    from gradientmail.app.textdata import read_budget, stdlib_corpus, token_blocks, train_tokenizer
+    from gradientmail.integration.textdata import (
+        read_budget,
+        stdlib_corpus,
+        token_blocks,
+        train_tokenizer,
+    )
 
     train = read_budget(stdlib_corpus("train"), s.text_budget)
     val = read_budget(stdlib_corpus("val"), max(s.text_budget // 10, 50_000))

@@ -95,3 +95,13 @@ def test_no_module_only_reexports_another() -> None:
         if p.stem != "__init__" and _only_reexports(p)
     )
     assert hubs == []
+
+
+def test_integrations_sit_on_the_library_not_the_app() -> None:
+    wrong = [
+        f"{path.relative_to(ROOT.parent)}:{line}"
+        for pkg in ("gradientmail_lightning", "gradientmail_accelerate")
+        for path in sorted((ROOT.parent / pkg).rglob("*.py"))
+        for line, target in _imports(path) if target == "app"
+    ]
+    assert wrong == []

@@ -880,7 +880,7 @@ def test_a_run_of_a_model_with_embeddings_names_them_in_its_merge() -> None:
     """The creator's adapter names GPT-2's `wte` and `wpe` (embedding modules): the run's
     algorithm carries them, so every closer averages them by weight; a learner of the same
     model joins (its configuration resolves alike)."""
-    from gradientmail.app.textdata import tiny_gpt2
+    from gradientmail.integration.textdata import tiny_gpt2
 
     mailbox = MemoryMailbox()
     learners = []

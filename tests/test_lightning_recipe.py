@@ -161,7 +161,7 @@ def test_streaming_local_jsonl_packs_blocks_per_shard(tmp_path: Path) -> None:
 
 
 def dm_val(text: str) -> bool:
-    from gradientmail.app.textdata import held_out
+    from gradientmail.integration.textdata import held_out
     from gradientmail_lightning.data import _doc_key
 
     return held_out(_doc_key(text), 0.1)

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from gradientmail.algorithms.rounds import effective_quorum, much_slower
 from gradientmail.syncer.state import (
     PollDecision,
     PollView,
@@ -14,11 +15,9 @@ from gradientmail.syncer.state import (
     close_time,
     completes,
     decide_poll,
-    effective_quorum,
     listed,
     lists_claims,
     lists_contributions,
-    much_slower,
     next_claim_attempt,
     probe_from,
     updated_estimates,

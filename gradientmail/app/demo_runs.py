@@ -138,7 +138,7 @@ def _algorithm(cfg: DemoConfig, system: str) -> Any:
 
 
 def _model(vocab: int, block: int) -> Any:
-    from gradientmail.app.textdata import tiny_gpt2
+    from gradientmail.integration.textdata import tiny_gpt2
 
     return tiny_gpt2(vocab, n_layer=2, n_embd=128, n_head=4, n_positions=block, seed=0)
 
