@@ -356,7 +356,7 @@ def audit(box: Path, cs: ChaosSettings) -> dict[str, Any]:
                 problems.append(f"round {i}: fragment {rec.fragment} version {rec.version}")
             for ref in rec.payload_refs():
                 try:
-                    blob = await ex.fetch_payload(ref)
+                    blob = await ex.store.fetch_payload(ref)
                 except GradientmailError as exc:
                     problems.append(f"round {i}: {exc}")
                     continue

@@ -174,7 +174,7 @@ async def simulate(learners: int, seconds: float, step: float = 1.0, poll: float
         for rec in fresh:
             ref = rec.step.payload if rec.step is not None else rec.theta
             assert ref is not None
-            await me.fetch_tensors(ref)
+            await me.store.fetch_tensors(ref)
             cursor = rec.round
         await mine.poll(live=live, refresh_live=refresh, records=fresh)
         live = tracker.live(clock.now())

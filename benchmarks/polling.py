@@ -94,7 +94,7 @@ async def _simulate(pattern: Pattern, seconds: float) -> RequestCounts:
             await me.observe_leases(closers, CLOSERS)
         if _due(t, pattern.poll):
             for record in await me.rounds_after(cursor):
-                await me.fetch_tensors(record.theta)
+                await me.store.fetch_tensors(record.theta)
                 cursor = record.round
         if _due(t, pattern.publishers_every):
             await me.publishers(cursor + 1)

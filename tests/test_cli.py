@@ -265,7 +265,7 @@ def test_export_takes_init_for_a_fragment_never_committed(
         rec = await r.ex.read_round(0)
         assert rec is not None
         state = await state_at(r.ex, 0, rec)
-        return dict(state.theta), await r.ex.fetch_tensors(manifest.init[1])
+        return dict(state.theta), await r.ex.store.fetch_tensors(manifest.init[1])
 
     committed, init = asyncio.run(setup())
     out_file = tmp_path / "out.safetensors"

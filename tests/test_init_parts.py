@@ -187,7 +187,7 @@ def test_a_whole_reader_joins_the_parts_to_theta0_and_refuses_parts_that_do_not_
         assert [ref.key for ref in m.init_parts[0]] == [
             f"init/000000/0/{k}-of-3.safetensors" for k in range(3)]
         # Each part holds rank k's rows in the schema's dtypes, named in its metadata.
-        blob = await ex.fetch_payload(m.init_parts[0][1])
+        blob = await ex.store.fetch_payload(m.init_parts[0][1])
         entries, meta = decode_with_metadata(blob, "off")
         assert json.loads(meta[ROWS_KEY]) == {n: list(r) for n, r in
                                               owned(SCHEMA, plan, 1, 3).items()}

@@ -189,10 +189,10 @@ def test_zstd_output_is_bounded_before_decompressing() -> None:
     async def main() -> None:
         ex = Exchange(MemoryMailbox(), compression="zstd")
         zeros = {"z": TensorBytes.from_numpy(np.zeros(100_000, np.float32))}
-        ref = await ex.put_payload("bomb", zeros)
+        ref = await ex.store.put_payload("bomb", zeros)
         assert ref is not None and ref.size < 1000  # 400 kB of zeros compress to almost nothing
         with pytest.raises(CorruptPayload) as e:
-            await ex.fetch_tensors(ref, max_bytes=10_000)
+            await ex.store.fetch_tensors(ref, max_bytes=10_000)
         import zstandard
 
         blob = await ex.mailbox.get(ref.key)

@@ -297,7 +297,7 @@ def test_a_two_rank_creator_uploads_theta0_by_parts_and_a_plain_learner_joins_on
         assert [ref.key for ref in manifest.init_parts[0]] == [
             "init/000000/0/0-of-2.safetensors", "init/000000/0/1-of-2.safetensors"]
         for k, ref in enumerate(manifest.init_parts[0]):
-            blob = await ex.fetch_payload(ref)
+            blob = await ex.store.fetch_payload(ref)
             assert blob is not None
             _, meta = decode_with_metadata(blob, "off")
             assert rows_in(meta, ref.key) == crews[k].adapter.mailed(manifest.plan[0])

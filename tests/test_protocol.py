@@ -203,7 +203,7 @@ def test_creation_election_and_manifest_once() -> None:
         assert not await a.create_manifest(manifest("a", init_a))
         m = await a.read_manifest()
         assert m == manifest("b", init_b)
-        got = await a.fetch_tensors(m.init[0])
+        got = await a.store.fetch_tensors(m.init[0])
         assert got == tensors(0, 1.0)
         with pytest.raises(LocalProtocolError, match="learner id 'a b' is invalid"):
             await a.claim_creation("a b", 2)
@@ -273,7 +273,7 @@ def test_publish_contributions_and_fetch() -> None:
         await box.put(key, blob[:-4])
         with pytest.raises(CorruptPayload, match=f"payload '{key}' is {len(blob) - 4} bytes "
                                                  f"but its record says {len(blob)}"):
-            await ex.fetch_payload(rec.payload)
+            await ex.store.fetch_payload(rec.payload)
         await box.delete(key)
         assert await ex.fetch_delta(rec, SCHEMA, ["b"]) is None  # swept
         huge = dataclasses.replace(rec, payload=dataclasses.replace(rec.payload, size=10**9))
@@ -372,7 +372,7 @@ def test_round_claims_commit_and_rounds_after() -> None:
         box.reset()
         assert await ex.rounds_after(5) == []  # an idle poll: one GET, no LIST
         assert (box.snapshot().get, box.snapshot().list) == (1, 0)
-        got = await ex.fetch_tensors(records[4].theta)
+        got = await ex.store.fetch_tensors(records[4].theta)
         assert got == tensors(0, 4.0)
 
         await box.put(round_key(6), records[5].encode())  # round 5's record at round 6's key
@@ -444,7 +444,7 @@ def test_sweep_keeps_newest_versions() -> None:
         assert [k for k in left if k.startswith("init/")] == [r.key for r in init]
         # A reader holding an old record finds its payload gone and starts over.
         old = await ex.read_round(1)
-        assert old is not None and await ex.fetch_tensors(old.theta) is None
+        assert old is not None and await ex.store.fetch_tensors(old.theta) is None
         assert await ex.sweep() == []  # nothing more to do
 
     run(main())
@@ -535,7 +535,7 @@ def test_zstd_codec_is_named_by_the_key() -> None:
         assert await reader.fetch_delta(rec, SCHEMA, ["w"]) == tensors(0, 3.0)
         theta = await writer.put_theta(1, 1, tensors(1, 2.0), attempt=0)
         assert theta.key == "theta/1/0000000001-000000.safetensors.zst"
-        assert await reader.fetch_tensors(theta) == tensors(1, 2.0)
+        assert await reader.store.fetch_tensors(theta) == tensors(1, 2.0)
 
     run(main())
 

@@ -187,7 +187,7 @@ def test_a_rank_reading_zstd_payloads_whole_warns_once_naming_the_codec_and_the_
         state = follower.state(0)
         assert state is not None
         same_state(state, await state_at(ex, 0, recs[-1], manifest), mine)
-        blob = await ex.fetch_payload(manifest.init[0])
+        blob = await ex.store.fetch_payload(manifest.init[0])
         assert blob is not None
         return manifest, recs, follower, whole, decode(blob, "zstd")
 

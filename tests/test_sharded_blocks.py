@@ -294,17 +294,17 @@ def test_the_writers_put_digests_where_ranged_readers_read() -> None:
                     await ex.put_step(0, 1, tensors, attempt=0),
                     await ex.put_outer(0, 1, tensors, attempt=0),
                     await ex.put_init(0, tensors, attempt=0)):
-            blob = await ex.fetch_payload(ref)
+            blob = await ex.store.fetch_payload(ref)
             assert blob is not None
             assert ref.header_sha256 == \
                 hashlib.sha256(blob[:header_length(blob)]).hexdigest()
             assert decode_with_metadata(blob, "off")[1] == \
                 {BLOCKS_KEY: blocks_entry(tensors, BLOCK_BYTES)}
         # Contributions and updates are read whole: no digests.
-        for ref in (await ex.put_payload("payloads/0000000000/a", tensors),
+        for ref in (await ex.store.put_payload("payloads/0000000000/a", tensors),
                     await ex.put_update(0, 1, tensors, attempt=0)):
             assert ref is not None and ref.header_sha256 is None
-            blob = await ex.fetch_payload(ref)
+            blob = await ex.store.fetch_payload(ref)
             assert blob is not None and decode_with_metadata(blob, "off")[1] == {}
         # A zstd payload cannot be read by ranges: none either.
         zex = Exchange(MemoryMailbox("blocks-writers-zstd"), compression="zstd")

@@ -573,7 +573,7 @@ def test_a_claim_slot_freed_by_the_sweep_is_not_a_license_to_close(mailbox: Mail
         rec = await r.ex.read_round(0)
         assert rec is not None and rec.closer == "s1"
         for ref in rec.payload_refs():
-            assert await r.ex.fetch_tensors(ref) is not None  # bytes match the record
+            assert await r.ex.store.fetch_tensors(ref) is not None  # bytes match the record
         assert r.of(CommitLost) == []
         assert s2.rounds_closed == 0
 
@@ -655,7 +655,7 @@ def test_a_round_whose_contributions_are_all_dropped_still_commits(mailbox: Mail
         assert (rec.version, rec.participants, rec.mean_cosine, rec.update) == (1, (), None, None)
         assert sorted(d.learner for d in rec.dropped) == sorted(expected)
         theta = (await state_at(r.ex, 0, rec)).theta
-        init = await r.ex.fetch_tensors(manifest.init[0])
+        init = await r.ex.store.fetch_tensors(manifest.init[0])
         assert init is not None
         assert theta == init  # the same theta, one version on
         # The learners can go on: round 1 (the other fragment) and round 2 (version 1 of
@@ -847,7 +847,7 @@ def test_an_outer_step_that_overflows_drops_the_round_instead_of_retrying_foreve
         (dropped,) = rec.dropped
         assert dropped.learner == "a" and "outer step overflowed" in dropped.reason
         theta = (await state_at(r.ex, 0, rec)).theta
-        assert theta == await r.ex.fetch_tensors(manifest.init[0])
+        assert theta == await r.ex.store.fetch_tensors(manifest.init[0])
 
     run(main())
 

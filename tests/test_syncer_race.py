@@ -106,7 +106,7 @@ def check_race(r: Run, syncers: list[Syncer], rounds: int) -> None:
         fetched = []
         for rec in latest.values():
             for ref in rec.payload_refs():
-                fetched.append(await r.ex.fetch_payload(ref) is not None)
+                fetched.append(await r.ex.store.fetch_payload(ref) is not None)
         return recs, keys, fetched
 
     recs, keys, fetched = asyncio.run(records())

@@ -456,7 +456,7 @@ class PartedRanks:
         formats are computed a tensor at a time and quantized before the next."""
         a = self.adapter
         rows = a.mailed(list(snapshot))
-        if fmt == "F32" and ex.compression == "off":
+        if fmt == "F32" and ex.store.compression == "off":
             specs = [dataclasses.replace(p, dtype="F32") for p in a.part_schema(list(rows)).params]
             blob = PartBlob(specs, rows)
             await asyncio.to_thread(a.delta_into, anchor, snapshot,

@@ -79,7 +79,7 @@ class CommitFetcher:
         held = self._host.get(rec.fragment)
         if theta is None and rec.update is not None and held is not None \
                 and held[0] == rec.version - 1:
-            update = await ex.fetch_tensors(rec.update.payload,
+            update = await ex.store.fetch_tensors(rec.update.payload,
                                             payload_bound(schema, names, "updates"))
             if update is not None:
                 try:
@@ -96,7 +96,7 @@ class CommitFetcher:
                     f"round {rec.round}'s record carries no theta and this run does not "
                     "replicate its outer step"
                 )
-            fetched = await ex.fetch_tensors(rec.theta, payload_bound(schema, names, "theta"))
+            fetched = await ex.store.fetch_tensors(rec.theta, payload_bound(schema, names, "theta"))
             if fetched is None:
                 return None
             theta, nbytes = fetched, rec.theta.size

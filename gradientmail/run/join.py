@@ -229,8 +229,8 @@ async def _create(
         algorithm=algorithm.to_json(),
         creator=learner,
         init=tuple(refs),
-        codec=ex.compression,
-        key_fingerprint=ex.seal.fingerprint,
+        codec=ex.store.compression,
+        key_fingerprint=ex.store.seal.fingerprint,
         init_parts=tuple(parts),
     )
     if await ex.create_manifest(manifest):

@@ -73,9 +73,9 @@ class PartBlob:
 async def put_part_blob(ex: Exchange, round_: int, learner: str, k: int, n: int,
                         blob: PartBlob) -> PayloadRef:
     """`Exchange.put_part` for a part written in place (an uncompressed exchange only)."""
-    if ex.compression != "off":
+    if ex.store.compression != "off":
         raise ConfigError(f"a part written in place is uncompressed; this exchange's codec "
-                          f"is {ex.compression!r} (use Exchange.put_part)")
+                          f"is {ex.store.compression!r} (use Exchange.put_part)")
     key = part_key(round_, check_learner_id(learner), k, n) + extension("off")
     data = blob.data
     # Create-if-absent; an own part no record references yet (a failed attempt) is

@@ -146,8 +146,9 @@ class Replica:
         assert rec.theta is not None and rec.outer is not None
         names = self.manifest.plan[rec.fragment]
         schema = self.manifest.schema
-        theta = await self.exchange.fetch_tensors(rec.theta, payload_bound(schema, names, "theta"))
-        outer = await self.exchange.fetch_tensors(rec.outer, payload_bound(schema, names, "outer"))
+        store = self.exchange.store
+        theta = await store.fetch_tensors(rec.theta, payload_bound(schema, names, "theta"))
+        outer = await store.fetch_tensors(rec.outer, payload_bound(schema, names, "outer"))
         if theta is None or outer is None:
             return None
         self.bytes_down += rec.theta.size + rec.outer.size
@@ -159,7 +160,7 @@ class Replica:
         step = rec.step
         assert step is not None
         names = self.manifest.plan[rec.fragment]
-        entries = await self.exchange.fetch_tensors(
+        entries = await self.exchange.store.fetch_tensors(
             step.payload, payload_bound(self.manifest.schema, names, "steps"))
         if entries is None:
             return None

@@ -200,7 +200,7 @@ class _Reader:
                                        header_sha256=ref.header_sha256)
             return None if index is None else cls(ex.mailbox, key, index.spans, None,
                                                   index.metadata, index.blocks)
-        blob = await ex.fetch_payload(ref)
+        blob = await ex.store.fetch_payload(ref)
         if blob is None:
             return None
         whole, metadata = decode_with_metadata(blob, compression_of(key), key=key)

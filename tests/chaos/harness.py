@@ -442,7 +442,7 @@ def verify_run(mailbox: Mailbox, prefix: str = "") -> RunFigures:
             versions[rec.fragment] = versions.get(rec.fragment, 0) + 1
             assert rec.version == versions[rec.fragment], (i, rec.version)
             for ref in rec.payload_refs():
-                blob = await ex.fetch_payload(ref)  # raises CorruptPayload on a mismatch
+                blob = await ex.store.fetch_payload(ref)  # raises CorruptPayload on a mismatch
                 assert blob is not None, f"round {i}: payload {ref.key} is missing"
             state = await replica.at(rec.fragment, rec)  # checks a step's theta digest
             assert state is not None
