@@ -1,5 +1,5 @@
 """What a round merges of a contribution whose record passed `keyspace.screen_snapshot`:
-its delta's values checked, and its norm for the outlier rule (`diloco.outliers`).
+its delta's values checked, and its norm for the outlier rule (`algorithms.rounds.outliers`).
 
 Pure functions over tensors: the syncer fetches a payload and reports what these say.
 """
