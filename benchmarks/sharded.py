@@ -251,7 +251,7 @@ def rank_worker(args: argparse.Namespace) -> None:
 
     from gradientmail.algorithms.diloco import DiLoCo
     from gradientmail.integration import RankSync, TorchRanks
-    from gradientmail.integration.parted import PartedRanks
+    from gradientmail.integration.sharded import PartedRanks
     from gradientmail.learner.runtime import Learner
 
     model, opt, rank = build(args)
@@ -346,7 +346,7 @@ def throughput_worker(args: argparse.Namespace) -> None:
 
     from gradientmail.algorithms.diloco import DiLoCo
     from gradientmail.integration import RankSync, TorchRanks
-    from gradientmail.integration.parted import PartedRanks
+    from gradientmail.integration.sharded import PartedRanks
     from gradientmail.learner.runtime import Learner
 
     model, opt, rank = build(args)

@@ -52,7 +52,7 @@ from gradientmail.integration import (
     TorchRanks,
     count_tokens,
 )
-from gradientmail.integration.parted import is_sharded
+from gradientmail.integration.sharded import is_sharded
 from gradientmail.integration.together import learners_to_await
 from gradientmail.learner.runtime import Learner
 from gradientmail_accelerate.plugin import DiLoCoPlugin

@@ -28,7 +28,7 @@ from workers.toy import make_model
 from gradientmail.mailbox import LocalMailbox
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
-from gradientmail.wire.payload_ranges import rows_of
+from gradientmail.wire.sharded_ranges import rows_of
 
 pytestmark = pytest.mark.slow
 

@@ -41,13 +41,13 @@ from gradientmail.run.keyspace import audit_floor, plan_sweep, round_key
 from gradientmail.run.protocol import Exchange
 from gradientmail.wire import compression as codec
 from gradientmail.wire.auth import HmacSeal, key_fingerprint
-from gradientmail.wire.blocks import BLOCK_BYTES, BLOCKS_KEY, blocks_entry
 from gradientmail.wire.estimates import Estimates
-from gradientmail.wire.payload_ranges import fetch_rows
 from gradientmail.wire.quantization import quantize
 from gradientmail.wire.records import Manifest, RoundRecord
 from gradientmail.wire.refs import PayloadRef
 from gradientmail.wire.serialization import pack, unpack
+from gradientmail.wire.sharded_blocks import BLOCK_BYTES, BLOCKS_KEY, blocks_entry
+from gradientmail.wire.sharded_ranges import fetch_rows
 from gradientmail.wire.tensor_bytes import TensorBytes
 
 KEY = "a-run-key-for-the-tests-0123456789"

@@ -32,8 +32,8 @@ import torch
 
 from gradientmail.adapters.torch import _TO_NAME, _view
 from gradientmail.errors import ConfigError, SchemaMismatch
-from gradientmail.wire.payload_ranges import Rows
 from gradientmail.wire.serialization import ParameterSpec, Schema
+from gradientmail.wire.sharded_ranges import Rows
 from gradientmail.wire.tensor_bytes import TensorBytes, nbytes_of
 
 __all__ = ["Layout", "ShardedAdapter", "chunk_rows", "layout_of", "refuse_fsdp1"]

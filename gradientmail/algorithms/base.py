@@ -18,8 +18,8 @@ from gradientmail.algorithms.schedule import RoundSchedule
 from gradientmail.backends.base import Backend
 from gradientmail.errors import ConfigError, RemoteProtocolError
 from gradientmail.wire.estimates import Estimates
-from gradientmail.wire.row_pieces import DeltaTensor
 from gradientmail.wire.serialization import Schema
+from gradientmail.wire.sharded_pieces import DeltaTensor
 from gradientmail.wire.tensor_bytes import STORAGE_DTYPES, TensorBytes
 
 if TYPE_CHECKING:

@@ -56,8 +56,8 @@ from gradientmail.errors import (
 )
 from gradientmail.wire.estimates import Estimates
 from gradientmail.wire.records import Participant
-from gradientmail.wire.row_pieces import RowPieces
 from gradientmail.wire.serialization import Schema, validate
+from gradientmail.wire.sharded_pieces import RowPieces
 from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = [

@@ -19,8 +19,8 @@ from gradientmail.integration.batches import (
 )
 from gradientmail.integration.losses import LossMean, output_loss
 from gradientmail.integration.metrics import METRICS, PREFIX, RunMetrics
-from gradientmail.integration.parted import PartedRanks
 from gradientmail.integration.ranks import Ranks, SingleRank, ThreadRanks, TorchRanks
+from gradientmail.integration.sharded import PartedRanks
 from gradientmail.integration.sync import RankSync
 from gradientmail.integration.together import check_wait, learners_to_await
 from gradientmail.integration.tokens import count_tokens

@@ -9,7 +9,7 @@ parameters and make the same collective calls in the same order whatever rank 0 
 `start()` and `close()` may overwrite every synced parameter: after them everything is
 broadcast. With one process (`SingleRank`) no collective runs at all.
 
-With `parted` (`gradientmail.integration.parted.PartedRanks`: FSDP2 shards, or a DDP group
+With `parted` (`gradientmail.integration.sharded.PartedRanks`: FSDP2 shards, or a DDP group
 splitting its upload) nothing is broadcast: every rank mails and reads its own rows, and
 applies them itself. Rank 0's learner then works on handles, and each thing it does to
 the model (snapshot, apply, rebase) is sent to the other ranks as it happens, and the
@@ -32,8 +32,8 @@ import torch
 from gradientmail.errors import GradientmailError
 from gradientmail.integration.batches import BatchSizeHook
 from gradientmail.integration.metrics import PREFIX, RunMetrics, traffic_values
-from gradientmail.integration.parted import PartedRanks
 from gradientmail.integration.ranks import Ranks
+from gradientmail.integration.sharded import PartedRanks
 from gradientmail.learner.runtime import Learner
 
 __all__ = ["RankSync"]

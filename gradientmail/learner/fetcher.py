@@ -18,8 +18,8 @@ from gradientmail.errors import (
     RemoteProtocolError,
     SchemaMismatch,
 )
-from gradientmail.learner.crew import crew_of
 from gradientmail.learner.messages import Commit
+from gradientmail.learner.sharded import crew_of
 from gradientmail.run.bounds import payload_bound
 from gradientmail.run.join import JoinResult
 from gradientmail.run.protocol import Exchange

@@ -32,11 +32,11 @@ from gradientmail.events import (
     ReleaseFailed,
     RoundRecorded,
 )
-from gradientmail.learner.crew import Crew, crew_of
 from gradientmail.learner.fetcher import CommitFetcher
 from gradientmail.learner.messages import Commit, Observed, Outgoing, delta_format
 from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.poster import Poster
+from gradientmail.learner.sharded import Crew, crew_of
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
 from gradientmail.mailbox.wrappers import CountingMailbox

@@ -20,8 +20,8 @@ from gradientmail.algorithms.base import Algorithm
 from gradientmail.clock import Clock
 from gradientmail.errors import LocalProtocolError
 from gradientmail.events import EventSink, PublishCancelled, PublishFailed, SnapshotPublished
-from gradientmail.learner.crew import crew_of
 from gradientmail.learner.messages import Outgoing, delta_format
+from gradientmail.learner.sharded import crew_of
 from gradientmail.run.protocol import Exchange
 from gradientmail.syncer.runtime import Syncer
 from gradientmail.wire.quantization import quantize

@@ -7,9 +7,9 @@ from collections.abc import Iterable
 
 from gradientmail.errors import LocalProtocolError
 from gradientmail.wire import compression as codec
-from gradientmail.wire.blocks import digest_room
 from gradientmail.wire.records import SnapshotRecord
 from gradientmail.wire.serialization import Schema, validate
+from gradientmail.wire.sharded_blocks import digest_room
 from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["check_delta", "delta_bound", "payload_bound"]

@@ -74,7 +74,6 @@ from gradientmail.run.rollcall import Call
 from gradientmail.run.store import RunStore
 from gradientmail.wire import compression as codec
 from gradientmail.wire.auth import Seal, open_manifest
-from gradientmail.wire.parts import assemble, part_metadata, pieces_of
 from gradientmail.wire.record_json import CODECS, check_learner_id
 from gradientmail.wire.records import (
     CreationClaim,
@@ -84,8 +83,9 @@ from gradientmail.wire.records import (
     SnapshotRecord,
 )
 from gradientmail.wire.refs import PayloadRef
-from gradientmail.wire.row_pieces import DeltaTensor
 from gradientmail.wire.serialization import Schema
+from gradientmail.wire.sharded_parts import assemble, part_metadata, pieces_of
+from gradientmail.wire.sharded_pieces import DeltaTensor
 from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["Exchange"]
@@ -154,7 +154,7 @@ class Exchange:
                             rows: Mapping[str, tuple[int, int]], *, attempt: int) -> PayloadRef:
         """Upload part `k` of `n` of Θ⁰ of `fragment` for creation `attempt`: `tensors`
         hold rows `rows[name]` of each tensor, in its storage dtype (the format of a
-        contribution's part, `wire.parts`). Overwritten, as `put_init`: only the holder
+        contribution's part, `wire.sharded_parts`). Overwritten, as `put_init`: only the holder
         of the attempt's claim writes under it. Its ref goes into `Manifest.init_parts`."""
         ref = await self.store.put_payload(init_part_key(attempt, fragment, k, n), tensors,
                                      metadata=part_metadata(rows))
@@ -163,7 +163,7 @@ class Exchange:
 
     async def fetch_init(self, manifest: Manifest, fragment: int
                          ) -> dict[str, TensorBytes] | None:
-        """Θ⁰ of `fragment`, whole: its payload, or its parts checked (`wire.parts`: each
+        """Θ⁰ of `fragment`, whole: its payload, or its parts checked (`wire.sharded_parts`: each
         tensor's rows tile it once, in the schema's dtypes) and joined. Each payload is
         verified against its ref and bounded by the fragment's size; None if one is gone."""
         names = manifest.plan[fragment]
@@ -423,7 +423,7 @@ class Exchange:
         """A contribution's delta: verified, decoded, and checked to hold exactly `names` in
         the record's `delta_format` (plus `<name>.scale` entries of quantized formats).
         A delta made of parts is each part checked, its rows left where they lie, never
-        joined (`wire.parts.pieces_of`: `RowPieces`; quantized parts come back in F32).
+        joined (`wire.sharded_parts.pieces_of`: `RowPieces`; quantized parts come back in F32).
 
         None if the payload was swept. `CorruptPayload` for bad bytes; `SchemaMismatch`
         naming every missing, extra or mis-shaped tensor.

@@ -18,11 +18,11 @@ from gradientmail.errors import ConfigError, CorruptPayload
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.wire import compression as codec
 from gradientmail.wire.auth import HmacSeal, PlainSeal, Seal
-from gradientmail.wire.blocks import BLOCK_BYTES
-from gradientmail.wire.parts import Part, rows_in
 from gradientmail.wire.record_json import CODECS
 from gradientmail.wire.records import Record
 from gradientmail.wire.refs import PayloadRef
+from gradientmail.wire.sharded_blocks import BLOCK_BYTES
+from gradientmail.wire.sharded_parts import Part, rows_in
 from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["RANGED_AREAS", "RunStore"]
@@ -31,7 +31,7 @@ _R = TypeVar("_R", bound=Record)
 
 #: Payloads a sharded learner's ranks read by ranges (docs/design/sharded.md §2): Θ⁰, a commit's
 #: theta and outer state, a replicated commit's step. Written with block digests
-#: (`gradientmail.wire.blocks`) when uncompressed. Not contributions or their parts (the
+#: (`gradientmail.wire.sharded_blocks`) when uncompressed. Not contributions or their parts (the
 #: closer reads them whole and checks their SHA-256) nor updates (read whole).
 RANGED_AREAS = ("init/", "theta/", "outer/", "steps/")
 

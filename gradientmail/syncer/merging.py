@@ -20,8 +20,8 @@ from gradientmail.errors import GradientmailError, NonFiniteError, SchemaMismatc
 from gradientmail.run.keyspace import screen_snapshot
 from gradientmail.syncer.screening import delta_norms, screen_delta
 from gradientmail.wire.records import SnapshotRecord
-from gradientmail.wire.row_pieces import DeltaTensor
 from gradientmail.wire.serialization import Schema
+from gradientmail.wire.sharded_pieces import DeltaTensor
 from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = [

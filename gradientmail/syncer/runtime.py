@@ -64,8 +64,8 @@ from gradientmail.syncer.state import (
 from gradientmail.wire.estimates import Estimates
 from gradientmail.wire.records import Dropped, Manifest, RoundRecord, SnapshotRecord
 from gradientmail.wire.refs import Arrival, PayloadRef, StepRef, UpdateRef
-from gradientmail.wire.row_pieces import DeltaTensor
 from gradientmail.wire.serialization import Schema
+from gradientmail.wire.sharded_pieces import DeltaTensor
 from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["Syncer", "theta_digest"]

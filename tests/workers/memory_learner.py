@@ -37,7 +37,7 @@ from alloc_meter import SharedMeter
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.integration import RankSync, TorchRanks
-from gradientmail.integration.parted import PartedRanks
+from gradientmail.integration.sharded import PartedRanks
 from gradientmail.learner.runtime import Learner
 
 

@@ -32,7 +32,7 @@ from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.events import Event, SnapshotPublished
 from gradientmail.integration import RankSync, TorchRanks
-from gradientmail.integration.parted import PartedRanks
+from gradientmail.integration.sharded import PartedRanks
 from gradientmail.learner.runtime import Learner
 
 

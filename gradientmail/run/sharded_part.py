@@ -16,12 +16,12 @@ from collections.abc import Mapping, Sequence
 from gradientmail.errors import AlreadyContributed, ConfigError
 from gradientmail.run.keyspace import init_part_key, part_key
 from gradientmail.run.protocol import Exchange
-from gradientmail.wire.blocks import BLOCKS_KEY, blocks_entry, blocks_placeholder
 from gradientmail.wire.compression import extension
-from gradientmail.wire.parts import part_metadata
 from gradientmail.wire.record_json import check_learner_id
 from gradientmail.wire.refs import PayloadRef
 from gradientmail.wire.serialization import ParameterSpec, pack_header
+from gradientmail.wire.sharded_blocks import BLOCKS_KEY, blocks_entry, blocks_placeholder
+from gradientmail.wire.sharded_parts import part_metadata
 from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["PartBlob", "put_init_blob", "put_part_blob"]

@@ -5,7 +5,7 @@ block digests or its header's digest, docs/design/sharded.md §2), fails its com
 every rank, the commit is read again on a later poll, and every rank ends on the newest
 commits with the oracle's parameters.
 
-Ranks are threads, as in tests/test_parted.py (its oracle, toy model and training loops).
+Ranks are threads, as in tests/test_sharded_ranks.py (its oracle, toy model and training loops).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 import torch
 from test_learner_oracle import ROUNDS, H, oracle
 from test_learner_runtime import Recorder, in_threads
-from test_parted import RANKS, TIMEOUT, train_plain, train_ranked
+from test_sharded_ranks import RANKS, TIMEOUT, train_plain, train_ranked
 from workers.toy import make_model
 
 from gradientmail import events as ev
@@ -30,13 +30,13 @@ from gradientmail.adapters.sharded import ShardedAdapter
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.integration import RankSync, ThreadRanks
-from gradientmail.integration.parted import PartedRanks
+from gradientmail.integration.sharded import PartedRanks
 from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import FaultPlan, FaultyMailbox, Mailbox, MemoryMailbox
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
-from gradientmail.wire.payload_ranges import rows_of
+from gradientmail.wire.sharded_ranges import rows_of
 
 #: The payloads of versions 1-9 of a fragment (theta, outer, steps): the commits, not Θ⁰
 #: (version 0), which a learner reads while it joins, where a failed read fails the join.

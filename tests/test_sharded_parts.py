@@ -28,12 +28,12 @@ from gradientmail.events import ContributionDropped
 from gradientmail.mailbox import Mailbox, MemoryMailbox
 from gradientmail.run.keyspace import part_key, plan_sweep
 from gradientmail.run.protocol import Exchange
-from gradientmail.wire.parts import ROWS_KEY
-from gradientmail.wire.payload_ranges import rows_of
 from gradientmail.wire.quantization import dequantize, quantize
 from gradientmail.wire.records import SnapshotRecord
 from gradientmail.wire.refs import PayloadRef
-from gradientmail.wire.row_pieces import RowPieces
+from gradientmail.wire.sharded_parts import ROWS_KEY
+from gradientmail.wire.sharded_pieces import RowPieces
+from gradientmail.wire.sharded_ranges import rows_of
 from gradientmail.wire.tensor_bytes import TensorBytes
 
 #: Rows of each tensor of SCHEMA (w: 2 rows, b: 3) per part, for two ranks.

@@ -1,6 +1,6 @@
 """What block digests cost a sharded learner's ranged reads (docs/design/sharded.md §2, issue #15).
 
-    python benchmarks/blocks.py [--layers 4] [--embd 1600] [--dtype BF16] [--ranks 2 4 8 16]
+    python benchmarks/sharded_blocks.py [--layers 4] [--embd 1600] [--dtype BF16] [--ranks 2 4 8 16]
                                 [--blocks 16 32 64 256] [--no-append]
 
 A GPT-2-shaped fragment (`--layers` transformer blocks of width `--embd`, 1600 as GPT-2
@@ -30,7 +30,7 @@ import numpy as np
 
 from gradientmail.mailbox import MemoryMailbox
 from gradientmail.wire.compression import encode
-from gradientmail.wire.payload_ranges import (
+from gradientmail.wire.sharded_ranges import (
     HEADER_PROBE,
     fetch_header,
     fetch_rows,
@@ -159,7 +159,7 @@ def main() -> None:
     parser.add_argument("--no-append", action="store_true", help="do not touch RESULTS.md")
     args = parser.parse_args()
     rows, about = measure(args)
-    command = "python benchmarks/blocks.py" + "".join(
+    command = "python benchmarks/sharded_blocks.py" + "".join(
         f" --{k} " + (" ".join(map(str, v)) if isinstance(v, list) else str(v))
         for k, v in vars(args).items()
         if k != "no_append" and v != parser.get_default(k))

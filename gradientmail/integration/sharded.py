@@ -44,15 +44,15 @@ from gradientmail.errors import (
 from gradientmail.integration.ranks import Ranks, TorchRanks
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
-from gradientmail.run.part_blob import PartBlob, put_init_blob, put_part_blob
 from gradientmail.run.protocol import Exchange
-from gradientmail.run.row_replica import RowChain, RowReplica, plan_chain
-from gradientmail.wire.blocks import BLOCK_BYTES
-from gradientmail.wire.parts import assemble
-from gradientmail.wire.payload_ranges import Rows
+from gradientmail.run.sharded_part import PartBlob, put_init_blob, put_part_blob
+from gradientmail.run.sharded_replica import RowChain, RowReplica, plan_chain
 from gradientmail.wire.quantization import quantize
 from gradientmail.wire.records import Manifest, RoundRecord
 from gradientmail.wire.refs import PayloadRef
+from gradientmail.wire.sharded_blocks import BLOCK_BYTES
+from gradientmail.wire.sharded_parts import assemble
+from gradientmail.wire.sharded_ranges import Rows
 from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["Handle", "PartedRanks", "RankAdapter", "SideGroup", "check_meshes", "is_sharded"]

@@ -7,7 +7,7 @@ as before); the keys, never swept; every reader of Θ⁰ reading the parts: a wh
 (`Replica`, `read_committed`), ranks reading their own rows under another layout
 (`RowReplica`, replicated outer step or not), the closer's first merge of each fragment
 (byte for byte the commits of the same run created with one payload per fragment), and
-`gradientmail verify`. A learner whose ranks create the run: tests/test_parted.py.
+`gradientmail verify`. A learner whose ranks create the run: tests/test_sharded_ranks.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
-from test_row_replica import RANKS, SCHEMA, make_run, rank_rows, rows_equal, same_state, tensors
+from test_sharded_replica import RANKS, SCHEMA, make_run, rank_rows, rows_equal, same_state, tensors
 from test_syncer import SCHEMA as SMALL
 from test_syncer import Run, init_tensors
 from test_verify import audited, statuses, verify
@@ -34,14 +34,14 @@ from gradientmail.run.committed import read_committed
 from gradientmail.run.keyspace import init_key, init_part_key, plan_sweep
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
-from gradientmail.run.row_replica import RowReplica, plan_chain
+from gradientmail.run.sharded_replica import RowReplica, plan_chain
 from gradientmail.testing import FakeClock
 from gradientmail.wire.compression import decode_with_metadata
-from gradientmail.wire.parts import ROWS_KEY
-from gradientmail.wire.payload_ranges import Rows, rows_of
 from gradientmail.wire.records import Manifest, RoundRecord
 from gradientmail.wire.refs import PayloadRef
 from gradientmail.wire.serialization import Schema
+from gradientmail.wire.sharded_parts import ROWS_KEY
+from gradientmail.wire.sharded_ranges import Rows, rows_of
 from gradientmail.wire.tensor_bytes import TensorBytes
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64

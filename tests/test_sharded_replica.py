@@ -22,16 +22,16 @@ from gradientmail.backends.numpy_backend import NumpyBackend
 from gradientmail.errors import GradientmailError
 from gradientmail.mailbox import MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox
-from gradientmail.run import row_replica
+from gradientmail.run import sharded_replica
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
-from gradientmail.run.row_replica import RowReplica, plan_chain
+from gradientmail.run.sharded_replica import RowReplica, plan_chain
 from gradientmail.syncer.runtime import Syncer
 from gradientmail.testing import FakeClock
 from gradientmail.wire.compression import decode
-from gradientmail.wire.payload_ranges import Rows, rows_of
 from gradientmail.wire.records import Manifest, RoundRecord
 from gradientmail.wire.serialization import ParameterSpec, Schema
+from gradientmail.wire.sharded_ranges import Rows, rows_of
 from gradientmail.wire.tensor_bytes import TensorBytes
 
 #: Odd row counts, a BF16 tensor (the fragment keeps an fp32 master), a 0-d scalar;
@@ -99,7 +99,7 @@ def same_state(mine: FragmentState, whole: FragmentState,
 @pytest.mark.parametrize("commit_dtype", [None, "BF16", "F8_E4M3", "F4"])
 def test_each_ranks_replayed_rows_equal_the_whole_replicas_rows(
         commit_dtype: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(row_replica, "CHUNK_BYTES", 8)  # a row or two per apply_step
+    monkeypatch.setattr(sharded_replica, "CHUNK_BYTES", 8)  # a row or two per apply_step
 
     async def main() -> None:
         box = MemoryMailbox(f"rows-{commit_dtype}")

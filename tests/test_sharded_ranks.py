@@ -25,13 +25,13 @@ from gradientmail.adapters.sharded import ShardedAdapter
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.integration import RankSync, ThreadRanks
-from gradientmail.integration.parted import PartedRanks
+from gradientmail.integration.sharded import PartedRanks
 from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import MemoryMailbox
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
-from gradientmail.wire.payload_ranges import rows_of
+from gradientmail.wire.sharded_ranges import rows_of
 
 RANKS = 2
 TIMEOUT = 120.0
@@ -171,7 +171,7 @@ def test_a_mesh_that_does_not_span_the_learner_is_refused() -> None:
     from torch.distributed.fsdp import fully_shard
 
     from gradientmail.errors import ConfigError
-    from gradientmail.integration.parted import check_meshes, is_sharded
+    from gradientmail.integration.sharded import check_meshes, is_sharded
 
     store = tempfile.mktemp(prefix="gm-mesh-")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
@@ -286,7 +286,7 @@ def test_a_two_rank_creator_uploads_theta0_by_parts_and_a_plain_learner_joins_on
     async def check() -> None:
         from gradientmail.app.verify import verify_run
         from gradientmail.wire.compression import decode_with_metadata
-        from gradientmail.wire.parts import rows_in
+        from gradientmail.wire.sharded_parts import rows_in
 
         box = MemoryMailbox(url.split("//")[1])
         ex = Exchange(box)

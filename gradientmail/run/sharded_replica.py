@@ -21,7 +21,7 @@ reads one whole for a part of its rows logs a warning saying so, once, with the 
 downloaded and those of its rows, and counts those bytes (`RowReplica.bytes_whole`).
 
 Checked on rows: the header of each payload against its ref's `header_sha256`, and every
-block of the rows read against the header's block digests (`gradientmail.wire.blocks`;
+block of the rows read against the header's block digests (`gradientmail.wire.sharded_blocks`;
 a mismatch is a `CorruptPayload`, as for a whole payload whose SHA-256 differs), when the
 payload was written with them. Not checked: the record's `theta_sha256` (it covers the
 whole theta; the block digests of the step and of the base stand for it).
@@ -44,10 +44,14 @@ from gradientmail.backends.numpy_backend import NumpyBackend
 from gradientmail.errors import GradientmailError, RemoteProtocolError
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.run.protocol import Exchange
-from gradientmail.wire.blocks import BlockIndex
 from gradientmail.wire.compression import compression_of, decode_with_metadata
-from gradientmail.wire.parts import ROWS_KEY, rows_in
-from gradientmail.wire.payload_ranges import (
+from gradientmail.wire.quantization import dequantize, scale_name
+from gradientmail.wire.records import Manifest, RoundRecord
+from gradientmail.wire.refs import PayloadRef, StepRef
+from gradientmail.wire.serialization import Span
+from gradientmail.wire.sharded_blocks import BlockIndex
+from gradientmail.wire.sharded_parts import ROWS_KEY, rows_in
+from gradientmail.wire.sharded_ranges import (
     Rows,
     cover,
     fetch_header,
@@ -55,10 +59,6 @@ from gradientmail.wire.payload_ranges import (
     row_range,
     rows_of,
 )
-from gradientmail.wire.quantization import dequantize, scale_name
-from gradientmail.wire.records import Manifest, RoundRecord
-from gradientmail.wire.refs import PayloadRef, StepRef
-from gradientmail.wire.serialization import Span
 from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["CHUNK_BYTES", "RowChain", "RowReplica", "plan_chain"]
@@ -262,7 +262,7 @@ class _Reader:
 
 
 class _PartsReader:
-    """Θ⁰ of a fragment in parts (`wire.parts`), read as `_Reader` reads one payload:
+    """Θ⁰ of a fragment in parts (`wire.sharded_parts`), read as `_Reader` reads one payload:
     each part's header once, and a tensor's rows from the parts that hold them, each
     part's own rows by ranges. A rank whose rows lie in one part gets them without a
     copy; rows across parts are joined (this rank's rows, nothing more)."""
