@@ -1,6 +1,6 @@
 """Learners of three shapes in one run equal standard DiLoCo's oracle (issue #15): an
 FSDP2 learner over 2 ranks and a 2-rank learner of the same model kept whole (each rank
-mails its own rows, `PartedRanks` under `RankSync`), and one plain process.
+mails its own rows, `ShardedRanks` under `RankSync`), and one plain process.
 
 Real processes (torchrun, gloo on CPU) on a local-directory mailbox. Each multi-rank
 learner trains every rank on its worker's batches, so its gradient is the one process's;

@@ -55,7 +55,7 @@ from gradientmail.wire.sharded_parts import assemble
 from gradientmail.wire.sharded_ranges import Rows
 from gradientmail.wire.tensor_bytes import TensorBytes
 
-__all__ = ["Handle", "PartedRanks", "RankAdapter", "SideGroup", "check_meshes", "is_sharded"]
+__all__ = ["Handle", "RankAdapter", "ShardedRanks", "SideGroup", "check_meshes", "is_sharded"]
 
 #: Training-channel messages are one `Ranks.broadcast_ints` each, of a fixed width:
 #: `[code, kind, a, b, n, released x _RELEASES, *tail]`. `code` is `_END` (no more ops;
@@ -92,7 +92,7 @@ class Handle:
     id: int
 
 
-class PartedRanks:
+class ShardedRanks:
     """One learner's ranks, each mailing and reading its own rows of `adapter`'s model.
 
     Build one on every rank, at the same point (`create` makes the side group, a
@@ -130,7 +130,7 @@ class PartedRanks:
     @classmethod
     def create(cls, module: Any, mailbox: Mailbox | str, *, prefix: str = "",
                compression: str = "off", timeout: float = 600.0,
-               ranks: Ranks | None = None) -> PartedRanks:
+               ranks: Ranks | None = None) -> ShardedRanks:
         """For a `torch.distributed` launch (every rank calls it): a `ShardedAdapter` of
         `module` (after `fully_shard`), the default group, and a new gloo side group.
 
@@ -526,11 +526,11 @@ def check_meshes(module: Any, world: int) -> None:
 class RankAdapter:
     """The adapter of rank 0's `Learner` when every rank mails its own rows: each call
     reaches every rank (see the module), each value is a `Handle`, and `crew` is the
-    `PartedRanks` the learner's mailman uploads and reads through."""
+    `ShardedRanks` the learner's mailman uploads and reads through."""
 
-    def __init__(self, parted: PartedRanks) -> None:
-        self.crew = parted
-        self._inner = parted.adapter
+    def __init__(self, sharded_ranks: ShardedRanks) -> None:
+        self.crew = sharded_ranks
+        self._inner = sharded_ranks.adapter
 
     @property
     def schema(self) -> Any:
