@@ -8,7 +8,8 @@ a rank's rows come out byte for byte as the same rows of the whole state a `Repl
 computes (the same `Algorithm.apply_step`, on slices).
 
 The work is split as `Replica._reach` splits it, across ranks: rank 0 (which holds the
-authenticated records) walks the records back to a base (`plan_chain`: the state the
+authenticated records) walks the records back to a base (`plan_chain`, on the walk every
+reader of a chain shares, `gradientmail.run.replica.walk_back`: the state the
 ranks hold, a checkpoint, or Θ⁰) and sends the `RowChain`; every rank then reads its rows
 of the base and of each step by ranged GETs and replays (`RowReplica.reach`).
 
@@ -44,6 +45,7 @@ from gradientmail.backends.numpy_backend import NumpyBackend
 from gradientmail.errors import GradientmailError, RemoteProtocolError
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.run.protocol import Exchange
+from gradientmail.run.replica import walk_back
 from gradientmail.wire.compression import compression_of, decode_with_metadata
 from gradientmail.wire.quantization import dequantize, scale_name
 from gradientmail.wire.records import Manifest, RoundRecord
@@ -119,35 +121,16 @@ async def plan_chain(ex: Exchange, manifest: Manifest, fragment: int,
                         alg)
     if held == rec.version:
         return RowChain(fragment, names, rec.version, True, held, None, None, (), alg)
-    steps: list[tuple[int, StepRef]] = []
-    cur = rec
-    while True:
-        if held is not None and held == cur.version - 1 and cur.step is not None:
-            steps.append((cur.round, cur.step))
-            base: tuple[int, PayloadRef | None, PayloadRef | None, tuple[PayloadRef, ...]] \
-                = (held, None, None, ())
-            break
-        if cur.checkpoint:
-            base = (cur.version, cur.theta, cur.outer, ())
-            break
-        if cur.step is None:
-            raise RemoteProtocolError(f"round {cur.round} commits version {cur.version} of "
-                                      f"fragment {fragment} with neither theta nor a step")
-        steps.append((cur.round, cur.step))
-        if cur.version == 1:
-            base = (0, manifest.init[fragment], None, init_parts)
-            break
-        prev_round = cur.round - len(manifest.plan)
-        prev = await ex.read_round(prev_round) if prev_round >= 0 else None
-        if prev is None or prev.fragment != fragment or prev.version != cur.version - 1:
-            raise RemoteProtocolError(
-                f"round {cur.round} commits version {cur.version} of fragment {fragment}, "
-                f"and round {prev_round} is not its version {cur.version - 1}; the run's "
-                "records do not form a chain"
-            )
-        cur = prev
-    return RowChain(fragment, names, rec.version, True, base[0], base[1], base[2],
-                    tuple(reversed(steps)), alg, base[3])
+    chain = await walk_back(ex, len(manifest.plan), fragment, rec, held)
+    steps = tuple((r.round, r.step) for r in chain.steps if r.step is not None)
+    if chain.held:
+        return RowChain(fragment, names, rec.version, True, chain.base_version, None, None,
+                        steps, alg)
+    if chain.checkpoint is not None:
+        return RowChain(fragment, names, rec.version, True, chain.base_version,
+                        chain.checkpoint.theta, chain.checkpoint.outer, steps, alg)
+    return RowChain(fragment, names, rec.version, True, 0, manifest.init[fragment], None,
+                    steps, alg, init_parts)
 
 
 class _Buf:
