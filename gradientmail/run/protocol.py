@@ -109,19 +109,15 @@ class Exchange:
     ) -> None:
         self.store = RunStore(mailbox, compression=compression, prefix=prefix, seal=seal,
                               run_key=run_key)
+        # The store's own, for the keys the protocol reads and writes raw (leases, the
+        # roll call, existence checks and the sweep's deletes).
+        self.mailbox: Mailbox = self.store.mailbox
+        self.prefix: str = self.store.prefix
         self.clock: Clock = clock if clock is not None else MonotonicClock()
         self._lease_counter: dict[str, int] = {}  # the lease keys this process bumped
 
     def __repr__(self) -> str:
         return f"Exchange({self.mailbox!r}, prefix={self.prefix!r})"
-
-    @property
-    def mailbox(self) -> Mailbox:
-        return self.store.mailbox
-
-    @property
-    def prefix(self) -> str:
-        return self.store.prefix
 
     @property
     def where(self) -> str:
