@@ -105,3 +105,28 @@ def test_integrations_sit_on_the_library_not_the_app() -> None:
         for line, target in _imports(path) if target == "app"
     ]
     assert wrong == []
+
+
+#: Names modules still list in `__all__` though another module defines them: the
+#: learner's and the closer's runtimes, which #28's seam between them is rewriting.
+PASSED_ON = {
+    "learner/mailman.py": {"delta_format"},
+    "learner/runtime.py": {"BACKUP_EVERY", "LearnerOptions", "WAIT_TIMEOUT"},
+    "syncer/runtime.py": {"theta_digest"},
+}
+
+
+def test_each_name_is_exported_by_the_module_that_defines_it() -> None:
+    passed_on = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        if path.stem == "__init__":
+            continue  # a package's front door exports its modules' names
+        tree = ast.parse(path.read_text())
+        imported = {a.asname or a.name for node in tree.body if isinstance(node, ast.ImportFrom)
+                    for a in node.names}
+        listed = {elt.value for node in tree.body if isinstance(node, ast.Assign)
+                  and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+                  for elt in getattr(node.value, "elts", []) if isinstance(elt, ast.Constant)}
+        if listed & imported:
+            passed_on[str(path.relative_to(ROOT))] = listed & imported
+    assert passed_on == PASSED_ON
