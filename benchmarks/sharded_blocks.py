@@ -10,7 +10,7 @@ as the closer writes a commit's theta: uncompressed, without block digests and w
 digests of each block size (`--blocks`, KiB). For each rank count every rank reads its
 rows of every tensor (`chunk_rows`: `torch.chunk`'s split, as FSDP2 shards dim 0) through
 a memory mailbox that counts the bytes of each ranged GET, twice: tensor by tensor, as
-`RowReplica` reads a commit (`fetch_header`, then `fetch_span_rows` per tensor), and all
+`ShardedReplica` reads a commit (`fetch_header`, then `fetch_span_rows` per tensor), and all
 at once with `fetch_rows` (touching ranges fetched as one). Reported: the header and its
 growth (every rank reads the header whole), and per rank (mean and worst over the ranks)
 the data bytes fetched beyond its rows, and header growth + extra as a share of its rows.

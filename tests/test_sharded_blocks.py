@@ -2,7 +2,7 @@
 
 A payload written for ranged readers carries the SHA-256 of every block of each tensor's
 data in its header, and its ref the header's SHA-256. These tests read rows of such
-payloads with `fetch_rows` and `RowReplica`, flip bytes inside and outside the rows read,
+payloads with `fetch_rows` and `ShardedReplica`, flip bytes inside and outside the rows read,
 forge headers, read refs and payloads written without digests (older records), and check
 the writers (`Exchange`) put digests exactly where ranged readers read.
 """
@@ -30,7 +30,7 @@ from gradientmail.mailbox import FaultPlan, FaultyMailbox, MemoryMailbox
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
 from gradientmail.run.sharded_part import PartBlob, put_init_blob
-from gradientmail.run.sharded_replica import RowReplica, plan_chain
+from gradientmail.run.sharded_replica import ShardedReplica, plan_chain
 from gradientmail.testing import FakeClock
 from gradientmail.wire.compression import decode_with_metadata, encode
 from gradientmail.wire.records import Manifest, RoundRecord
@@ -342,7 +342,7 @@ def test_a_row_replica_refuses_a_corrupted_range_and_reads_it_again() -> None:
         # with bytes flipped.
         plan = FaultPlan().corrupt("steps/0/0000000001-*", nth=2, times=1, op="get_range")
         bad = Exchange(FaultyMailbox(MemoryMailbox(name), plan), clock=FakeClock(100.0))
-        follower = RowReplica(bad, rows)
+        follower = ShardedReplica(bad, rows)
 
         async def nothing(name: str, r: Rows) -> None:
             pass

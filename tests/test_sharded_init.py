@@ -5,7 +5,7 @@ manifest names them (`Manifest.init_parts`, `init[p]` None).
 The manifest's two shapes and their bytes (an older manifest keeps its bytes and reads
 as before); the keys, never swept; every reader of Θ⁰ reading the parts: a whole reader
 (`Replica`, `read_committed`), ranks reading their own rows under another layout
-(`RowReplica`, replicated outer step or not), the closer's first merge of each fragment
+(`ShardedReplica`, replicated outer step or not), the closer's first merge of each fragment
 (byte for byte the commits of the same run created with one payload per fragment), and
 `gradientmail verify`. A learner whose ranks create the run: tests/test_sharded_ranks.py.
 """
@@ -34,7 +34,7 @@ from gradientmail.run.committed import read_committed
 from gradientmail.run.keyspace import init_key, init_part_key, plan_sweep
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
-from gradientmail.run.sharded_replica import RowReplica, plan_chain
+from gradientmail.run.sharded_replica import ShardedReplica, plan_chain
 from gradientmail.testing import FakeClock
 from gradientmail.wire.compression import decode_with_metadata
 from gradientmail.wire.records import Manifest, RoundRecord
@@ -245,7 +245,7 @@ def test_ranks_of_another_layout_read_their_rows_of_theta0_from_the_parts(
             rows = rank_rows(k)
             # Versions 0, 1 and 2 (version 3 is a checkpoint of its own).
             for rec in [None, *recs[:2]]:
-                follower = RowReplica(ex, rows)  # joining: from Θ⁰ and the steps since
+                follower = ShardedReplica(ex, rows)  # joining: from Θ⁰ and the steps since
                 got: dict[str, Rows] = {}
 
                 async def each(name: str, r: Rows, got: dict[str, Rows] = got) -> None:
@@ -271,7 +271,7 @@ def test_ranks_of_another_layout_read_their_rows_of_theta0_from_the_parts(
             one = dataclasses.replace(parted, init_parts=((parted.init_parts[0][kept],),))
             chain = await plan_chain(ex, one, 0, None, None)
             with pytest.raises(RemoteProtocolError, match=needle):
-                await RowReplica(ex, rank_rows(2)).reach(chain, nothing)
+                await ShardedReplica(ex, rank_rows(2)).reach(chain, nothing)
 
     run(main())
 

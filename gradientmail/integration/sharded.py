@@ -11,7 +11,7 @@ ranks' rows in step, each ordered by rank 0:
 - The side channel, on a gloo group of its own (so its collectives never interleave with
   FSDP's): what the communication thread does (upload a part; reach a fragment's
   version, joining or following commits, each rank reading its own rows and, with a
-  replicated outer step, replaying it on its rows of the state: `RowReplica`; upload
+  replicated outer step, replaying it on its rows of the state: `ShardedReplica`; upload
   its rows of Θ⁰ as its part when the learner creates the run). Rank 0 sends a command;
   every rank, rank 0 included,
   carries out its share; the results are gathered. The other ranks serve it from a
@@ -46,7 +46,7 @@ from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.sharded_part import PartBlob, put_init_blob, put_part_blob
-from gradientmail.run.sharded_replica import RowChain, RowReplica, plan_chain
+from gradientmail.run.sharded_replica import ShardedChain, ShardedReplica, plan_chain
 from gradientmail.wire.quantization import quantize
 from gradientmail.wire.records import Manifest, RoundRecord
 from gradientmail.wire.refs import PayloadRef
@@ -123,7 +123,7 @@ class ShardedRanks:
         self._tail = 0  # rank 0: the width of the tail the next `end_ops` closes with
         self._command = threading.Lock()  # rank 0: one side command at a time
         self._thread: threading.Thread | None = None
-        self._replica: RowReplica | None = None  # this rank's rows of each fragment's state
+        self._replica: ShardedReplica | None = None  # this rank's rows of each fragment's state
         self._versions: dict[int, int] = {}  # rank 0: the version every rank's replica holds
         self.failure: BaseException | None = None  # what ended a member's serving thread
 
@@ -470,12 +470,12 @@ class ShardedRanks:
             del one, t  # before the next tensor's delta
         return await ex.put_part(round_, learner, self.rank, self.size, entries, rows)
 
-    async def _reach(self, ex: Exchange, i: int, chain: RowChain) -> int | None:
+    async def _reach(self, ex: Exchange, i: int, chain: ShardedChain) -> int | None:
         """This rank's share of `load`: its rows of the chain's theta, loaded onto its
         device one tensor at a time (the bytes read, or None when swept)."""
         a = self.adapter
         if self._replica is None:
-            self._replica = RowReplica(ex, {n: a.local_rows(n) for n in a.schema.names})
+            self._replica = ShardedReplica(ex, {n: a.local_rows(n) for n in a.schema.names})
         replica = self._replica
         loaded: dict[str, Any] = {}
 
