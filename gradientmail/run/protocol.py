@@ -45,22 +45,22 @@ from gradientmail.errors import (
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.run.bounds import check_delta, delta_bound, payload_bound
 from gradientmail.run.keyspace import (
-    _ARTIFACT_KINDS,
-    _ROUND_AREAS,
-    _ROUND_LIMIT,
+    ARTIFACT_KINDS,
     CALL_KEY,
     MANIFEST_KEY,
+    ROUND_AREAS,
+    ROUND_LIMIT,
     Contributions,
     Rejected,
-    _attempts,
-    _check_number,
-    _round_dir,
     artifact_key,
+    attempts_in,
+    check_number,
     delta_keys_problem,
     init_key,
     init_part_key,
     part_key,
     plan_sweep,
+    round_dir,
     round_key,
 )
 from gradientmail.run.lease import (
@@ -128,12 +128,12 @@ class Exchange:
 
     async def claim_creation(self, learner: str, attempt: int) -> bool:
         """Bid to create the run with `attempt`; True if this call holds that attempt."""
-        claim = CreationClaim(_check_number("attempt", attempt, 10**6), check_learner_id(learner))
+        claim = CreationClaim(check_number("attempt", attempt, 10**6), check_learner_id(learner))
         return await self.store.write_record(f"claims/create/{attempt:06d}", claim)
 
     async def creation_claims(self) -> list[int]:
         """The creation attempts claimed so far, ascending (one LIST)."""
-        return _attempts(await self.store.keys("claims/create/"), "claims/create/")
+        return attempts_in(await self.store.keys("claims/create/"), "claims/create/")
 
     async def read_creation_claim(self, attempt: int) -> CreationClaim | None:
         return await self.store.read_record(f"claims/create/{attempt:06d}", CreationClaim)
@@ -289,7 +289,7 @@ class Exchange:
             learner=learner, round=round_, fragment=fragment, base_version=base_version,
             local_step=local_step, steps=steps, tokens=tokens, final=final,
             schema_digest=schema_digest, delta_format=delta_format,
-            payload=PayloadRef(f"{_round_dir('payloads/', round_)}{learner}", 0, "0" * 64),
+            payload=PayloadRef(f"{round_dir('payloads/', round_)}{learner}", 0, "0" * 64),
             step_seconds=step_seconds, loss=loss,
         )
 
@@ -302,7 +302,7 @@ class Exchange:
                                      "made of parts goes out by put_part and publish_parts")
         round_, learner, stem = draft.round, draft.learner, draft.payload.key
         ref = await self.store.put_payload(stem, tensors, create=True)
-        key = f"{_round_dir('snapshots/', round_)}{learner}.json"
+        key = f"{round_dir('snapshots/', round_)}{learner}.json"
         if ref is None and await self.mailbox.get(self.prefix + key) is None:
             # Our own payload without its record: an earlier publish of this round failed
             # between the two writes. No record references those bytes, so replace them.
@@ -347,7 +347,7 @@ class Exchange:
         if problem is not None:
             raise LocalProtocolError(f"cannot publish {draft.learner!r}'s parts: "
                                      f"{problem[0]}; need {problem[1]}")
-        key = f"{_round_dir('snapshots/', draft.round)}{draft.learner}.json"
+        key = f"{round_dir('snapshots/', draft.round)}{draft.learner}.json"
         if await self.store.write_record(key, record):
             return record
         raise AlreadyContributed(
@@ -358,12 +358,12 @@ class Exchange:
         """`learner`'s record for `round_`, or None when it has not contributed (one GET)."""
         check_learner_id(learner)
         return await self.store.read_record(
-            f"{_round_dir('snapshots/', round_)}{learner}.json", SnapshotRecord
+            f"{round_dir('snapshots/', round_)}{learner}.json", SnapshotRecord
         )
 
     async def publishers(self, round_: int) -> frozenset[str]:
         """Learners whose record for `round_` exists (one LIST, no GET)."""
-        prefix = _round_dir("snapshots/", round_)
+        prefix = round_dir("snapshots/", round_)
         out = set()
         for key in await self.store.keys(prefix):
             name = key[len(prefix):]
@@ -381,7 +381,7 @@ class Exchange:
         its own key, is returned in `rejected` with the reason, never raised: one bad peer
         must not stop a round from closing. Records deleted meanwhile are skipped.
         """
-        prefix = _round_dir("snapshots/", round_)
+        prefix = round_dir("snapshots/", round_)
         records: list[SnapshotRecord] = []
         rejected: list[Rejected] = []
         for key in await self.store.keys(prefix):
@@ -437,19 +437,19 @@ class Exchange:
 
     async def claim_round(self, round_: int, attempt: int, closer: str) -> bool:
         """Bid to close `round_` with `attempt`; True if this call holds that attempt."""
-        claim = RoundClaim(round_, _check_number("attempt", attempt, 10**6),
+        claim = RoundClaim(round_, check_number("attempt", attempt, 10**6),
                            check_learner_id(closer))
-        return await self.store.write_record(f"{_round_dir('claims/round/', round_)}{attempt:06d}",
+        return await self.store.write_record(f"{round_dir('claims/round/', round_)}{attempt:06d}",
                                         claim)
 
     async def round_claims(self, round_: int) -> list[int]:
         """The closer attempts claimed for `round_`, ascending (one LIST)."""
-        prefix = _round_dir("claims/round/", round_)
-        return _attempts(await self.store.keys(prefix), prefix)
+        prefix = round_dir("claims/round/", round_)
+        return attempts_in(await self.store.keys(prefix), prefix)
 
     async def read_round_claim(self, round_: int, attempt: int) -> RoundClaim | None:
         return await self.store.read_record(
-            f"{_round_dir('claims/round/', round_)}{attempt:06d}", RoundClaim)
+            f"{round_dir('claims/round/', round_)}{attempt:06d}", RoundClaim)
 
     async def _put_artifact(self, kind: str, fragment: int, version: int, attempt: int,
                             tensors: Mapping[str, TensorBytes]) -> PayloadRef:
@@ -524,9 +524,9 @@ class Exchange:
         """The newest committed round (−1 if none), found with O(log n) GETs by galloping
         forward from `hint` (a round known to be committed) and bisecting."""
         lo, step = max(hint, -1), 1
-        while lo + step < _ROUND_LIMIT and await self._exists(lo + step):
+        while lo + step < ROUND_LIMIT and await self._exists(lo + step):
             lo, step = lo + step, step * 2
-        hi = min(lo + step, _ROUND_LIMIT)  # not committed (or past the last round number)
+        hi = min(lo + step, ROUND_LIMIT)  # not committed (or past the last round number)
         while hi - lo > 1:
             mid = (lo + hi) // 2
             if await self._exists(mid):
@@ -574,7 +574,7 @@ class Exchange:
             kept = manifest.algorithm.get("keep_rounds")
             keep_rounds = kept if isinstance(kept, int) else None
         keys: list[str] = []
-        for area in (*_ROUND_AREAS, *(f"{k}/" for k in _ARTIFACT_KINDS)):
+        for area in (*ROUND_AREAS, *(f"{k}/" for k in ARTIFACT_KINDS)):
             keys.extend(await self.store.keys(area))
         doomed = plan_sweep(keys, latest, keep_versions, checkpoint_every, keep_rounds,
                             fragments)
