@@ -325,11 +325,12 @@ def audit(box: Path, cs: ChaosSettings) -> dict[str, Any]:
     """Check the run's records and payloads; its figures (`problems` lists what is lost)."""
     import numpy as np
 
-    from gradientmail.algorithms.diloco import grace_window
     from gradientmail.algorithms.registry import algorithm_from_json
+    from gradientmail.algorithms.rounds import grace_window
     from gradientmail.errors import GradientmailError
     from gradientmail.mailbox import LocalMailbox
-    from gradientmail.run.protocol import Exchange, round_key
+    from gradientmail.run.keyspace import round_key
+    from gradientmail.run.protocol import Exchange
     from gradientmail.run.replica import Replica
 
     async def go() -> dict[str, Any]:
@@ -355,7 +356,7 @@ def audit(box: Path, cs: ChaosSettings) -> dict[str, Any]:
                 problems.append(f"round {i}: fragment {rec.fragment} version {rec.version}")
             for ref in rec.payload_refs():
                 try:
-                    blob = await ex.fetch_payload(ref)
+                    blob = await ex.store.fetch_payload(ref)
                 except GradientmailError as exc:
                     problems.append(f"round {i}: {exc}")
                     continue

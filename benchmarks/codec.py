@@ -33,7 +33,8 @@ import zstandard
 
 from gradientmail.wire.compression import decode, encode
 from gradientmail.wire.quantization import FORMATS, dequantize, quantize
-from gradientmail.wire.serialization import TensorBytes, pack
+from gradientmail.wire.serialization import pack
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 GOALS = {"speed": 0.75, "ratio_F32": 1.18, "ratio_BF16": 1.45, "quantize_MBps": 1000.0,

@@ -122,7 +122,9 @@ class Job:
 
 def algorithm(arm: str, s: Settings) -> Any:
     """The DiLoCo configuration of a learner arm."""
-    from gradientmail.algorithms.diloco import DiLoCo, Strided, WeightedMean
+    from gradientmail.algorithms.diloco import DiLoCo
+    from gradientmail.algorithms.merge import WeightedMean
+    from gradientmail.algorithms.partition import Strided
 
     standard: dict[str, Any] = {"sync_every": s.sync_every, "fragments": 1, "in_flight": 1,
                                 "overlap_steps": 0, "merge": WeightedMean(),
@@ -143,7 +145,7 @@ def algorithm(arm: str, s: Settings) -> Any:
 
 
 def build_model(s: Settings, vocab: int) -> Any:
-    from gradientmail.app.textdata import tiny_gpt2
+    from gradientmail.integration.textdata import tiny_gpt2
 
     return tiny_gpt2(vocab, n_layer=s.n_layer, n_embd=s.n_embd, n_head=s.n_head,
                      n_positions=s.block, seed=s.seed)
@@ -155,7 +157,12 @@ def prepare_data(s: Settings, workdir: Path) -> tuple[int, int]:
     workers; returns (vocabulary, training tokens)."""
     import torch
 
-    from gradientmail.app.textdata import read_budget, stdlib_corpus, token_blocks, train_tokenizer
+    from gradientmail.integration.textdata import (
+        read_budget,
+        stdlib_corpus,
+        token_blocks,
+        train_tokenizer,
+    )
 
     train = read_budget(stdlib_corpus("train"), s.text_budget)
     val = read_budget(stdlib_corpus("val"), max(s.text_budget // 10, 50_000))

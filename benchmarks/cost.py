@@ -51,19 +51,20 @@ import numpy as np
 
 from gradientmail import events as ev
 from gradientmail.algorithms.diloco import DiLoCo
-from gradientmail.clock import FakeClock
-from gradientmail.learner.mailman import MANIFEST_EVERY
-from gradientmail.learner.runtime import BACKUP_EVERY
+from gradientmail.learner.mailman import BACKUP_EVERY, MANIFEST_EVERY
 from gradientmail.mailbox.memory import MemoryMailbox
-from gradientmail.mailbox.wrappers import CountingMailbox, RequestCounts
+from gradientmail.mailbox.wrappers import CountingMailbox
 from gradientmail.run.lease import CLOSERS, LeaseTracker
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.rollcall import READ_EVERY, Call, reply
 from gradientmail.syncer.hosted import Host
 from gradientmail.syncer.runtime import CloserSettings, Syncer
 from gradientmail.syncer.state import preferred_closer
+from gradientmail.testing import FakeClock
+from gradientmail.traffic import RequestCounts
 from gradientmail.wire.records import Manifest
-from gradientmail.wire.serialization import Schema, TensorBytes
+from gradientmail.wire.serialization import Schema
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 HOUR = 3600.0
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
@@ -173,7 +174,7 @@ async def simulate(learners: int, seconds: float, step: float = 1.0, poll: float
         for rec in fresh:
             ref = rec.step.payload if rec.step is not None else rec.theta
             assert ref is not None
-            await me.fetch_tensors(ref)
+            await me.store.fetch_tensors(ref)
             cursor = rec.round
         await mine.poll(live=live, refresh_live=refresh, records=fresh)
         live = tracker.live(clock.now())

@@ -253,7 +253,7 @@ def _algorithm(system: str, s: conv.Settings) -> Any:
     if system == "decoupled":
         return DiLoCo(sync_every=s.sync_every, fragments=s.fragments)
     if system == "decoupled-mean":
-        from gradientmail.algorithms.diloco import WeightedMean
+        from gradientmail.algorithms.merge import WeightedMean
 
         return DiLoCo(sync_every=s.sync_every, fragments=s.fragments, merge=WeightedMean())
     if system == "decoupled-f4":

@@ -80,7 +80,7 @@ stage_tests() {
     # anything, so one renamed test would cost them all.
     "$PY" -m pytest -rA -p no:cacheprovider --junitxml="$WORK/logs/tests.xml" \
         -k "cuda or on_a_gpu" tests/test_backends.py tests/test_diloco_aggregator.py \
-        tests/test_zero_copy.py tests/test_adapter_torch.py tests/test_row_pieces.py
+        tests/test_zero_copy.py tests/test_adapter_torch.py tests/test_sharded_pieces.py
     local rc=$?
     # A CUDA case that skipped on the GPU machine checked nothing: say so, and fail.
     if ! "$PY" - "$WORK/logs/tests.xml" >"$WORK/cuda-cases" <<'EOF'

@@ -11,7 +11,7 @@ package, nothing downloaded): 39.6M parameters, the size of Scaling Laws for DiL
 smallest model (35M: 6 × 512 with a 32k vocabulary, whose embedding this byte vocabulary
 does not have, hence the extra depth and width). The text: the running Python's standard
 library `.py` files, tests included, site-packages not, split into train and held-out by
-a hash of each file's path (`gradientmail.app.textdata.held_out`, 5%), so every machine
+a hash of each file's path (`gradientmail.integration.textdata.held_out`, 5%), so every machine
 splits alike; documents joined by a 0 byte. The held-out loss is the mean over
 `--val-blocks` fixed windows spread evenly over the held-out files (nats per byte).
 
@@ -149,7 +149,7 @@ def corpus(split: str, limit: int) -> bytes:
     in path order, joined by a 0 byte, up to about `limit` bytes."""
     import sysconfig
 
-    from gradientmail.app.textdata import held_out
+    from gradientmail.integration.textdata import held_out
 
     root = Path(sysconfig.get_paths()["stdlib"])
     found = []
@@ -232,7 +232,7 @@ def worker(arm: str, rank: int, workdir: Path) -> None:
 
     import torch
 
-    from gradientmail.app.textdata import tiny_gpt2
+    from gradientmail.integration.textdata import tiny_gpt2
 
     s = Settings(**json.loads((workdir / "settings.json").read_text()))
     dev = torch.device(s.device)
@@ -538,7 +538,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import torch
 
-        from gradientmail.app.textdata import tiny_gpt2
+        from gradientmail.integration.textdata import tiny_gpt2
 
         sizes = prepare(s, workdir)
         n_params = sum(p.numel() for p in tiny_gpt2(

@@ -26,14 +26,15 @@ from pathlib import Path
 
 import numpy as np
 
-from gradientmail.algorithms.schedule import Estimates
-from gradientmail.clock import FakeClock
 from gradientmail.mailbox.memory import MemoryMailbox
-from gradientmail.mailbox.wrappers import CountingMailbox, RequestCounts
+from gradientmail.mailbox.wrappers import CountingMailbox
 from gradientmail.run.lease import CLOSERS, LeaseTracker
 from gradientmail.run.protocol import Exchange
+from gradientmail.testing import FakeClock
+from gradientmail.traffic import RequestCounts
+from gradientmail.wire.estimates import Estimates
 from gradientmail.wire.records import Participant, RoundRecord
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["PATTERNS", "Pattern", "per_learner_hour", "polling_requests"]
 
@@ -93,7 +94,7 @@ async def _simulate(pattern: Pattern, seconds: float) -> RequestCounts:
             await me.observe_leases(closers, CLOSERS)
         if _due(t, pattern.poll):
             for record in await me.rounds_after(cursor):
-                await me.fetch_tensors(record.theta)
+                await me.store.fetch_tensors(record.theta)
                 cursor = record.round
         if _due(t, pattern.publishers_every):
             await me.publishers(cursor + 1)

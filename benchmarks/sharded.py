@@ -10,7 +10,7 @@
 For a GPT-2-shaped model (GPT-2's 12 blocks and 50,257-token vocabulary at a narrower
 width, so that 4 ranks fit a 2-core CPU) sharded with FSDP2 over 1, 2 and 4 ranks (gloo on
 CPU), three runs per rank count, each its own `torchrun`:
-- memory: one learner (`PartedRanks` under `RankSync`, standard DiLoCo, the default
+- memory: one learner (`ShardedRanks` under `RankSync`, standard DiLoCo, the default
   replicated outer step) closed by a `gradientmail sync` process. Each rank measures the
   peak of what it allocates, on any of its threads, while it publishes (its part) and
   while it applies a commit (reading its rows of the step, replaying the outer step on
@@ -251,7 +251,7 @@ def rank_worker(args: argparse.Namespace) -> None:
 
     from gradientmail.algorithms.diloco import DiLoCo
     from gradientmail.integration import RankSync, TorchRanks
-    from gradientmail.integration.parted import PartedRanks
+    from gradientmail.integration.sharded import ShardedRanks
     from gradientmail.learner.runtime import Learner
 
     model, opt, rank = build(args)
@@ -259,8 +259,8 @@ def rank_worker(args: argparse.Namespace) -> None:
         _ON_CUDA.append(True)
     alg = DiLoCo.standard(args.sync_every, 1)
     ranks = TorchRanks(device(args))
-    parted = PartedRanks.create(model, args.mailbox, timeout=600.0, ranks=ranks)
-    a = parted.adapter
+    sharded_ranks = ShardedRanks.create(model, args.mailbox, timeout=600.0, ranks=ranks)
+    a = sharded_ranks.adapter
     # The due step's own work: on rank 0 the learner's hand-over (its decision, the
     # snapshot op sent to the ranks and taken, the job posted), on the others the snapshot
     # they replay. (A standard DiLoCo due step then waits for its commit: the barrier, not
@@ -272,7 +272,7 @@ def rank_worker(args: argparse.Namespace) -> None:
     due: list[tuple[float, int]] = []
     own: list[float] = []  # the snapshot itself, within the due step
     beside: list[tuple[float, int]] = []
-    replay, hand_over = PartedRanks._replay, Learner._hand_over
+    replay, hand_over = ShardedRanks._replay, Learner._hand_over
 
     def clone_beside() -> None:
         t0, f0 = faults()
@@ -281,7 +281,7 @@ def rank_worker(args: argparse.Namespace) -> None:
         beside.append((t1 - t0, f1 - f0))
         del kept
 
-    def timed_replay(self: PartedRanks, kind: str, *rest: Any) -> None:
+    def timed_replay(self: ShardedRanks, kind: str, *rest: Any) -> None:
         t0, f0 = faults()
         replay(self, kind, *rest)
         t1, f1 = faults()
@@ -298,11 +298,11 @@ def rank_worker(args: argparse.Namespace) -> None:
         due.append((t1 - t0, f1 - f0))
         clone_beside()
 
-    PartedRanks._replay = timed_replay  # type: ignore[method-assign]
+    ShardedRanks._replay = timed_replay  # type: ignore[method-assign]
     Learner._hand_over = timed_hand_over  # type: ignore[method-assign]
-    sync = RankSync(ranks, model, parted=parted)
+    sync = RankSync(ranks, model, sharded_ranks=sharded_ranks)
     sync.start(lambda: Learner(
-        parted.learner_adapter(),
+        sharded_ranks.learner_adapter(),
         alg,
         args.mailbox,
         "sharded",
@@ -346,7 +346,7 @@ def throughput_worker(args: argparse.Namespace) -> None:
 
     from gradientmail.algorithms.diloco import DiLoCo
     from gradientmail.integration import RankSync, TorchRanks
-    from gradientmail.integration.parted import PartedRanks
+    from gradientmail.integration.sharded import ShardedRanks
     from gradientmail.learner.runtime import Learner
 
     model, opt, rank = build(args)
@@ -356,10 +356,10 @@ def throughput_worker(args: argparse.Namespace) -> None:
     alg = DiLoCo(sync_every=args.cadence * fragments, fragments=fragments, in_flight=2,
                  overlap_steps=None, quorum_size=1, delta_dtype="F4", commit_dtype="BF16")
     ranks = TorchRanks(device(args))
-    parted = PartedRanks.create(model, args.mailbox, timeout=600.0, ranks=ranks)
-    sync = RankSync(ranks, model, parted=parted)
+    sharded_ranks = ShardedRanks.create(model, args.mailbox, timeout=600.0, ranks=ranks)
+    sync = RankSync(ranks, model, sharded_ranks=sharded_ranks)
     sync.start(lambda: Learner(
-        parted.learner_adapter(),
+        sharded_ranks.learner_adapter(),
         alg,
         args.mailbox,
         "sharded",

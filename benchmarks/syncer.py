@@ -34,10 +34,12 @@ from pathlib import Path
 import numpy as np
 
 from gradientmail.algorithms import Aggregator, Contribution, FragmentState
-from gradientmail.algorithms.diloco import DiLoCo, Rda, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import Rda, WeightedMean
 from gradientmail.backends import NumpyBackend
 from gradientmail.backends.base import Backend
-from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
+from gradientmail.wire.serialization import ParameterSpec, Schema
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 

@@ -30,14 +30,16 @@ from pathlib import Path
 
 import numpy as np
 
-from gradientmail.algorithms.diloco import DiLoCo, Rda
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import Rda
 from gradientmail.app.verify import Verifier
 from gradientmail.events import Event, RoundClosed
 from gradientmail.mailbox import MemoryMailbox
 from gradientmail.run.protocol import Exchange
 from gradientmail.syncer.runtime import Syncer
 from gradientmail.wire.records import Manifest
-from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
+from gradientmail.wire.serialization import ParameterSpec, Schema
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 

@@ -214,7 +214,8 @@ class _StepLog:
 
 
 def _algorithm(config: str, s: conv.Settings) -> Any:
-    from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+    from gradientmail.algorithms.diloco import DiLoCo
+    from gradientmail.algorithms.merge import WeightedMean
 
     if config == "standard":
         return DiLoCo.standard(s.sync_every, s.learners)

@@ -6,7 +6,9 @@ outer step and publishes the new fragment. The store's conditional writes are th
 coordination.
 """
 
-from gradientmail.algorithms.diloco import ByBytes, DiLoCo, Rda, Strided, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import Rda, WeightedMean
+from gradientmail.algorithms.partition import ByBytes, Strided
 from gradientmail.errors import GradientmailError
 from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner

@@ -23,7 +23,7 @@ whose batches follow this learner's share of it.
 
 A sharded model (FSDP2: Accelerate's FSDP plugin with `fsdp_version: 2`, or a module the
 script shards itself with `torch.distributed.fsdp.fully_shard`) makes every rank mail and
-read its own rows (`gradientmail.integration.PartedRanks`); no rank holds a full fragment.
+read its own rows (`gradientmail.integration.ShardedRanks`); no rank holds a full fragment.
 FSDP1 (`fsdp_version: 1`) is refused: its flat parameters cut tensors at arbitrary offsets.
 """
 
@@ -44,15 +44,15 @@ from gradientmail.integration import (
     BatchSizeHook,
     BatchSizes,
     LossMean,
-    PartedRanks,
     RankSync,
     RunMetrics,
+    ShardedRanks,
     ShareBatchSampler,
     SingleRank,
     TorchRanks,
     count_tokens,
 )
-from gradientmail.integration.parted import is_sharded
+from gradientmail.integration.sharded import is_sharded
 from gradientmail.integration.together import learners_to_await
 from gradientmail.learner.runtime import Learner
 from gradientmail_accelerate.plugin import DiLoCoPlugin
@@ -158,7 +158,7 @@ class DiLoCo:
             if is_sharded(self.module):
                 # A collective (the side group); the other ranks open the mailbox again.
                 p, ranks = self.plugin, self._sync.ranks
-                self._sync.parted = PartedRanks.create(
+                self._sync.sharded_ranks = ShardedRanks.create(
                     self.module, p.mailbox, prefix=p.options.prefix,
                     compression=p.options.compression,
                     ranks=ranks if ranks.world_size > 1 else SingleRank())
@@ -333,9 +333,9 @@ class DiLoCo:
 
     def _build_learner(self) -> Learner:
         p = self.plugin
-        parted = self._sync.parted
+        sharded_ranks = self._sync.sharded_ranks
         return Learner(
-            parted.learner_adapter() if parted is not None else TorchAdapter(self.module),
+            TorchAdapter(self.module) if sharded_ranks is None else sharded_ranks.learner_adapter(),
             p.resolved_algorithm,
             p.mailbox,
             self._sync.learner_id,

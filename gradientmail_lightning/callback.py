@@ -9,7 +9,7 @@ Hooks map to the learner's calls and nothing else:
   the run; the other ranks copy what it loaded (`gradientmail.integration.RankSync`, as
   for Accelerate). Under `ModelParallelStrategy` (FSDP2: `fully_shard` in
   `configure_model`) every rank mails and reads its own rows instead
-  (`gradientmail.integration.PartedRanks`), and no rank holds a full fragment.
+  (`gradientmail.integration.ShardedRanks`), and no rank holds a full fragment.
 - `on_train_batch_end`: a real optimizer step happened when `trainer.global_step` moved
   (gradient accumulation counts once); the tokens every rank counted in the
   micro-batches since the last one (`gradientmail.integration.count_tokens`) are summed
@@ -44,9 +44,9 @@ from gradientmail.integration import (
     PREFIX,
     BatchSizeHook,
     LossMean,
-    PartedRanks,
     RankSync,
     RunMetrics,
+    ShardedRanks,
     ShareBatchSampler,
     SingleRank,
     TorchRanks,
@@ -308,14 +308,14 @@ class DiLoCoCallback(Callback):
             True, True)
         # FSDP2's shards: every rank mails and reads its own rows (a collective: the
         # side group). The mailbox is opened again by the other ranks' side threads.
-        parted = PartedRanks.create(
+        sharded_ranks = ShardedRanks.create(
             pl_module, self.mailbox, prefix=self.options.prefix,
             compression=self.options.compression, ranks=ranks,
         ) if sharded else None
         self._ranks = RankSync(ranks, pl_module, self.metrics, self._batch_hook(trainer),
-                               parted=parted)
+                               sharded_ranks=sharded_ranks)
         try:
-            self._ranks.start(lambda: self._make_learner(pl_module, parted))
+            self._ranks.start(lambda: self._make_learner(pl_module, sharded_ranks))
         except BaseException:
             self._ranks = None
             raise
@@ -404,9 +404,10 @@ class DiLoCoCallback(Callback):
 
     # -- internals -------------------------------------------------------------------------
 
-    def _make_learner(self, pl_module: LightningModule, parted: PartedRanks | None) -> Learner:
+    def _make_learner(self, pl_module: LightningModule,
+                      sharded_ranks: ShardedRanks | None) -> Learner:
         return Learner(
-            parted.learner_adapter() if parted is not None else TorchAdapter(pl_module),
+            TorchAdapter(pl_module) if sharded_ranks is None else sharded_ranks.learner_adapter(),
             self.algorithm,
             self.mailbox,
             self._resolved_id(),

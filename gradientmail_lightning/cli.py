@@ -19,7 +19,9 @@ from typing import Literal
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from gradientmail.algorithms.diloco import DiLoCo, Rda, Strided
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import Rda
+from gradientmail.algorithms.partition import Strided
 from gradientmail.algorithms.words import DILOCO_KEYS, diloco_from_mapping
 from gradientmail.learner.options import LearnerOptions
 from gradientmail_lightning.callback import DiLoCoCallback

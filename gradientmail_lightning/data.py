@@ -2,7 +2,7 @@
 
 Sources, in order of precedence: `files` (local .txt/.jsonl/.parquet files or
 directories), `dataset` (a hub dataset name, usually with `streaming=True`), or the
-running Python's standard library (`gradientmail.app.textdata.stdlib_corpus`), which needs
+running Python's standard library (`gradientmail.integration.textdata.stdlib_corpus`), which needs
 no download. The tokenizer is a directory or hub name (`tokenizer=`), or, by default, a
 byte-level BPE of `vocab_size` tokens trained on the whole training text (before
 sharding, so every learner gets the same one) and cached in `cache_dir`.
@@ -38,15 +38,15 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, default_collate
 
-from gradientmail.app.textdata import (
+from gradientmail.errors import ConfigError, MissingExtra
+from gradientmail.integration import BatchSizes, ShareBatchSampler
+from gradientmail.integration.textdata import (
     held_out,
     read_texts,
     stdlib_corpus,
     token_blocks,
     train_tokenizer,
 )
-from gradientmail.errors import ConfigError, MissingExtra
-from gradientmail.integration import BatchSizes, ShareBatchSampler
 
 __all__ = ["TextDataModule", "learner_shard"]
 

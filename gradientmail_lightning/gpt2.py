@@ -1,7 +1,8 @@
 """GPT2Module: GPT-2 pretraining as a LightningModule (the recipes' model).
 
-The network is `GPT2LMHeadModel(GPT2Config(...))` (`gradientmail.app.textdata.tiny_gpt2`), so
-nothing is downloaded; every size is an argument (the recipes hold the real GPT-2 sizes).
+The network is `GPT2LMHeadModel(GPT2Config(...))`
+(`gradientmail.integration.textdata.tiny_gpt2`), so nothing is downloaded; every size is
+an argument (the recipes hold the real GPT-2 sizes).
 The inner optimizer is AdamW (weight decay on matrices only) with a linear warmup and a
 cosine decay to `min_lr_ratio`·lr, stepped every optimizer step. Logs `train/loss`,
 `train/ppl`, `val/loss` and `val/ppl`. Batches are `{"input_ids": LongTensor[B, T]}` (or
@@ -16,8 +17,8 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 
-from gradientmail.app.textdata import tiny_gpt2
 from gradientmail.errors import ConfigError
+from gradientmail.integration.textdata import tiny_gpt2
 
 __all__ = ["GPT2Module", "lr_factor"]
 

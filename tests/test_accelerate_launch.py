@@ -22,7 +22,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from gradientmail.algorithms.diloco import DiLoCo as Config
-from gradientmail.algorithms.diloco import WeightedMean
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.mailbox import LocalMailbox
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at

@@ -14,7 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradientmail.algorithms.diloco import ByBytes, DiLoCo, Rda, Strided, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import Rda, WeightedMean
+from gradientmail.algorithms.partition import ByBytes, Strided
 from gradientmail.algorithms.words import diloco_to_mapping
 from gradientmail.errors import ConfigError
 from gradientmail.learner.options import LearnerOptions

@@ -14,7 +14,8 @@ from gradientmail.adapters import TorchAdapter
 from gradientmail.adapters.torch import from_torch, to_torch
 from gradientmail.errors import ConfigError, SchemaMismatch
 from gradientmail.wire.quantization import FORMATS, quantize
-from gradientmail.wire.serialization import ParameterSpec, TensorBytes
+from gradientmail.wire.serialization import ParameterSpec
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 
 def model(device: str = "cpu") -> torch.nn.Module:
@@ -152,7 +153,7 @@ def test_embedding_parameters_are_named_by_their_module_type_not_their_name() ->
     `lm_head`) is one parameter, named once."""
     from gradientmail.algorithms.diloco import DiLoCo
     from gradientmail.algorithms.merge import Rda
-    from gradientmail.app.textdata import tiny_gpt2
+    from gradientmail.integration.textdata import tiny_gpt2
 
     gpt2 = tiny_gpt2(64, n_layer=1, n_embd=16, n_head=2, n_positions=8, seed=0)
     adapter = TorchAdapter(gpt2)

@@ -20,25 +20,28 @@ from test_syncer import SCHEMA, Run, algorithm, init_tensors
 
 from gradientmail import events as ev
 from gradientmail.adapters import TorchAdapter
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
-from gradientmail.algorithms.schedule import Estimates
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.app.cli import main
 from gradientmail.errors import AuthenticationError, ConfigError
 from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import LocalMailbox, Mailbox, MemoryMailbox
-from gradientmail.run.protocol import MANIFEST_KEY, Exchange, PlainSeal, round_key
+from gradientmail.run.keyspace import MANIFEST_KEY, round_key
+from gradientmail.run.protocol import Exchange
 from gradientmail.syncer.runtime import Syncer
 from gradientmail.wire.auth import (
     MAX_SEALED_BYTES,
     HmacSeal,
+    PlainSeal,
     check_run_key,
     is_sealed,
     key_fingerprint,
     short_fingerprint,
 )
+from gradientmail.wire.estimates import Estimates
 from gradientmail.wire.records import CreationClaim, Manifest, RoundRecord
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 KEY = b"0123456789abcdef0123456789abcdef"
 OTHER = b"fedcba9876543210fedcba9876543210"

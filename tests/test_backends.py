@@ -17,7 +17,7 @@ from gradientmail.backends import NumpyBackend, TorchBackend, default_backend
 from gradientmail.backends import numpy_backend as nbk
 from gradientmail.backends.base import Backend, Value
 from gradientmail.errors import ConfigError
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 BACKENDS: list[Backend] = [NumpyBackend(), TorchBackend()]
 IDS = ["numpy", "torch"]

@@ -14,14 +14,15 @@ from test_learner_runtime import FAST, Recorder, make_model
 
 from gradientmail import events as ev
 from gradientmail.adapters import TorchAdapter
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.learner import Learner
 from gradientmail.learner.options import LearnerOptions
 from gradientmail.mailbox import MemoryMailbox
 from gradientmail.run.protocol import Exchange
 from gradientmail.wire.estimates import Estimates
 from gradientmail.wire.records import Participant, RoundRecord
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 
 def _commit(mailbox: MemoryMailbox, round_: int, version: int,

@@ -29,12 +29,14 @@ from test_learner_runtime import in_threads
 from test_syncer import Run, algorithm
 
 from gradientmail.adapters import TorchAdapter
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.app.cli import main
 from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import LocalMailbox
-from gradientmail.run.protocol import Exchange, round_key
+from gradientmail.run.keyspace import round_key
+from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
 from gradientmail.wire.serialization import unpack
 
@@ -263,7 +265,7 @@ def test_export_takes_init_for_a_fragment_never_committed(
         rec = await r.ex.read_round(0)
         assert rec is not None
         state = await state_at(r.ex, 0, rec)
-        return dict(state.theta), await r.ex.fetch_tensors(manifest.init[1])
+        return dict(state.theta), await r.ex.store.fetch_tensors(manifest.init[1])
 
     committed, init = asyncio.run(setup())
     out_file = tmp_path / "out.safetensors"

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from gradientmail.clock import Clock, FakeClock, MonotonicClock, sleep_unless
+from gradientmail.clock import Clock, MonotonicClock, sleep_unless
+from gradientmail.testing import FakeClock
 
 
 def in_thread(target: object) -> threading.Thread:

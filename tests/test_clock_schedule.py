@@ -6,9 +6,10 @@ import asyncio
 
 import pytest
 
-from gradientmail.algorithms.schedule import Estimates, RoundSchedule
-from gradientmail.clock import FakeClock
+from gradientmail.algorithms.schedule import RoundSchedule
 from gradientmail.errors import ConfigError, RemoteProtocolError
+from gradientmail.testing import FakeClock
+from gradientmail.wire.estimates import Estimates
 
 
 @pytest.mark.parametrize(("h", "p"), [(1, 1), (7, 3), (500, 4), (30, 30), (10, 4)])

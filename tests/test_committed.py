@@ -9,7 +9,8 @@ import torch
 
 import gradientmail
 from gradientmail.adapters import TorchAdapter
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.errors import AuthenticationError, ConfigError, SchemaMismatch
 from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner

@@ -33,7 +33,8 @@ from gradientmail.wire.compression import (
     unshuffle,
 )
 from gradientmail.wire.quantization import FORMATS, dequantize, quantize, roundtrip
-from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes, pack
+from gradientmail.wire.serialization import ParameterSpec, Schema, pack
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 
 def golden_tensors() -> dict[str, TensorBytes]:

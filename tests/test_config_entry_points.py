@@ -16,7 +16,9 @@ import torch
 
 from gradientmail import LearnerOptions
 from gradientmail.adapters import TorchAdapter
-from gradientmail.algorithms.diloco import ByBytes, DiLoCo, Rda, Strided, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import Rda, WeightedMean
+from gradientmail.algorithms.partition import ByBytes, Strided
 from gradientmail.algorithms.words import (
     DILOCO_KEYS,
     diloco_from_mapping,

@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from gradientmail.errors import CorruptPayload, GradientmailError
 from gradientmail.wire.compression import COMPRESSIONS, SHUFFLE_KEY, decode, encode
 from gradientmail.wire.quantization import FORMATS, dequantize, quantize
-from gradientmail.wire.serialization import TensorBytes, unpack
+from gradientmail.wire.serialization import unpack
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 KEY = "payloads/00000042/learner-7.safetensors"
 

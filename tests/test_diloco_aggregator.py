@@ -17,17 +17,18 @@ import numpy as np
 import pytest
 
 from gradientmail.algorithms import Contribution, FragmentState, RoundResult
-from gradientmail.algorithms.diloco import (
-    DiLoCo,
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import (
     Rda,
     WeightedMean,
-    light,
+    gram_of,
+    mean_cosine,
+    merge_from_json,
     rda,
-    rebuild_theta,
-    span_scales,
     weighted_mean,
 )
-from gradientmail.algorithms.merge import gram_of, mean_cosine, merge_from_json
+from gradientmail.algorithms.outer import rebuild_theta
+from gradientmail.algorithms.rounds import light, span_scales
 from gradientmail.backends import NumpyBackend, TorchBackend
 from gradientmail.backends.base import Backend
 from gradientmail.errors import (
@@ -37,7 +38,8 @@ from gradientmail.errors import (
     SchemaMismatch,
 )
 from gradientmail.wire.quantization import dequantize
-from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
+from gradientmail.wire.serialization import ParameterSpec, Schema
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 NP, TORCH = NumpyBackend(), TorchBackend()
 SHAPES = {"wte.embed": (40, 16), "h.0.attn": (16, 48), "h.0.bias": (48,), "ln.w": (16,)}

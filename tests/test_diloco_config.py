@@ -10,15 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradientmail.algorithms import Algorithm, Estimates, RoundSchedule, algorithm_from_json
-from gradientmail.algorithms.diloco import (
-    ByBytes,
-    DiLoCo,
-    Rda,
-    Strided,
-    WeightedMean,
-    grace_window,
-    plan,
-)
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import Rda, WeightedMean
+from gradientmail.algorithms.partition import ByBytes, Strided, plan
+from gradientmail.algorithms.rounds import grace_window
 from gradientmail.errors import ConfigError, RemoteProtocolError
 from gradientmail.wire.serialization import ParameterSpec, Schema
 

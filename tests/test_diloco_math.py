@@ -11,17 +11,21 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradientmail.algorithms.diloco import mean_cosine, nesterov, rda, weight, weighted_mean
 from gradientmail.algorithms.merge import (
     CANCEL_NORM,
     gram_of,
+    mean_cosine,
+    nesterov,
     normalized_weights,
+    rda,
     rda_coefficients,
+    weight,
+    weighted_mean,
 )
 from gradientmail.backends import NumpyBackend, TorchBackend
 from gradientmail.backends.base import Backend, Value
 from gradientmail.errors import ConfigError
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 NP = NumpyBackend()
 

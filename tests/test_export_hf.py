@@ -25,7 +25,7 @@ from gradientmail.errors import ConfigError
 from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.run.committed import load_committed, read_committed
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 REPO = Path(__file__).resolve().parent.parent
 SIZES = {"vocab_size": 64, "block_size": 8, "n_layer": 2, "n_embd": 16, "n_head": 2}

@@ -21,7 +21,7 @@ from test_syncer import SCHEMA, Run, algorithm, delta
 
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo
-from gradientmail.algorithms.schedule import Estimates, RoundSchedule
+from gradientmail.algorithms.schedule import RoundSchedule
 from gradientmail.app.cli import main
 from gradientmail.app.demo import run_demo
 from gradientmail.app.demo_runs import DemoConfig
@@ -39,13 +39,9 @@ from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import LocalMailbox, MemoryMailbox
 from gradientmail.run.protocol import Exchange
-from gradientmail.wire.records import (
-    Arrival,
-    Dropped,
-    Participant,
-    PayloadRef,
-    RoundRecord,
-)
+from gradientmail.wire.estimates import Estimates
+from gradientmail.wire.records import Dropped, Participant, RoundRecord
+from gradientmail.wire.refs import Arrival, PayloadRef
 
 PNG = b"\x89PNG\r\n\x1a\n"
 TABLE_HEADER = ["round", "fragment", "version", "closer", "participants", "tokens", "cosine",

@@ -12,12 +12,13 @@ from test_learner_runtime import all_records, make_model, newest_theta, train_st
 
 from gradientmail import events as ev
 from gradientmail.adapters import TorchAdapter
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
-from gradientmail.clock import FakeClock
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.errors import GradientmailError
 from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import FaultPlan, FaultyMailbox, Mailbox, MemoryMailbox
+from gradientmail.testing import FakeClock
 
 
 class Stamped:

@@ -13,8 +13,8 @@ import torch
 
 from gradientmail import events as ev
 from gradientmail.adapters import TorchAdapter
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
-from gradientmail.clock import FakeClock
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.errors import GradientmailError, RunConfigMismatch, SchemaMismatch
 from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
@@ -23,6 +23,7 @@ from gradientmail.mailbox.wrappers import CountingMailbox
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
 from gradientmail.syncer.runtime import CloserSettings, Syncer
+from gradientmail.testing import FakeClock
 from gradientmail.wire.records import RoundRecord
 
 FAST = {"poll_interval": 0.005, "lease_every": 5.0, "lease_timeout": 30.0}
@@ -879,7 +880,7 @@ def test_a_run_of_a_model_with_embeddings_names_them_in_its_merge() -> None:
     """The creator's adapter names GPT-2's `wte` and `wpe` (embedding modules): the run's
     algorithm carries them, so every closer averages them by weight; a learner of the same
     model joins (its configuration resolves alike)."""
-    from gradientmail.app.textdata import tiny_gpt2
+    from gradientmail.integration.textdata import tiny_gpt2
 
     mailbox = MemoryMailbox()
     learners = []

@@ -23,7 +23,8 @@ from lightning.pytorch.loggers import CSVLogger
 from workers.lightning_toy import ToyModule, flat_params, toy_loader
 
 from gradientmail import events as ev
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.errors import AuthenticationError, ConfigError, RunConfigMismatch
 from gradientmail.mailbox import LocalMailbox
 from gradientmail.run.protocol import Exchange

@@ -23,7 +23,9 @@ pytest.importorskip("transformers")
 import yaml
 from lightning.pytorch import Trainer
 
-from gradientmail.algorithms.diloco import ByBytes, DiLoCo, Rda, Strided, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import Rda, WeightedMean
+from gradientmail.algorithms.partition import ByBytes, Strided
 from gradientmail.errors import ConfigError
 from gradientmail.learner.options import LearnerOptions
 from gradientmail.traffic import Prices
@@ -159,7 +161,7 @@ def test_streaming_local_jsonl_packs_blocks_per_shard(tmp_path: Path) -> None:
 
 
 def dm_val(text: str) -> bool:
-    from gradientmail.app.textdata import held_out
+    from gradientmail.integration.textdata import held_out
     from gradientmail_lightning.data import _doc_key
 
     return held_out(_doc_key(text), 0.1)

@@ -22,8 +22,8 @@ from test_syncer import SCHEMA, Run, algorithm
 
 from gradientmail import events as ev
 from gradientmail.adapters import TorchAdapter
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
-from gradientmail.algorithms.schedule import Estimates
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.errors import (
     AuthenticationError,
     CorruptPayload,
@@ -33,23 +33,20 @@ from gradientmail.errors import (
 from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import MemoryMailbox
+from gradientmail.run.bounds import delta_bound, payload_bound
+from gradientmail.run.keyspace import round_key
 from gradientmail.run.lease import lease_counters
-from gradientmail.run.protocol import Exchange, delta_bound, payload_bound, round_key
+from gradientmail.run.protocol import Exchange
 from gradientmail.syncer.runtime import Syncer
 from gradientmail.wire import compression as codec
 from gradientmail.wire.auth import MAX_SEALED_BYTES, HmacSeal
+from gradientmail.wire.estimates import Estimates
 from gradientmail.wire.quantization import quantize
-from gradientmail.wire.records import (
-    MAX_MANIFEST_BYTES,
-    MAX_RECORD_BYTES,
-    Manifest,
-    Participant,
-    PayloadRef,
-    RoundRecord,
-    SnapshotRecord,
-    check_learner_id,
-)
-from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
+from gradientmail.wire.record_json import MAX_MANIFEST_BYTES, MAX_RECORD_BYTES, check_learner_id
+from gradientmail.wire.records import Manifest, Participant, RoundRecord, SnapshotRecord
+from gradientmail.wire.refs import PayloadRef
+from gradientmail.wire.serialization import ParameterSpec, Schema
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 FAST: dict[str, Any] = {"poll_interval": 0.005, "lease_every": 5.0, "lease_timeout": 30.0}
 NAMES = ("w", "b")
@@ -192,10 +189,10 @@ def test_zstd_output_is_bounded_before_decompressing() -> None:
     async def main() -> None:
         ex = Exchange(MemoryMailbox(), compression="zstd")
         zeros = {"z": TensorBytes.from_numpy(np.zeros(100_000, np.float32))}
-        ref = await ex.put_payload("bomb", zeros)
+        ref = await ex.store.put_payload("bomb", zeros)
         assert ref is not None and ref.size < 1000  # 400 kB of zeros compress to almost nothing
         with pytest.raises(CorruptPayload) as e:
-            await ex.fetch_tensors(ref, max_bytes=10_000)
+            await ex.store.fetch_tensors(ref, max_bytes=10_000)
         import zstandard
 
         blob = await ex.mailbox.get(ref.key)

@@ -21,12 +21,12 @@ from test_syncer import Run, algorithm, fake
 from gradientmail import events as ev
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo
-from gradientmail.clock import FakeClock
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import Mailbox, MemoryMailbox
 from gradientmail.run.lease import LeaseTracker
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.rollcall import Call, reply
+from gradientmail.testing import FakeClock
 
 # -- a syncer, learners simulated by hand ----------------------------------------------
 

@@ -17,9 +17,9 @@ import pytest
 from botocore.awsrequest import AWSPreparedRequest, AWSResponse, HTTPHeaders
 from botocore.httpsession import URLLib3Session
 
-from gradientmail.clock import FakeClock
 from gradientmail.errors import ConfigError, MailboxError, MissingExtra
 from gradientmail.mailbox import Mailbox, S3Mailbox
+from gradientmail.testing import FakeClock
 
 MiB = 1024 * 1024
 Factory = Callable[..., Mailbox]

@@ -6,7 +6,6 @@ import asyncio
 
 import pytest
 
-from gradientmail.clock import FakeClock
 from gradientmail.errors import ConfigError, LocalProtocolError, MailboxError
 from gradientmail.mailbox import (
     CountingMailbox,
@@ -16,6 +15,7 @@ from gradientmail.mailbox import (
     MemoryMailbox,
     RequestCounts,
 )
+from gradientmail.testing import FakeClock
 
 
 def test_counting_counts_requests_like_s3(any_mailbox: Mailbox) -> None:

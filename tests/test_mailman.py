@@ -15,15 +15,17 @@ from test_learner_runtime import make_model, run
 
 from gradientmail import events as ev
 from gradientmail.adapters import TorchAdapter
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
-from gradientmail.clock import FakeClock
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.learner.mailman import Mailman
 from gradientmail.learner.messages import Observed, Outgoing
 from gradientmail.learner.options import LearnerOptions
 from gradientmail.mailbox import Mailbox, MemoryMailbox
 from gradientmail.run.join import JoinResult
 from gradientmail.run.protocol import Exchange
-from gradientmail.wire.records import PayloadRef, SnapshotRecord
+from gradientmail.testing import FakeClock
+from gradientmail.wire.records import SnapshotRecord
+from gradientmail.wire.refs import PayloadRef
 
 ALG = DiLoCo(sync_every=4, fragments=1, in_flight=1, overlap_steps=None, merge=WeightedMean())
 

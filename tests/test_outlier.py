@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_syncer import Run, algorithm, delta
 
-from gradientmail.algorithms.diloco import outliers
+from gradientmail.algorithms.rounds import outliers
 from gradientmail.events import ContributionDropped
 from gradientmail.mailbox import MemoryMailbox
 from gradientmail.wire.records import RoundRecord
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 
 def run(coro: Any) -> Any:

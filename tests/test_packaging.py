@@ -47,7 +47,7 @@ def test_core_imports_without_frameworks() -> None:
         "import sys\n"
         "import gradientmail, gradientmail.errors, gradientmail.clock, gradientmail.events\n"
         "import gradientmail.mailbox, gradientmail.algorithms.schedule\n"
-        "import gradientmail.learner, gradientmail.syncer, gradientmail.protocol\n"
+        "import gradientmail.learner, gradientmail.syncer, gradientmail.run.protocol\n"
         "import gradientmail.adapters, gradientmail.backends, gradientmail.wire.compression\n"
         "heavy = sorted(m for m in ('torch', 'boto3', 'zstandard', 'lightning', 'accelerate')"
         " if m in sys.modules)\n"
@@ -103,14 +103,16 @@ def test_missing_extra_names_the_install_line() -> None:
 PUBLIC = {
     "gradientmail.errors": ["GradientmailError", "ProtocolError", "SchemaMismatch",
                             "RunConfigMismatch", "MissingExtra"],
-    "gradientmail.wire.serialization": ["Schema", "ParameterSpec", "TensorBytes", "pack", "unpack",
-                                   "validate"],
+    "gradientmail.wire.tensor_bytes": ["TensorBytes"],
+    "gradientmail.wire.serialization": ["Schema", "ParameterSpec", "pack", "unpack", "validate"],
     "gradientmail.wire.quantization": ["quantize", "dequantize"],
     "gradientmail.wire.compression": ["encode", "decode"],
     "gradientmail.backends": ["NumpyBackend", "TorchBackend"],
-    "gradientmail.algorithms.diloco": ["plan", "weight", "weighted_mean", "rda", "nesterov",
-                                       "mean_cosine", "grace_window", "DiLoCoAggregator",
-                                       "DiLoCo", "WeightedMean", "Rda", "ByBytes", "Strided"],
+    "gradientmail.algorithms.diloco": ["DiLoCoAggregator", "DiLoCo"],
+    "gradientmail.algorithms.merge": ["weight", "weighted_mean", "rda", "nesterov", "mean_cosine",
+                                      "WeightedMean", "Rda"],
+    "gradientmail.algorithms.partition": ["plan", "ByBytes", "Strided"],
+    "gradientmail.algorithms.rounds": ["grace_window"],
     "gradientmail.adapters": ["TorchAdapter"],
     "gradientmail.mailbox": ["Mailbox", "LocalMailbox", "S3Mailbox", "MemoryMailbox",
                              "open_mailbox"],

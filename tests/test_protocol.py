@@ -10,8 +10,6 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
-from gradientmail.algorithms.schedule import Estimates
-from gradientmail.clock import FakeClock
 from gradientmail.errors import (
     AlreadyContributed,
     ConfigError,
@@ -22,25 +20,21 @@ from gradientmail.errors import (
 )
 from gradientmail.mailbox import Mailbox, MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox
-from gradientmail.run.lease import LeaseTracker
-from gradientmail.run.protocol import (
-    Exchange,
+from gradientmail.run.keyspace import (
     artifact_key,
     current_attempt,
     plan_sweep,
     round_key,
     screen_snapshot,
-    screen_snapshots,
 )
-from gradientmail.wire.records import (
-    Dropped,
-    Manifest,
-    Participant,
-    PayloadRef,
-    RoundRecord,
-    SnapshotRecord,
-)
-from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
+from gradientmail.run.lease import LeaseTracker
+from gradientmail.run.protocol import Exchange
+from gradientmail.testing import FakeClock
+from gradientmail.wire.estimates import Estimates
+from gradientmail.wire.records import Manifest, Participant, RoundRecord, SnapshotRecord
+from gradientmail.wire.refs import PayloadRef
+from gradientmail.wire.serialization import ParameterSpec, Schema
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 T = TypeVar("T")
 SCHEMA = Schema((ParameterSpec("w", "F32", (2, 3)), ParameterSpec("b", "F32", (3,))))
@@ -101,16 +95,16 @@ def snap(learner: str, fragment: int = 1, base: int = 3, digest: str = DIGEST) -
                           PayloadRef(f"payloads/0000000007/{learner}.safetensors", 1, "0" * 64))
 
 
-def test_screen_snapshots() -> None:
-    good, stale, other, alien = snap("a"), snap("b", base=2), snap("c", fragment=0), \
-        snap("d", digest="f" * 64)
-    usable, dropped = screen_snapshots([good, stale, other, alien], fragment=1, version=3,
-                                       schema_digest=DIGEST)
-    assert usable == [good]
-    assert dropped == [
-        Dropped("b", "stale: base version 2, the fragment is at version 3"),
-        Dropped("c", "fragment 0, the round trains fragment 1"),
-        Dropped("d", f"another schema digest ffffffffffff, the run's is {DIGEST[:12]}"),
+def test_screen_snapshot_names_what_each_contribution_breaks() -> None:
+    def screen(s: SnapshotRecord) -> str | None:
+        return screen_snapshot(s, fragment=1, version=3, schema_digest=DIGEST)
+
+    assert [screen(s) for s in (snap("a"), snap("b", base=2), snap("c", fragment=0),
+                                snap("d", digest="f" * 64))] == [
+        None,
+        "stale: base version 2, the fragment is at version 3",
+        "fragment 0, the round trains fragment 1",
+        f"another schema digest ffffffffffff, the run's is {DIGEST[:12]}",
     ]
 
 
@@ -129,8 +123,6 @@ def test_screen_snapshot_reports_the_first_rule_broken_in_one_order() -> None:
     assert screen(idle) == "no steps trained"
     assert screen(dataclasses.replace(idle, base_version=2)) == (
         "stale: base version 2, the fragment is at version 3")
-    assert screen_snapshots([idle], fragment=1, version=3, schema_digest=DIGEST) == (
-        [], [Dropped("a", "no steps trained")])
 
 
 def _ref(key: str) -> PayloadRef:
@@ -211,7 +203,7 @@ def test_creation_election_and_manifest_once() -> None:
         assert not await a.create_manifest(manifest("a", init_a))
         m = await a.read_manifest()
         assert m == manifest("b", init_b)
-        got = await a.fetch_tensors(m.init[0])
+        got = await a.store.fetch_tensors(m.init[0])
         assert got == tensors(0, 1.0)
         with pytest.raises(LocalProtocolError, match="learner id 'a b' is invalid"):
             await a.claim_creation("a b", 2)
@@ -281,7 +273,7 @@ def test_publish_contributions_and_fetch() -> None:
         await box.put(key, blob[:-4])
         with pytest.raises(CorruptPayload, match=f"payload '{key}' is {len(blob) - 4} bytes "
                                                  f"but its record says {len(blob)}"):
-            await ex.fetch_payload(rec.payload)
+            await ex.store.fetch_payload(rec.payload)
         await box.delete(key)
         assert await ex.fetch_delta(rec, SCHEMA, ["b"]) is None  # swept
         huge = dataclasses.replace(rec, payload=dataclasses.replace(rec.payload, size=10**9))
@@ -380,7 +372,7 @@ def test_round_claims_commit_and_rounds_after() -> None:
         box.reset()
         assert await ex.rounds_after(5) == []  # an idle poll: one GET, no LIST
         assert (box.snapshot().get, box.snapshot().list) == (1, 0)
-        got = await ex.fetch_tensors(records[4].theta)
+        got = await ex.store.fetch_tensors(records[4].theta)
         assert got == tensors(0, 4.0)
 
         await box.put(round_key(6), records[5].encode())  # round 5's record at round 6's key
@@ -452,7 +444,7 @@ def test_sweep_keeps_newest_versions() -> None:
         assert [k for k in left if k.startswith("init/")] == [r.key for r in init]
         # A reader holding an old record finds its payload gone and starts over.
         old = await ex.read_round(1)
-        assert old is not None and await ex.fetch_tensors(old.theta) is None
+        assert old is not None and await ex.store.fetch_tensors(old.theta) is None
         assert await ex.sweep() == []  # nothing more to do
 
     run(main())
@@ -543,7 +535,7 @@ def test_zstd_codec_is_named_by_the_key() -> None:
         assert await reader.fetch_delta(rec, SCHEMA, ["w"]) == tensors(0, 3.0)
         theta = await writer.put_theta(1, 1, tensors(1, 2.0), attempt=0)
         assert theta.key == "theta/1/0000000001-000000.safetensors.zst"
-        assert await reader.fetch_tensors(theta) == tensors(1, 2.0)
+        assert await reader.store.fetch_tensors(theta) == tensors(1, 2.0)
 
     run(main())
 

@@ -25,7 +25,7 @@ from gradientmail.wire.quantization import (
     roundtrip,
     scale_name,
 )
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 BACKENDS = ("numpy", "torch")
 

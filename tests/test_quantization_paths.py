@@ -12,7 +12,7 @@ import pytest
 
 from gradientmail.errors import NonFiniteError
 from gradientmail.wire.quantization import BLOCK, quantize
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 torch = pytest.importorskip("torch")
 from gradientmail.wire.quantization_torch import quantize_tensor, quantize_tensors  # noqa: E402

@@ -10,24 +10,24 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradientmail.algorithms.schedule import Estimates
 from gradientmail.errors import LocalProtocolError, RemoteProtocolError
-from gradientmail.wire.records import (
+from gradientmail.wire.estimates import Estimates
+from gradientmail.wire.record_json import (
     MAX_RECORD_BYTES,
-    Arrival,
-    CreationClaim,
-    Dropped,
-    Manifest,
-    Participant,
-    PayloadRef,
-    RoundClaim,
-    RoundRecord,
-    SnapshotRecord,
-    UpdateRef,
     canonical_json,
     check_learner_id,
     parse_json,
 )
+from gradientmail.wire.records import (
+    CreationClaim,
+    Dropped,
+    Manifest,
+    Participant,
+    RoundClaim,
+    RoundRecord,
+    SnapshotRecord,
+)
+from gradientmail.wire.refs import Arrival, PayloadRef, UpdateRef
 from gradientmail.wire.serialization import ParameterSpec, Schema
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64

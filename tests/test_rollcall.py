@@ -9,10 +9,10 @@ import pytest
 
 from gradientmail.errors import AuthenticationError, LocalProtocolError, RemoteProtocolError
 from gradientmail.mailbox import MemoryMailbox
+from gradientmail.run.keyspace import CALL_KEY
 from gradientmail.run.lease import LeaseTracker
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.rollcall import (
-    CALL_KEY,
     Call,
     Judging,
     answer_within,

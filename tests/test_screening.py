@@ -10,8 +10,8 @@ import pytest
 from gradientmail.algorithms.base import Contribution
 from gradientmail.syncer.screening import delta_norms, screen_delta
 from gradientmail.wire.quantization import dequantize, quantize
-from gradientmail.wire.row_pieces import RowPieces
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.sharded_pieces import RowPieces
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 
 def f32(*values: float) -> TensorBytes:

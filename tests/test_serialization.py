@@ -21,12 +21,8 @@ from gradientmail.errors import (
     SchemaMismatch,
 )
 from gradientmail.wire.serialization import (
-    DTYPES,
-    STORAGE_DTYPES,
     ParameterSpec,
     Schema,
-    TensorBytes,
-    nbytes_of,
     pack,
     pack_header,
     read_index,
@@ -34,6 +30,7 @@ from gradientmail.wire.serialization import (
     unpack_with_metadata,
     validate,
 )
+from gradientmail.wire.tensor_bytes import DTYPES, STORAGE_DTYPES, TensorBytes, nbytes_of
 
 # -- TensorBytes ---------------------------------------------------------------------------
 

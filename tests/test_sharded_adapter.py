@@ -28,8 +28,9 @@ from gradientmail.adapters import ShardedAdapter, TorchAdapter
 from gradientmail.adapters.sharded import Layout, chunk_rows, layout_of
 from gradientmail.adapters.torch import to_torch
 from gradientmail.errors import ConfigError, SchemaMismatch
-from gradientmail.wire.payload_ranges import Rows, rows_of
-from gradientmail.wire.serialization import Schema, TensorBytes, unpack
+from gradientmail.wire.serialization import Schema, unpack
+from gradientmail.wire.sharded_ranges import Rows, rows_of
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "sharded_worker.py"

@@ -1,8 +1,8 @@
-"""Block digests (`gradientmail.wire.blocks`): what a ranged reader of a payload checks.
+"""Block digests (`gradientmail.wire.sharded_blocks`): what a ranged reader of a payload checks.
 
 A payload written for ranged readers carries the SHA-256 of every block of each tensor's
 data in its header, and its ref the header's SHA-256. These tests read rows of such
-payloads with `fetch_rows` and `RowReplica`, flip bytes inside and outside the rows read,
+payloads with `fetch_rows` and `ShardedReplica`, flip bytes inside and outside the rows read,
 forge headers, read refs and payloads written without digests (older records), and check
 the writers (`Exchange`) put digests exactly where ranged readers read.
 """
@@ -23,33 +23,29 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_row_replica import make_run, rank_rows, same_state
+from test_sharded_replica import make_run, rank_rows, same_state
 
-from gradientmail.clock import FakeClock
 from gradientmail.errors import ConfigError, CorruptPayload, RemoteProtocolError
 from gradientmail.mailbox import FaultPlan, FaultyMailbox, MemoryMailbox
-from gradientmail.run.part_blob import PartBlob, put_init_blob
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
-from gradientmail.run.row_replica import RowReplica, plan_chain
-from gradientmail.wire.blocks import (
+from gradientmail.run.sharded_part import PartBlob, put_init_blob
+from gradientmail.run.sharded_replica import ShardedReplica, plan_chain
+from gradientmail.testing import FakeClock
+from gradientmail.wire.compression import decode_with_metadata, encode
+from gradientmail.wire.records import Manifest, RoundRecord
+from gradientmail.wire.refs import PayloadRef
+from gradientmail.wire.serialization import ParameterSpec, pack, pack_header, read_index
+from gradientmail.wire.sharded_blocks import (
     BLOCK_BYTES,
     BLOCKS_KEY,
     BlockIndex,
     blocks_entry,
     blocks_placeholder,
 )
-from gradientmail.wire.compression import decode_with_metadata, encode
-from gradientmail.wire.parts import part_metadata
-from gradientmail.wire.payload_ranges import Rows, fetch_rows, header_length, rows_of
-from gradientmail.wire.records import Manifest, PayloadRef, RoundRecord
-from gradientmail.wire.serialization import (
-    ParameterSpec,
-    TensorBytes,
-    pack,
-    pack_header,
-    read_index,
-)
+from gradientmail.wire.sharded_parts import part_metadata
+from gradientmail.wire.sharded_ranges import Rows, fetch_rows, header_length, rows_of
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 KEY = "theta/0/0000000001-000000.safetensors"
 BLOCK = 64  # small blocks, so that every tensor here spans several
@@ -298,17 +294,17 @@ def test_the_writers_put_digests_where_ranged_readers_read() -> None:
                     await ex.put_step(0, 1, tensors, attempt=0),
                     await ex.put_outer(0, 1, tensors, attempt=0),
                     await ex.put_init(0, tensors, attempt=0)):
-            blob = await ex.fetch_payload(ref)
+            blob = await ex.store.fetch_payload(ref)
             assert blob is not None
             assert ref.header_sha256 == \
                 hashlib.sha256(blob[:header_length(blob)]).hexdigest()
             assert decode_with_metadata(blob, "off")[1] == \
                 {BLOCKS_KEY: blocks_entry(tensors, BLOCK_BYTES)}
         # Contributions and updates are read whole: no digests.
-        for ref in (await ex.put_payload("payloads/0000000000/a", tensors),
+        for ref in (await ex.store.put_payload("payloads/0000000000/a", tensors),
                     await ex.put_update(0, 1, tensors, attempt=0)):
             assert ref is not None and ref.header_sha256 is None
-            blob = await ex.fetch_payload(ref)
+            blob = await ex.store.fetch_payload(ref)
             assert blob is not None and decode_with_metadata(blob, "off")[1] == {}
         # A zstd payload cannot be read by ranges: none either.
         zex = Exchange(MemoryMailbox("blocks-writers-zstd"), compression="zstd")
@@ -346,7 +342,7 @@ def test_a_row_replica_refuses_a_corrupted_range_and_reads_it_again() -> None:
         # with bytes flipped.
         plan = FaultPlan().corrupt("steps/0/0000000001-*", nth=2, times=1, op="get_range")
         bad = Exchange(FaultyMailbox(MemoryMailbox(name), plan), clock=FakeClock(100.0))
-        follower = RowReplica(bad, rows)
+        follower = ShardedReplica(bad, rows)
 
         async def nothing(name: str, r: Rows) -> None:
             pass
@@ -413,13 +409,13 @@ def test_a_part_written_in_place_carries_the_digests_encode_writes() -> None:
 
 @pytest.mark.slow
 def test_the_benchmark_counts_the_bytes_a_rank_reads_beyond_its_rows() -> None:
-    # benchmarks/blocks.py on a small shape: one layer of width 64 in BF16, 2 ranks,
+    # benchmarks/sharded_blocks.py on a small shape: one layer of width 64 in BF16, 2 ranks,
     # blocks of 1 KiB. Without digests a rank reads its rows exactly; with them the header
     # grows by the entry (one digest per block) and each range by its rounding, less than
     # two blocks per tensor.
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "blocks.py"), "--layers", "1", "--embd",
+        [sys.executable, str(root / "benchmarks" / "sharded_blocks.py"), "--layers", "1", "--embd",
          "64", "--ranks", "2", "--blocks", "1", "--no-append"],
         capture_output=True, text=True, timeout=300, check=True,
         env={**os.environ, "PYTHONPATH": str(root)})
@@ -432,7 +428,7 @@ def test_the_benchmark_counts_the_bytes_a_rank_reads_beyond_its_rows() -> None:
     # MLP's c_proj 32 KiB each, 8 vectors of one block each: 104 blocks), as pack_header
     # writes it, padding and all.
     spec = importlib.util.spec_from_file_location("blocks_bench", root / "benchmarks" /
-                                                  "blocks.py")
+                                                  "sharded_blocks.py")
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -444,5 +440,5 @@ def test_the_benchmark_counts_the_bytes_a_rank_reads_beyond_its_rows() -> None:
     mean, worst = (float(x.strip("()").replace(",", "")) for x in
                    one[4].replace(" KiB", "").split())
     assert 0 < mean <= worst < 2 * len(specs)  # KiB: under two 1 KiB blocks per tensor
-    assert "Command: `python benchmarks/blocks.py --layers 1 --embd 64 --ranks 2 " \
+    assert "Command: `python benchmarks/sharded_blocks.py --layers 1 --embd 64 --ranks 2 " \
            "--blocks 1`" in proc.stdout

@@ -1,6 +1,6 @@
 """Learners of three shapes in one run equal standard DiLoCo's oracle (issue #15): an
 FSDP2 learner over 2 ranks and a 2-rank learner of the same model kept whole (each rank
-mails its own rows, `PartedRanks` under `RankSync`), and one plain process.
+mails its own rows, `ShardedRanks` under `RankSync`), and one plain process.
 
 Real processes (torchrun, gloo on CPU) on a local-directory mailbox. Each multi-rank
 learner trains every rank on its worker's batches, so its gradient is the one process's;
@@ -28,7 +28,7 @@ from workers.toy import make_model
 from gradientmail.mailbox import LocalMailbox
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
-from gradientmail.wire.payload_ranges import rows_of
+from gradientmail.wire.sharded_ranges import rows_of
 
 pytestmark = pytest.mark.slow
 

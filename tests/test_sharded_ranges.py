@@ -24,7 +24,8 @@ from gradientmail.mailbox import (
     S3Mailbox,
 )
 from gradientmail.wire.compression import encode
-from gradientmail.wire.payload_ranges import (
+from gradientmail.wire.serialization import Span, pack, read_index
+from gradientmail.wire.sharded_ranges import (
     ByteRange,
     Rows,
     coalesce,
@@ -34,7 +35,7 @@ from gradientmail.wire.payload_ranges import (
     row_range,
     rows_of,
 )
-from gradientmail.wire.serialization import Span, TensorBytes, pack, read_index
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 # -- get_range on every mailbox -------------------------------------------------------------
 

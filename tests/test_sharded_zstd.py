@@ -1,6 +1,6 @@
 """An FSDP2 learner of 2 ranks in a run whose payloads are zstd-compressed: no range of a
 zstd frame decodes alone, so each rank downloads every payload whole for its half of the
-rows, and each says so once (`RowReplica`'s warning), naming the codec and the fix.
+rows, and each says so once (`ShardedReplica`'s warning), naming the codec and the fix.
 
 Real processes (torchrun, gloo on CPU) on a local-directory mailbox, as in
 tests/test_sharded_oracle.py; the learner is alone in its run (a quorum of one).

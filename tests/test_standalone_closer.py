@@ -143,7 +143,7 @@ def test_a_standalone_closer_writes_commits_in_the_runs_codec() -> None:
         await r.create(codec="zstd")
         await r.contribute(0, "a")
         s = Syncer.open(box, clock=r.clock, closer_id="sync-1")
-        assert s.exchange.compression == "off"
+        assert s.exchange.store.compression == "off"
         assert await s.poll(live=frozenset({"a"}))
         (rec,) = await r.records()
         assert rec.theta is not None and rec.outer is not None

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from gradientmail.algorithms.base import Contribution
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
-from gradientmail.algorithms.schedule import Estimates
-from gradientmail.clock import Clock, FakeClock
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
+from gradientmail.clock import Clock
 from gradientmail.events import (
     ClaimSuperseded,
     CommitLost,
@@ -35,14 +35,19 @@ from gradientmail.events import (
 from gradientmail.mailbox import Mailbox, MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox, FaultPlan, FaultyMailbox
 from gradientmail.run.cadence import FREE_WAITING_CAP, WAITING_CAP
+from gradientmail.run.keyspace import round_key
 from gradientmail.run.lease import LeaseTracker
-from gradientmail.run.protocol import Exchange, round_key
+from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
 from gradientmail.syncer.hosted import Host
 from gradientmail.syncer.runtime import CloserSettings, Syncer
 from gradientmail.syncer.state import ESTIMATE_DECAY, head_start
-from gradientmail.wire.records import Arrival, Manifest, RoundRecord, SnapshotRecord
-from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
+from gradientmail.testing import FakeClock
+from gradientmail.wire.estimates import Estimates
+from gradientmail.wire.records import Manifest, RoundRecord, SnapshotRecord
+from gradientmail.wire.refs import Arrival
+from gradientmail.wire.serialization import ParameterSpec, Schema
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 T = TypeVar("T")
 SCHEMA = Schema((ParameterSpec("w", "F32", (2, 3)), ParameterSpec("b", "F32", (3,))))
@@ -580,7 +585,7 @@ def test_a_claim_slot_freed_by_the_sweep_is_not_a_license_to_close(mailbox: Mail
         rec = await r.ex.read_round(0)
         assert rec is not None and rec.closer == "s1"
         for ref in rec.payload_refs():
-            assert await r.ex.fetch_tensors(ref) is not None  # bytes match the record
+            assert await r.ex.store.fetch_tensors(ref) is not None  # bytes match the record
         assert r.of(CommitLost) == []
         assert s2.rounds_closed == 0
 
@@ -662,7 +667,7 @@ def test_a_round_whose_contributions_are_all_dropped_still_commits(mailbox: Mail
         assert (rec.version, rec.participants, rec.mean_cosine, rec.update) == (1, (), None, None)
         assert sorted(d.learner for d in rec.dropped) == sorted(expected)
         theta = (await state_at(r.ex, 0, rec)).theta
-        init = await r.ex.fetch_tensors(manifest.init[0])
+        init = await r.ex.store.fetch_tensors(manifest.init[0])
         assert init is not None
         assert theta == init  # the same theta, one version on
         # The learners can go on: round 1 (the other fragment) and round 2 (version 1 of
@@ -855,7 +860,7 @@ def test_an_outer_step_that_overflows_drops_the_round_instead_of_retrying_foreve
         (dropped,) = rec.dropped
         assert dropped.learner == "a" and "outer step overflowed" in dropped.reason
         theta = (await state_at(r.ex, 0, rec)).theta
-        assert theta == await r.ex.fetch_tensors(manifest.init[0])
+        assert theta == await r.ex.store.fetch_tensors(manifest.init[0])
 
     run(main())
 

@@ -25,7 +25,7 @@ from test_syncer import (
 from gradientmail.events import ClaimSuperseded, CommitLost, RoundClosed
 from gradientmail.mailbox import Mailbox, MemoryMailbox, S3Mailbox
 from gradientmail.mailbox.wrappers import FaultPlan, FaultyMailbox
-from gradientmail.run.protocol import round_key
+from gradientmail.run.keyspace import round_key
 from gradientmail.syncer.runtime import Syncer
 
 LEARNERS = {"a": 40, "b": 90}  # learner -> tokens per contribution
@@ -106,7 +106,7 @@ def check_race(r: Run, syncers: list[Syncer], rounds: int) -> None:
         fetched = []
         for rec in latest.values():
             for ref in rec.payload_refs():
-                fetched.append(await r.ex.fetch_payload(ref) is not None)
+                fetched.append(await r.ex.store.fetch_payload(ref) is not None)
         return recs, keys, fetched
 
     recs, keys, fetched = asyncio.run(records())

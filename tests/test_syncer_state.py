@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from gradientmail.algorithms.schedule import Estimates
+from gradientmail.algorithms.rounds import effective_quorum, much_slower
 from gradientmail.syncer.state import (
     PollDecision,
     PollView,
@@ -15,16 +15,15 @@ from gradientmail.syncer.state import (
     close_time,
     completes,
     decide_poll,
-    effective_quorum,
     listed,
     lists_claims,
     lists_contributions,
-    much_slower,
     next_claim_attempt,
     probe_from,
     updated_estimates,
     watch_polls,
 )
+from gradientmail.wire.estimates import Estimates
 
 
 def test_effective_quorum() -> None:

@@ -1,4 +1,4 @@
-"""gradientmail.app.textdata: the stdlib corpus, reading files, the cached BPE tokenizer,
+"""gradientmail.integration.textdata: the stdlib corpus, reading files, the cached BPE tokenizer,
 token blocks and the tiny GPT-2 — all offline."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 # Before any Hugging Face import: they read it once. Tests never download.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from gradientmail.app import textdata as td
 from gradientmail.errors import ConfigError
+from gradientmail.integration import textdata as td
 
 DOCS = [
     "def add(a, b):\n    return a + b\n",
@@ -26,10 +26,10 @@ DOCS = [
 
 
 @pytest.mark.slow
-def test_import_needs_no_framework() -> None:
+def test_import_needs_no_hugging_face_library() -> None:
     code = (
-        "import sys, gradientmail.app.textdata\n"
-        "print(sorted(m for m in ('torch', 'transformers', 'tokenizers', 'datasets')"
+        "import sys, gradientmail.integration.textdata\n"
+        "print(sorted(m for m in ('transformers', 'tokenizers', 'datasets')"
         " if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

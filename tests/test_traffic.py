@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from gradientmail.algorithms.schedule import Estimates
 from gradientmail.app.record_traffic import follow_bytes, record_traffic
 from gradientmail.errors import ConfigError
 from gradientmail.traffic import GIB, S3_STANDARD, Prices, RequestCounts, measure
-from gradientmail.wire.records import Participant, PayloadRef, RoundRecord, StepRef
+from gradientmail.wire.estimates import Estimates
+from gradientmail.wire.records import Participant, RoundRecord
+from gradientmail.wire.refs import PayloadRef, StepRef
 
 SHA = "0" * 64
 

@@ -26,7 +26,8 @@ from workers.toy import inner_step, make_model
 
 import gradientmail.syncer.runtime as syncer_module
 from gradientmail.adapters import TorchAdapter
-from gradientmail.algorithms.diloco import DiLoCo, Rda, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import Rda, WeightedMean
 from gradientmail.app.cli import main
 from gradientmail.app.verify import first_difference, verify_run
 from gradientmail.app.verify_report import Report, format_report
@@ -36,15 +37,18 @@ from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import LocalMailbox, Mailbox, MemoryMailbox
 from gradientmail.mailbox.wrappers import FaultPlan, FaultyMailbox
 from gradientmail.run.committed import read_committed
-from gradientmail.run.keyspace import audit_floor, plan_sweep
-from gradientmail.run.protocol import Exchange, round_key
+from gradientmail.run.keyspace import audit_floor, plan_sweep, round_key
+from gradientmail.run.protocol import Exchange
 from gradientmail.wire import compression as codec
 from gradientmail.wire.auth import HmacSeal, key_fingerprint
-from gradientmail.wire.blocks import BLOCK_BYTES, BLOCKS_KEY, blocks_entry
-from gradientmail.wire.payload_ranges import fetch_rows
+from gradientmail.wire.estimates import Estimates
 from gradientmail.wire.quantization import quantize
-from gradientmail.wire.records import Estimates, Manifest, PayloadRef, RoundRecord
-from gradientmail.wire.serialization import TensorBytes, pack, unpack
+from gradientmail.wire.records import Manifest, RoundRecord
+from gradientmail.wire.refs import PayloadRef
+from gradientmail.wire.serialization import pack, unpack
+from gradientmail.wire.sharded_blocks import BLOCK_BYTES, BLOCKS_KEY, blocks_entry
+from gradientmail.wire.sharded_ranges import fetch_rows
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 KEY = "a-run-key-for-the-tests-0123456789"
 OTHER_KEY = "another-key-nobody-should-use-9876543210"
@@ -550,7 +554,7 @@ def test_a_closer_that_drops_a_contribution_as_stale_is_caught(
 
 
 def test_first_difference_names_the_entry_and_the_element() -> None:
-    from gradientmail.wire.serialization import TensorBytes
+    from gradientmail.wire.tensor_bytes import TensorBytes
 
     a = TensorBytes.from_numpy(torch.arange(6, dtype=torch.float32).reshape(2, 3).numpy())
     b = TensorBytes.from_numpy((torch.arange(6, dtype=torch.float32)
@@ -612,7 +616,7 @@ def test_keep_rounds_is_written_only_when_set() -> None:
 
 
 def _record(round_: int, fragment: int, version: int) -> RoundRecord:
-    from gradientmail.wire.records import PayloadRef, StepRef
+    from gradientmail.wire.refs import PayloadRef, StepRef
 
     ref = PayloadRef(f"steps/{fragment}/{version:010d}-000000.safetensors", 1, "0" * 64)
     return RoundRecord(round_, fragment, version, None, None, None, (), Estimates(), None, (),

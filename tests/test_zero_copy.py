@@ -18,7 +18,8 @@ from gradientmail.backends import NumpyBackend, TorchBackend
 from gradientmail.backends.pool import MIN_POOLED_BYTES, BufferPool
 from gradientmail.errors import ConfigError
 from gradientmail.wire.compression import decode, encode
-from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes, pack, unpack
+from gradientmail.wire.serialization import ParameterSpec, Schema, pack, unpack
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 # Large enough that the backends take their outputs from the pool.
 BIG = (512, 1024)

@@ -7,12 +7,14 @@ commits (made on the communication thread, so a host-to-device copy never stalls
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from gradientmail.wire.serialization import Schema, TensorBytes
+from gradientmail.errors import SchemaMismatch
+from gradientmail.wire.serialization import Schema
+from gradientmail.wire.tensor_bytes import TensorBytes
 
-__all__ = ["Adapter"]
+__all__ = ["Adapter", "check_fits"]
 
 
 @runtime_checkable
@@ -52,3 +54,18 @@ class Adapter(Protocol):
         progress since `base` (a snapshot or an earlier loaded commit) moved onto the
         loaded `values`."""
         ...
+
+
+def check_fits(values: Mapping[str, Any], what: str, synced: Container[str],
+               misfit: Callable[[str, Any], str | None]) -> None:
+    """The one "does it fit" check of every adapter: a `SchemaMismatch` that says it
+    cannot `what` and names each value that does not fit, at once (a name not in
+    `synced`, or what `misfit(name, value)` finds wrong with it; None when it fits)."""
+    problems = []
+    for name, value in values.items():
+        problem = (f"{name!r} is not a synced parameter" if name not in synced
+                   else misfit(name, value))
+        if problem is not None:
+            problems.append(problem)
+    if problems:
+        raise SchemaMismatch(f"cannot {what}: " + "; ".join(problems))

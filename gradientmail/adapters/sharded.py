@@ -30,10 +30,12 @@ from typing import Any
 
 import torch
 
+from gradientmail.adapters.base import check_fits
 from gradientmail.adapters.torch import _TO_NAME, _view
 from gradientmail.errors import ConfigError, SchemaMismatch
-from gradientmail.wire.payload_ranges import Rows
-from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes, nbytes_of
+from gradientmail.wire.serialization import ParameterSpec, Schema
+from gradientmail.wire.sharded_ranges import Rows
+from gradientmail.wire.tensor_bytes import TensorBytes, nbytes_of
 
 __all__ = ["Layout", "ShardedAdapter", "chunk_rows", "layout_of", "refuse_fsdp1"]
 
@@ -393,29 +395,21 @@ class ShardedAdapter:
         return value  # type: ignore[no-any-return]
 
     def _check_fits(self, values: Mapping[str, Any], what: str) -> None:
-        problems = []
-        for name, value in values.items():
-            layout = self._layouts.get(name)
-            if layout is None:
-                problems.append(f"{name!r} is not a synced parameter")
-                continue
-            full = self.schema[name].shape
-            h0, h1 = layout.held
-            if isinstance(value, Rows):
-                shape, rows = value.tensor.shape, (value.start, value.stop)
-                want = (value.stop - value.start, *full[1:]) if full else ()
-                if tuple(shape) != want or not (rows[0] <= h0 and h1 <= rows[1]):
-                    problems.append(
-                        f"{name!r} rows {list(rows)} of shape {list(shape)} do not cover this "
-                        f"rank's rows {[h0, h1]} of {list(full)}"
-                    )
-                continue
-            want = full if isinstance(value, TensorBytes) else tuple(self.local(name).shape)
-            if tuple(value.shape) != want:
-                kind = "a full tensor" if isinstance(value, TensorBytes) else "this rank's shard"
-                problems.append(
-                    f"{name!r} has shape {list(value.shape)}; {kind} has {list(want)}"
-                )
-        if problems:
-            raise SchemaMismatch(f"cannot {what}: " + "; ".join(problems))
+        check_fits(values, what, self._layouts, self._misfit)
+
+    def _misfit(self, name: str, value: Any) -> str | None:
+        full = self.schema[name].shape
+        h0, h1 = self._layouts[name].held
+        if isinstance(value, Rows):
+            shape, rows = value.tensor.shape, (value.start, value.stop)
+            want = (value.stop - value.start, *full[1:]) if full else ()
+            if tuple(shape) != want or not (rows[0] <= h0 and h1 <= rows[1]):
+                return (f"{name!r} rows {list(rows)} of shape {list(shape)} do not cover this "
+                        f"rank's rows {[h0, h1]} of {list(full)}")
+            return None
+        want = full if isinstance(value, TensorBytes) else tuple(self.local(name).shape)
+        if tuple(value.shape) != want:
+            kind = "a full tensor" if isinstance(value, TensorBytes) else "this rank's shard"
+            return f"{name!r} has shape {list(value.shape)}; {kind} has {list(want)}"
+        return None
 

@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 
+from gradientmail.adapters.base import check_fits
 from gradientmail.errors import ConfigError, SchemaMismatch
 from gradientmail.wire.quantization import quantize
 from gradientmail.wire.quantization_torch import quantize_tensors
-from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
+from gradientmail.wire.serialization import ParameterSpec, Schema
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["TorchAdapter", "from_torch", "to_torch"]
 
@@ -223,17 +225,13 @@ class TorchAdapter:
             p.copy_(local)
 
     def _check_fits(self, values: Mapping[str, Any], what: str) -> None:
-        problems = []
-        for name, value in values.items():
-            p = self._params.get(name)
-            if p is None:
-                problems.append(f"{name!r} is not a synced parameter")
-                continue
-            shape = tuple(value.shape)
-            if shape != tuple(p.shape):
-                problems.append(f"{name!r} has shape {list(shape)}, the model {list(p.shape)}")
-        if problems:
-            raise SchemaMismatch(f"cannot {what}: " + "; ".join(problems))
+        check_fits(values, what, self._params, self._misfit)
+
+    def _misfit(self, name: str, value: Any) -> str | None:
+        shape, want = tuple(value.shape), tuple(self._params[name].shape)
+        if shape == want:
+            return None
+        return f"{name!r} has shape {list(shape)}, the model {list(want)}"
 
     @staticmethod
     def _on_device(value: Any, p: torch.nn.Parameter) -> torch.Tensor:

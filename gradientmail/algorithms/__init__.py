@@ -15,7 +15,8 @@ from gradientmail.algorithms.base import (
     RoundResult,
 )
 from gradientmail.algorithms.registry import algorithm_from_json
-from gradientmail.algorithms.schedule import Estimates, RoundSchedule
+from gradientmail.algorithms.schedule import RoundSchedule
+from gradientmail.wire.estimates import Estimates
 
 __all__ = [
     "Aggregator",

@@ -14,11 +14,13 @@ import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from gradientmail.algorithms.schedule import Estimates, RoundSchedule
+from gradientmail.algorithms.schedule import RoundSchedule
 from gradientmail.backends.base import Backend
 from gradientmail.errors import ConfigError, RemoteProtocolError
-from gradientmail.wire.row_pieces import DeltaTensor
-from gradientmail.wire.serialization import STORAGE_DTYPES, Schema, TensorBytes
+from gradientmail.wire.estimates import Estimates
+from gradientmail.wire.serialization import Schema
+from gradientmail.wire.sharded_pieces import DeltaTensor
+from gradientmail.wire.tensor_bytes import STORAGE_DTYPES, TensorBytes
 
 if TYPE_CHECKING:
     from gradientmail.wire.records import Participant

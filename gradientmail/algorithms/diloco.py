@@ -24,18 +24,13 @@ from gradientmail.algorithms.merge import (
     WeightedMean,
     mean_cosine,
     merge_from_json,
-    nesterov,
     normalized_weights,
-    rda,
     rda_coefficients,
     weight,
-    weighted_mean,
 )
 from gradientmail.algorithms.outer import (
-    STEP_RULES,
     apply_step,
     merged_step,
-    rebuild_theta,
     step_format,
 )
 from gradientmail.algorithms.partition import (
@@ -46,15 +41,11 @@ from gradientmail.algorithms.partition import (
     plan,
 )
 from gradientmail.algorithms.rounds import (
-    ARRIVAL_POLLS,
-    ARRIVAL_STEPS,
-    LIGHT_ROUND,
     grace_window,
     light,
-    outliers,
     span_scales,
 )
-from gradientmail.algorithms.schedule import Estimates, RoundSchedule
+from gradientmail.algorithms.schedule import RoundSchedule
 from gradientmail.backends.base import Backend, Value
 from gradientmail.backends.numpy_backend import NumpyBackend
 from gradientmail.errors import (
@@ -63,36 +54,16 @@ from gradientmail.errors import (
     RemoteProtocolError,
     SchemaMismatch,
 )
+from gradientmail.wire.estimates import Estimates
 from gradientmail.wire.records import Participant
-from gradientmail.wire.row_pieces import RowPieces
-from gradientmail.wire.serialization import Schema, TensorBytes, validate
+from gradientmail.wire.serialization import Schema, validate
+from gradientmail.wire.sharded_pieces import RowPieces
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = [
-    "ARRIVAL_POLLS",
-    "ARRIVAL_STEPS",
     "FORMAT_VERSION",
-    "LIGHT_ROUND",
-    "STEP_RULES",
-    "ByBytes",
     "DiLoCo",
     "DiLoCoAggregator",
-    "Rda",
-    "Strided",
-    "WeightedMean",
-    "apply_step",
-    "grace_window",
-    "light",
-    "mean_cosine",
-    "merged_step",
-    "nesterov",
-    "outliers",
-    "plan",
-    "rda",
-    "rebuild_theta",
-    "span_scales",
-    "step_format",
-    "weight",
-    "weighted_mean",
 ]
 
 #: The version of DiLoCo's JSON record; bumped when its fields change.

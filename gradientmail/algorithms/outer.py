@@ -14,7 +14,7 @@ from gradientmail.algorithms.base import FragmentState
 from gradientmail.backends.base import Backend, Value
 from gradientmail.backends.numpy_backend import NumpyBackend
 from gradientmail.errors import ConfigError, NonFiniteError, RemoteProtocolError
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = [
     "STEP_RULES",

@@ -1,7 +1,10 @@
 """The rules of a round, as pure functions: how long it waits for the learners it
 expects (`grace_window`), whether it is too light for an outer step (`light`), how a
 delta spanning several sync periods is scaled (`span_scales`), and which contributions
-are outliers (`outliers`). `gradientmail.algorithms.diloco` re-exports them."""
+are outliers (`outliers`); and the run-wide rules every party applies alike: the quorum a
+round waits for (`effective_quorum`) and which learners are too slow to wait for
+(`much_slower`). `gradientmail.algorithms.diloco` applies the merge's rules; closers and
+learners the run-wide ones."""
 
 from __future__ import annotations
 
@@ -9,14 +12,18 @@ import statistics
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 
-from gradientmail.algorithms.schedule import Estimates, RoundSchedule
+from gradientmail.algorithms.schedule import RoundSchedule
+from gradientmail.wire.estimates import Estimates
 
 __all__ = [
     "ARRIVAL_POLLS",
     "ARRIVAL_STEPS",
     "LIGHT_ROUND",
+    "SLOW_FACTOR",
+    "effective_quorum",
     "grace_window",
     "light",
+    "much_slower",
     "outliers",
     "span_scales",
 ]
@@ -101,3 +108,23 @@ def outliers(norms: Mapping[str, float], factor: float | None) -> dict[str, str]
         for learner, norm in sorted(norms.items())
         if norm > factor * median
     }
+
+
+def effective_quorum(quorum_size: int, live: int) -> int:
+    """min(quorum_size, live learners), never under 1: a run of one learner still closes."""
+    return max(1, min(quorum_size, live))
+
+
+#: A live learner whose step time exceeds this many times the run's pace is not waited
+#: for: its contributions join whichever round is open when they arrive.
+SLOW_FACTOR = 1.5
+
+
+def much_slower(step_seconds: float | None, pace: float | None,
+                slow_factor: float = SLOW_FACTOR) -> bool:
+    """Whether a learner stepping `step_seconds` is much slower than the run's `pace`
+    (over `slow_factor` times): rounds do not wait for it, and it counts its gap at the
+    run's pace. False while either is unknown: a learner of unknown pace is waited for."""
+    if not step_seconds or not pace:
+        return False
+    return step_seconds > slow_factor * pace

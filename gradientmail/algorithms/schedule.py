@@ -6,9 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from gradientmail.errors import ConfigError
-from gradientmail.wire.estimates import Estimates
 
-__all__ = ["Estimates", "RoundSchedule"]
+__all__ = ["RoundSchedule"]
 
 
 @dataclasses.dataclass(frozen=True)

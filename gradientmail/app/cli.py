@@ -45,10 +45,10 @@ from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
 from gradientmail.run.lease import CLOSERS
 from gradientmail.run.protocol import Exchange
-from gradientmail.run.replica import newest_model, require_manifest
+from gradientmail.run.replica import require_manifest
 from gradientmail.traffic import S3_STANDARD, Prices
 from gradientmail.wire.auth import env_run_key
-from gradientmail.wire.records import check_learner_id
+from gradientmail.wire.record_json import check_learner_id
 
 __all__ = [
     "TRAFFIC_ROUNDS",
@@ -56,9 +56,7 @@ __all__ = [
     "demo_config",
     "format_status",
     "main",
-    "newest_model",
     "read_status",
-    "require_manifest",
 ]
 
 _PROG = "gradientmail"

@@ -48,7 +48,7 @@ def _prepare(cfg: DemoConfig, workdir: Path, out: TextIO) -> tuple[int, int, int
     """Tokenizer and token blocks for training and evaluation, saved for the workers."""
     import torch
 
-    from gradientmail.app.textdata import (
+    from gradientmail.integration.textdata import (
         read_budget,
         read_texts,
         stdlib_corpus,
@@ -57,7 +57,7 @@ def _prepare(cfg: DemoConfig, workdir: Path, out: TextIO) -> tuple[int, int, int
     )
 
     if cfg.data:
-        from gradientmail.app.textdata import held_out
+        from gradientmail.integration.textdata import held_out
 
         docs = read_texts([cfg.data])
         train = [d for i, d in enumerate(docs) if not held_out(f"doc-{i}", 0.05)]

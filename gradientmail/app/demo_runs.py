@@ -138,7 +138,7 @@ def _algorithm(cfg: DemoConfig, system: str) -> Any:
 
 
 def _model(vocab: int, block: int) -> Any:
-    from gradientmail.app.textdata import tiny_gpt2
+    from gradientmail.integration.textdata import tiny_gpt2
 
     return tiny_gpt2(vocab, n_layer=2, n_embd=128, n_head=4, n_positions=block, seed=0)
 
@@ -160,7 +160,8 @@ def train(job: _Job, report: Callable[[tuple[str, int, float, int, int]], None],
 
     from gradientmail.adapters import TorchAdapter
     from gradientmail.events import Event, SnapshotPublished
-    from gradientmail.learner.runtime import Learner, LearnerOptions
+    from gradientmail.learner.options import LearnerOptions
+    from gradientmail.learner.runtime import Learner
 
     torch.set_num_threads(1)
     cfg = job.config

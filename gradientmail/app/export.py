@@ -32,7 +32,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from gradientmail.errors import ConfigError, MissingExtra
-from gradientmail.wire.serialization import TensorBytes, pack
+from gradientmail.wire.serialization import pack
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = [
     "EMBEDDING",
@@ -47,7 +48,7 @@ __all__ = [
 #: The parameter whose name locates the network in a run: `<prefix>transformer.wte.weight`.
 EMBEDDING = "transformer.wte.weight"
 _BLOCK = re.compile(r"^transformer\.h\.(\d+)\.")
-# GPT2LMHeadModel's defaults that GPT2Module (gradientmail.app.textdata.tiny_gpt2) keeps.
+# GPT2LMHeadModel's defaults that GPT2Module (gradientmail.integration.textdata.tiny_gpt2) keeps.
 _ACTIVATION = "gelu_new"
 _LAYER_NORM_EPSILON = 1e-5
 _INITIALIZER_RANGE = 0.02

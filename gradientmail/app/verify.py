@@ -65,11 +65,13 @@ from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import Replica, require_manifest, theta_digest
 from gradientmail.syncer.merging import merge_round, screen_round
 from gradientmail.wire import compression as codec
-from gradientmail.wire.blocks import ranged_problem
-from gradientmail.wire.parts import Part, pieces_of, rows_in
-from gradientmail.wire.records import Dropped, Manifest, PayloadRef, RoundRecord, SnapshotRecord
-from gradientmail.wire.row_pieces import DeltaTensor
-from gradientmail.wire.serialization import Schema, TensorBytes
+from gradientmail.wire.records import Dropped, Manifest, RoundRecord, SnapshotRecord
+from gradientmail.wire.refs import PayloadRef
+from gradientmail.wire.serialization import Schema
+from gradientmail.wire.sharded_blocks import ranged_problem
+from gradientmail.wire.sharded_parts import Part, pieces_of, rows_in
+from gradientmail.wire.sharded_pieces import DeltaTensor
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = [
     "TRUSTED_DROPS",

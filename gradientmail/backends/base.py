@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from gradientmail.wire.row_pieces import RowPieces
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.sharded_pieces import RowPieces
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["Backend", "Value"]
 

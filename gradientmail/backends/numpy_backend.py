@@ -31,8 +31,8 @@ import numpy.typing as npt
 
 from gradientmail.backends.pool import DEFAULT_POOL_BYTES, BufferPool
 from gradientmail.errors import ConfigError
-from gradientmail.wire.row_pieces import FlatRows, RowPieces
-from gradientmail.wire.serialization import STORAGE_DTYPES, TensorBytes
+from gradientmail.wire.sharded_pieces import FlatRows, RowPieces
+from gradientmail.wire.tensor_bytes import STORAGE_DTYPES, TensorBytes
 
 __all__ = ["NumpyBackend", "NumpyRows", "NumpyValue", "f32", "f32_to_bf16_bits"]
 

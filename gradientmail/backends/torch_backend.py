@@ -26,8 +26,8 @@ import torch
 from gradientmail.backends.numpy_backend import f32
 from gradientmail.backends.pool import DEFAULT_POOL_BYTES, BufferPool
 from gradientmail.errors import ConfigError
-from gradientmail.wire.row_pieces import FlatRows, RowPieces
-from gradientmail.wire.serialization import STORAGE_DTYPES, TensorBytes
+from gradientmail.wire.sharded_pieces import FlatRows, RowPieces
+from gradientmail.wire.tensor_bytes import STORAGE_DTYPES, TensorBytes
 
 __all__ = ["TorchBackend", "TorchRows", "TorchValue"]
 

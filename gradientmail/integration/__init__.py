@@ -7,7 +7,7 @@ DDP group on rank 0's parameters over a small `Ranks` contract of collectives
 explains the `diloco/...` metrics both report, which `RunMetrics` accumulates; and
 `per_process_batch`, `BatchSizes` and `ShareBatchSampler` size batches to the learner's
 share of `global_batch_size`; `learners_to_await` says how many learners to wait for at
-train start. With `PartedRanks`, the ranks each mail and read their own
+train start. With `ShardedRanks`, the ranks each mail and read their own
 rows instead (FSDP2 shards, or a DDP group splitting its upload). Needs torch.
 """
 
@@ -19,8 +19,8 @@ from gradientmail.integration.batches import (
 )
 from gradientmail.integration.losses import LossMean, output_loss
 from gradientmail.integration.metrics import METRICS, PREFIX, RunMetrics
-from gradientmail.integration.parted import PartedRanks
 from gradientmail.integration.ranks import Ranks, SingleRank, ThreadRanks, TorchRanks
+from gradientmail.integration.sharded import ShardedRanks
 from gradientmail.integration.sync import RankSync
 from gradientmail.integration.together import check_wait, learners_to_await
 from gradientmail.integration.tokens import count_tokens
@@ -31,10 +31,10 @@ __all__ = [
     "BatchSizeHook",
     "BatchSizes",
     "LossMean",
-    "PartedRanks",
     "RankSync",
     "Ranks",
     "RunMetrics",
+    "ShardedRanks",
     "ShareBatchSampler",
     "SingleRank",
     "ThreadRanks",

@@ -103,7 +103,7 @@ class TorchRanks:
 
     `broadcast_object` is the framework's own (Lightning's `strategy.broadcast`); without
     one, `torch.distributed.broadcast_object_list`. `group`: a process group over every
-    rank other than the default one (the side group of `gradientmail.integration.parted`).
+    rank other than the default one (the side group of `gradientmail.integration.sharded`).
 
     Every collective on CPU tensors keeps them until the backend has let go of them
     (`_released`). Gloo's worker thread marks a collective done, which wakes the caller,

@@ -9,12 +9,12 @@ parameters and make the same collective calls in the same order whatever rank 0 
 `start()` and `close()` may overwrite every synced parameter: after them everything is
 broadcast. With one process (`SingleRank`) no collective runs at all.
 
-With `parted` (`gradientmail.integration.parted.PartedRanks`: FSDP2 shards, or a DDP group
-splitting its upload) nothing is broadcast: every rank mails and reads its own rows, and
+With `sharded_ranks` (`gradientmail.integration.sharded.ShardedRanks`: FSDP2 shards, or a
+DDP group splitting its upload) nothing is broadcast: every rank mails and reads its own rows, and
 applies them itself. Rank 0's learner then works on handles, and each thing it does to
 the model (snapshot, apply, rebase) is sent to the other ranks as it happens, and the
-control vector closes that collective (`PartedRanks.serve_ops`): a step without ops costs
-the same two collectives as an unparted one, a due step one more.
+control vector closes that collective (`ShardedRanks.serve_ops`): a step without ops costs
+the same two collectives as an unsharded one, a due step one more.
 
 Both integrations drive this class from their hooks; `Ranks` carries the collectives out
 (`TorchRanks` for either framework's process group).
@@ -32,8 +32,8 @@ import torch
 from gradientmail.errors import GradientmailError
 from gradientmail.integration.batches import BatchSizeHook
 from gradientmail.integration.metrics import PREFIX, RunMetrics, traffic_values
-from gradientmail.integration.parted import PartedRanks
 from gradientmail.integration.ranks import Ranks
+from gradientmail.integration.sharded import ShardedRanks
 from gradientmail.learner.runtime import Learner
 
 __all__ = ["RankSync"]
@@ -61,10 +61,10 @@ class RankSync:
         module: torch.nn.Module,
         metrics: RunMetrics | None = None,
         on_batch_size: BatchSizeHook | None = None,
-        parted: PartedRanks | None = None,
+        sharded_ranks: ShardedRanks | None = None,
     ) -> None:
         self.ranks = ranks
-        self.parted = parted
+        self.sharded_ranks = sharded_ranks
         self.module = module
         self.run_metrics = metrics if metrics is not None else RunMetrics()
         self.on_batch_size = on_batch_size
@@ -84,8 +84,8 @@ class RankSync:
         then holds the parameters rank 0 joined with."""
         failure: BaseException | None = None
         info: tuple[Any, ...] | None = None
-        if self.parted is not None:
-            self.parted.begin()
+        if self.sharded_ranks is not None:
+            self.sharded_ranks.begin()
         if self.ranks.is_main:
             try:
                 self.learner = make_learner()
@@ -103,7 +103,7 @@ class RankSync:
             self._raise_for_rank0(failure, "start")
         assert info is not None
         self.plan, self.learner_id, self.rounds_seen, batch_size = info
-        if self.parted is None:
+        if self.sharded_ranks is None:
             self._fragments = self._resolve(self.plan)
         if self.ranks.world_size > 1:
             self._broadcast(range(len(self.plan)))
@@ -128,9 +128,9 @@ class RankSync:
         touched: tuple[int, ...] = ()
         failure: BaseException | None = None
         batch_size = self.batch_size
-        carried = self.parted is not None and world > 1  # the control closes the ops
-        if carried and self.parted is not None and self.ranks.is_main:
-            self.parted.ops_tail(_CONTROL_HEAD + len(self.plan))
+        carried = self.sharded_ranks is not None and world > 1  # the control closes the ops
+        if carried and self.sharded_ranks is not None and self.ranks.is_main:
+            self.sharded_ranks.ops_tail(_CONTROL_HEAD + len(self.plan))
         if self.learner is not None:
             try:
                 touched = self.learner.step(total, loss)
@@ -162,8 +162,8 @@ class RankSync:
             except BaseException as exc:
                 failure = exc
         self._ops_done()
-        if self.parted is not None:
-            self.parted.finish()
+        if self.sharded_ranks is not None:
+            self.sharded_ranks.finish()
         if self.ranks.world_size > 1:
             everything = tuple(range(len(self.plan)))
             chosen, _ = self._control(failure, everything, self.batch_size, "close")
@@ -252,7 +252,7 @@ class RankSync:
         carried: bool = False,
     ) -> tuple[tuple[int, ...], int | None]:
         """Rank 0's status, rounds seen, batch share and chosen fragments on every rank;
-        returns the fragments and the share. `carried`: the vector closes the parted
+        returns the fragments and the share. `carried`: the vector closes the sharded
         ranks' ops (one collective for both)."""
         picked = set(chosen)
         flags = [1 if p in picked else 0 for p in range(len(self.plan))]
@@ -261,11 +261,11 @@ class RankSync:
             self.rounds_seen,
             -1 if batch_size is None else batch_size,
         ]
-        if carried and self.parted is not None:
+        if carried and self.sharded_ranks is not None:
             if self.ranks.is_main:
-                got = self.parted.end_ops(head + flags)
+                got = self.sharded_ranks.end_ops(head + flags)
             else:
-                got = self.parted.serve_ops(head + flags)
+                got = self.sharded_ranks.serve_ops(head + flags)
         else:
             got = self.ranks.broadcast_ints(head + flags)
         if got[0] != _OK:
@@ -282,16 +282,16 @@ class RankSync:
 
     def _ops_done(self) -> None:
         """The end of what rank 0's learner did to the model in this collective: the
-        other ranks have replayed it (parted only)."""
-        if self.parted is None:
+        other ranks have replayed it (sharded ranks only)."""
+        if self.sharded_ranks is None:
             return
         if self.ranks.is_main:
-            self.parted.end_ops()
+            self.sharded_ranks.end_ops()
         else:
-            self.parted.serve_ops()
+            self.sharded_ranks.serve_ops()
 
     def _broadcast(self, fragments: Any) -> None:
-        if self.parted is not None:
+        if self.sharded_ranks is not None:
             return  # every rank applied its own rows
         for p in fragments:
             self.ranks.broadcast_tensors(self._fragments[p])

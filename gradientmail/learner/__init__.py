@@ -5,7 +5,8 @@ communication thread (`mailman`), which talks to the training thread only throug
 messages of `messages` and fetches commits with `fetcher`.
 """
 
+from gradientmail.learner.mailman import BACKUP_EVERY
 from gradientmail.learner.options import LearnerOptions
-from gradientmail.learner.runtime import BACKUP_EVERY, Learner, default_learner_id
+from gradientmail.learner.runtime import Learner, default_learner_id
 
 __all__ = ["BACKUP_EVERY", "Learner", "LearnerOptions", "default_learner_id"]

@@ -11,20 +11,22 @@ from __future__ import annotations
 import asyncio
 
 from gradientmail.adapters.base import Adapter
-from gradientmail.algorithms.diloco import rebuild_theta
+from gradientmail.algorithms.outer import rebuild_theta
 from gradientmail.errors import (
     ConfigError,
     GradientmailError,
     RemoteProtocolError,
     SchemaMismatch,
 )
-from gradientmail.learner.crew import crew_of
 from gradientmail.learner.messages import Commit
+from gradientmail.learner.sharded import crew_of
+from gradientmail.run.bounds import payload_bound
 from gradientmail.run.join import JoinResult
-from gradientmail.run.protocol import Exchange, payload_bound
+from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import theta_digest
 from gradientmail.wire.records import RoundRecord
-from gradientmail.wire.serialization import TensorBytes, validate
+from gradientmail.wire.serialization import validate
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["CommitFetcher"]
 
@@ -77,7 +79,7 @@ class CommitFetcher:
         held = self._host.get(rec.fragment)
         if theta is None and rec.update is not None and held is not None \
                 and held[0] == rec.version - 1:
-            update = await ex.fetch_tensors(rec.update.payload,
+            update = await ex.store.fetch_tensors(rec.update.payload,
                                             payload_bound(schema, names, "updates"))
             if update is not None:
                 try:
@@ -94,7 +96,7 @@ class CommitFetcher:
                     f"round {rec.round}'s record carries no theta and this run does not "
                     "replicate its outer step"
                 )
-            fetched = await ex.fetch_tensors(rec.theta, payload_bound(schema, names, "theta"))
+            fetched = await ex.store.fetch_tensors(rec.theta, payload_bound(schema, names, "theta"))
             if fetched is None:
                 return None
             theta, nbytes = fetched, rec.theta.size

@@ -32,25 +32,27 @@ from gradientmail.events import (
     ReleaseFailed,
     RoundRecorded,
 )
-from gradientmail.learner.crew import Crew, crew_of
 from gradientmail.learner.fetcher import CommitFetcher
 from gradientmail.learner.hosting import hosted_closer
 from gradientmail.learner.lease_keeper import LeaseKeeper
 from gradientmail.learner.messages import Commit, Observed, Outgoing, delta_format
 from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.poster import Poster
+from gradientmail.learner.sharded import Crew, crew_of
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
 from gradientmail.mailbox.wrappers import CountingMailbox
 from gradientmail.run.cadence import poll_delay
 from gradientmail.run.join import InitUploader, JoinResult, Loader, join_run
+from gradientmail.run.keyspace import MANIFEST_KEY
 from gradientmail.run.lease import CLOSERS, LeaseTracker
-from gradientmail.run.protocol import MANIFEST_KEY, Exchange
+from gradientmail.run.protocol import Exchange
 from gradientmail.syncer.hosted import Host
 from gradientmail.syncer.runtime import Syncer
 from gradientmail.syncer.standalone import closer_timeout
 from gradientmail.wire.auth import HmacSeal
-from gradientmail.wire.records import Manifest, PayloadRef, RoundRecord
+from gradientmail.wire.records import Manifest, RoundRecord
+from gradientmail.wire.refs import PayloadRef
 
 __all__ = ["BACKUP_EVERY", "MANIFEST_EVERY", "Mailman", "delta_format"]
 

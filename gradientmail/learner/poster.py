@@ -21,13 +21,13 @@ from gradientmail.algorithms.base import Algorithm
 from gradientmail.clock import Clock
 from gradientmail.errors import LocalProtocolError
 from gradientmail.events import EventSink, PublishCancelled, PublishFailed, SnapshotPublished
-from gradientmail.learner.crew import crew_of
 from gradientmail.learner.messages import Outgoing, delta_format
+from gradientmail.learner.sharded import crew_of
 from gradientmail.run.protocol import Exchange
 from gradientmail.syncer.hosted import Host
 from gradientmail.wire.quantization import quantize
 from gradientmail.wire.records import SnapshotRecord
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["Poster"]
 

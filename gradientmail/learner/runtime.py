@@ -21,7 +21,8 @@ from typing import Any
 
 from gradientmail.adapters.base import Adapter
 from gradientmail.algorithms.base import Algorithm
-from gradientmail.algorithms.schedule import Estimates, RoundSchedule
+from gradientmail.algorithms.rounds import effective_quorum, much_slower
+from gradientmail.algorithms.schedule import RoundSchedule
 from gradientmail.clock import Clock, MonotonicClock
 from gradientmail.errors import ConfigError, GradientmailError
 from gradientmail.events import (
@@ -40,10 +41,11 @@ from gradientmail.learner.mailman import BACKUP_EVERY, Mailman
 from gradientmail.learner.messages import Commit, Outgoing
 from gradientmail.learner.options import WAIT_TIMEOUT, LearnerOptions
 from gradientmail.mailbox.base import Mailbox
-from gradientmail.syncer.state import effective_quorum, much_slower
 from gradientmail.traffic import RequestCounts, Traffic, measure
 from gradientmail.wire.auth import HmacSeal, resolve_run_key
-from gradientmail.wire.records import RoundRecord, check_learner_id
+from gradientmail.wire.estimates import Estimates
+from gradientmail.wire.record_json import check_learner_id
+from gradientmail.wire.records import RoundRecord
 
 __all__ = [
     "AWAIT_REPORT_EVERY",

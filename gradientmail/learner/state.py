@@ -18,8 +18,8 @@ import math
 from collections.abc import Sequence
 from typing import Literal
 
+from gradientmail.algorithms.rounds import much_slower
 from gradientmail.algorithms.schedule import RoundSchedule
-from gradientmail.syncer.state import much_slower
 
 __all__ = [
     "FragmentCounters",

@@ -12,13 +12,8 @@ from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.mailbox.s3 import S3Mailbox
 from gradientmail.mailbox.selftest import verify_conditional_writes
 from gradientmail.mailbox.url import open_mailbox
-from gradientmail.mailbox.wrappers import (
-    CountingMailbox,
-    FaultPlan,
-    FaultRule,
-    FaultyMailbox,
-    RequestCounts,
-)
+from gradientmail.mailbox.wrappers import CountingMailbox, FaultPlan, FaultRule, FaultyMailbox
+from gradientmail.traffic import RequestCounts
 
 __all__ = [
     "CountingMailbox",

@@ -29,7 +29,7 @@ from gradientmail.errors import ConfigError, MailboxError
 from gradientmail.mailbox.base import Mailbox, check_range
 from gradientmail.traffic import RequestCounts
 
-__all__ = ["OPS", "CountingMailbox", "FaultPlan", "FaultRule", "FaultyMailbox", "RequestCounts"]
+__all__ = ["OPS", "CountingMailbox", "FaultPlan", "FaultRule", "FaultyMailbox"]
 
 #: The operations a rule may name ("*" names all of them; "get" names "get_range" too).
 OPS = ("get", "get_range", "put", "create", "list", "delete")

@@ -1,5 +1,5 @@
 """What a payload may hold and how large it may be: the checks a reader applies before
-and after it downloads one. Pure; re-exported by `gradientmail.run.protocol`."""
+and after it downloads one. Pure; `gradientmail.run.protocol`'s readers apply them."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from collections.abc import Iterable
 
 from gradientmail.errors import LocalProtocolError
 from gradientmail.wire import compression as codec
-from gradientmail.wire.blocks import digest_room
 from gradientmail.wire.records import SnapshotRecord
-from gradientmail.wire.serialization import Schema, TensorBytes, validate
+from gradientmail.wire.serialization import Schema, validate
+from gradientmail.wire.sharded_blocks import digest_room
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["check_delta", "delta_bound", "payload_bound"]
 

@@ -23,7 +23,7 @@ from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import newest_model
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 if TYPE_CHECKING:
     import torch

@@ -28,10 +28,13 @@ from gradientmail.events import (
     TookOverCreation,
 )
 from gradientmail.mailbox.selftest import verify_conditional_writes
-from gradientmail.run.protocol import Exchange, current_attempt
+from gradientmail.run.keyspace import current_attempt
+from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import Replica
-from gradientmail.wire.records import Manifest, PayloadRef, RoundRecord
-from gradientmail.wire.serialization import Schema, TensorBytes
+from gradientmail.wire.records import Manifest, RoundRecord
+from gradientmail.wire.refs import PayloadRef
+from gradientmail.wire.serialization import Schema
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = [
     "InitUploader",
@@ -226,8 +229,8 @@ async def _create(
         algorithm=algorithm.to_json(),
         creator=learner,
         init=tuple(refs),
-        codec=ex.compression,
-        key_fingerprint=ex.seal.fingerprint,
+        codec=ex.store.compression,
+        key_fingerprint=ex.store.seal.fingerprint,
         init_parts=tuple(parts),
     )
     if await ex.create_manifest(manifest):

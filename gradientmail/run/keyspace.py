@@ -1,8 +1,8 @@
 """The run's key layout and the pure decisions over keys and records: which claim counts,
 which contributions a round may use, what a sweep deletes.
 
-Kept apart from `gradientmail.run.protocol`, whose `Exchange` carries these out on a mailbox
-(and re-exports every public name here), so they are read and tested without any I/O.
+Kept apart from `gradientmail.run.protocol`, whose `Exchange` carries these out on a mailbox,
+so they are read and tested without any I/O.
 The whole layout is in `gradientmail.run.protocol`'s docstring. Two keys are fixed: the
 manifest, and `rollcall.json`, the roll call (`gradientmail.run.rollcall`): one object for the
 run, overwritten by each call and its verdict, read by every learner every few polls.
@@ -15,37 +15,46 @@ import re
 from collections.abc import Iterable, Mapping
 
 from gradientmail.errors import ConfigError, LocalProtocolError
-from gradientmail.wire.records import Dropped, RoundRecord, SnapshotRecord
+from gradientmail.wire.records import RoundRecord, SnapshotRecord
 
 __all__ = [
+    "ARTIFACT_KINDS",
     "CALL_KEY",
     "MANIFEST_KEY",
+    "ROUND_AREAS",
+    "ROUND_LIMIT",
     "Contributions",
     "Rejected",
     "artifact_key",
+    "attempts_in",
     "audit_floor",
+    "check_number",
     "current_attempt",
     "delta_keys_problem",
     "init_key",
     "init_part_key",
     "part_key",
     "plan_sweep",
+    "round_dir",
     "round_key",
     "screen_snapshot",
-    "screen_snapshots",
 ]
 
 MANIFEST_KEY = "manifest.json"
 CALL_KEY = "rollcall.json"
-_ROUND_LIMIT = 10**10
-_ARTIFACT_KINDS = ("theta", "outer", "updates", "steps")
-_ROUND_AREAS = ("payloads/", "parts/", "snapshots/", "claims/round/")
+#: Round numbers are below this (ten digits in keys).
+ROUND_LIMIT = 10**10
+#: The areas of a commit's payloads, one directory each.
+ARTIFACT_KINDS = ("theta", "outer", "updates", "steps")
+#: The areas that hold a directory per round.
+ROUND_AREAS = ("payloads/", "parts/", "snapshots/", "claims/round/")
 _NUMBERED = re.compile(r"(\d{10})")
 _ATTEMPT = re.compile(r"\d{6}")
 _ARTIFACT = re.compile(r"(theta|outer|updates|steps)/(\d+)/(\d{10})-(\d{6})(\..+)")
 
 
-def _check_number(what: str, value: int, limit: int) -> int:
+def check_number(what: str, value: int, limit: int) -> int:
+    """`value`, checked to be an integer in [0, `limit`) before it goes into a key."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
         raise LocalProtocolError(f"{what}={value!r} must be an integer in [0, {limit})")
     return value
@@ -53,21 +62,22 @@ def _check_number(what: str, value: int, limit: int) -> int:
 
 def round_key(round_: int) -> str:
     """`rounds/<round>.json`, the commit record of `round_`."""
-    return f"rounds/{_check_number('round', round_, _ROUND_LIMIT):010d}.json"
+    return f"rounds/{check_number('round', round_, ROUND_LIMIT):010d}.json"
 
 
-def _round_dir(area: str, round_: int) -> str:
-    return f"{area}{_check_number('round', round_, _ROUND_LIMIT):010d}/"
+def round_dir(area: str, round_: int) -> str:
+    """`<area><round>/`, the directory of `round_` in a per-round area."""
+    return f"{area}{check_number('round', round_, ROUND_LIMIT):010d}/"
 
 
 def artifact_key(kind: str, fragment: int, version: int, attempt: int, ext: str) -> str:
     """`<kind>/<fragment>/<version>-<attempt><ext>` for kind theta, outer, updates or
     steps."""
-    if kind not in _ARTIFACT_KINDS:
-        raise LocalProtocolError(f"artifact kind {kind!r} must be one of {_ARTIFACT_KINDS}")
-    _check_number("fragment", fragment, 10**6)
-    return (f"{kind}/{fragment}/{_check_number('version', version, _ROUND_LIMIT):010d}"
-            f"-{_check_number('attempt', attempt, 10**6):06d}{ext}")
+    if kind not in ARTIFACT_KINDS:
+        raise LocalProtocolError(f"artifact kind {kind!r} must be one of {ARTIFACT_KINDS}")
+    check_number("fragment", fragment, 10**6)
+    return (f"{kind}/{fragment}/{check_number('version', version, ROUND_LIMIT):010d}"
+            f"-{check_number('attempt', attempt, 10**6):06d}{ext}")
 
 
 def part_key(round_: int, learner: str, k: int, n: int) -> str:
@@ -77,14 +87,14 @@ def part_key(round_: int, learner: str, k: int, n: int) -> str:
     derived from another learner's payload key could collide with it."""
     if not 0 <= k < n:
         raise LocalProtocolError(f"part {k} of {n}: need 0 <= k < n")
-    return f"{_round_dir('parts/', round_)}{learner}/{k}-of-{n}"
+    return f"{round_dir('parts/', round_)}{learner}/{k}-of-{n}"
 
 
 def init_key(attempt: int, fragment: int) -> str:
     """`init/<attempt>/<fragment>` (the codec's extension follows): Θ⁰ of `fragment`, as
     creation `attempt` uploaded it. Never swept: every version-0 reader needs it."""
-    return (f"init/{_check_number('attempt', attempt, 10**6):06d}/"
-            f"{_check_number('fragment', fragment, 10**6)}")
+    return (f"init/{check_number('attempt', attempt, 10**6):06d}/"
+            f"{check_number('fragment', fragment, 10**6)}")
 
 
 def init_part_key(attempt: int, fragment: int, k: int, n: int) -> str:
@@ -105,7 +115,7 @@ def delta_keys_problem(record: SnapshotRecord, round_: int, learner: str,
     ext for k = 0..n−1 in order, n = `len(parts)` (`extensions`: of the codecs known)."""
     exts = tuple(extensions)
     if record.payload is not None:
-        stem = f"{_round_dir('payloads/', round_)}{learner}"
+        stem = f"{round_dir('payloads/', round_)}{learner}"
         wanted = sorted(stem + ext for ext in exts)
         if record.payload.key in wanted:
             return None
@@ -123,7 +133,8 @@ def current_attempt(attempts: Iterable[int]) -> int | None:
     return max(attempts, default=None)
 
 
-def _attempts(keys: Iterable[str], prefix: str) -> list[int]:
+def attempts_in(keys: Iterable[str], prefix: str) -> list[int]:
+    """The claim attempts among `keys` listed under `prefix`, ascending."""
     out = []
     for key in keys:
         rest = key[len(prefix):]
@@ -173,27 +184,6 @@ def screen_snapshot(
     return None
 
 
-def screen_snapshots(
-    snapshots: Iterable[SnapshotRecord],
-    *,
-    fragment: int,
-    version: int,
-    schema_digest: str,
-) -> tuple[list[SnapshotRecord], list[Dropped]]:
-    """Split a round's contributions into usable ones and dropped ones (with the reason
-    `screen_snapshot` gives)."""
-    usable: list[SnapshotRecord] = []
-    dropped: list[Dropped] = []
-    for s in snapshots:
-        reason = screen_snapshot(s, fragment=fragment, version=version,
-                                 schema_digest=schema_digest)
-        if reason is None:
-            usable.append(s)
-        else:
-            dropped.append(Dropped(s.learner, reason))
-    return usable, dropped
-
-
 def plan_sweep(
     keys: Iterable[str], latest: Mapping[int, RoundRecord], keep_versions: int = 2,
     checkpoint_every: int = 1, keep_rounds: int | None = None, fragments: int | None = None,
@@ -235,7 +225,7 @@ def plan_sweep(
     referenced = {ref.key for r in latest.values() for ref in r.payload_refs()}
     doomed = []
     for key in keys:
-        area = next((a for a in _ROUND_AREAS if key.startswith(a)), None)
+        area = next((a for a in ROUND_AREAS if key.startswith(a)), None)
         if area is not None:
             m = _NUMBERED.match(key[len(area):])
             if m is not None and key[len(area) + 10:].startswith("/") \

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from typing import Literal
 
 from gradientmail.errors import ConfigError, LocalProtocolError
-from gradientmail.wire.records import check_learner_id
+from gradientmail.wire.record_json import check_learner_id
 
 __all__ = ["CLOSERS", "LEARNERS", "LeaseArea", "LeaseTracker", "lease_counters", "lease_key"]
 

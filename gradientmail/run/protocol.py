@@ -22,8 +22,9 @@ Written payloads carry the claim attempt that wrote them, so a superseded creato
 closer that wakes up late can never overwrite what the winner's record references.
 
 Decisions (which keys to sweep, which contributions a round may use, which claim is
-current) are pure functions in `gradientmail.run.keyspace`, re-exported here; `Exchange` only
-does I/O, on `gradientmail.run.store.RunStore` (sealed records, verified payloads).
+current) are pure functions in `gradientmail.run.keyspace`; `Exchange` only does I/O: the
+protocol's steps, kept in its `store`, a `gradientmail.run.store.RunStore` (sealed records,
+verified payloads), where readers fetch payloads too.
 Every record passes through a `Seal`: `PlainSeal` stores canonical JSON as is; with a run
 key, `gradientmail.wire.auth.HmacSeal` seals and checks every record.
 """
@@ -35,34 +36,33 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from gradientmail.clock import Clock, MonotonicClock
 from gradientmail.errors import (
     AlreadyContributed,
     LocalProtocolError,
     ProtocolError,
     RemoteProtocolError,
 )
+from gradientmail.mailbox.base import Mailbox
 from gradientmail.run.bounds import check_delta, delta_bound, payload_bound
 from gradientmail.run.keyspace import (
-    _ARTIFACT_KINDS,
-    _ROUND_AREAS,
-    _ROUND_LIMIT,
+    ARTIFACT_KINDS,
     CALL_KEY,
     MANIFEST_KEY,
+    ROUND_AREAS,
+    ROUND_LIMIT,
     Contributions,
     Rejected,
-    _attempts,
-    _check_number,
-    _round_dir,
     artifact_key,
-    current_attempt,
+    attempts_in,
+    check_number,
     delta_keys_problem,
     init_key,
     init_part_key,
     part_key,
     plan_sweep,
+    round_dir,
     round_key,
-    screen_snapshot,
-    screen_snapshots,
 )
 from gradientmail.run.lease import (
     LEARNERS,
@@ -72,73 +72,80 @@ from gradientmail.run.lease import (
     lease_key,
 )
 from gradientmail.run.rollcall import Call
-from gradientmail.run.store import RANGED_AREAS, RunStore
+from gradientmail.run.store import RunStore
 from gradientmail.wire import compression as codec
-from gradientmail.wire.auth import PlainSeal, Seal, open_manifest
-from gradientmail.wire.parts import assemble, part_metadata, pieces_of
+from gradientmail.wire.auth import Seal, open_manifest
+from gradientmail.wire.record_json import CODECS, check_learner_id
 from gradientmail.wire.records import (
-    CODECS,
     CreationClaim,
     Manifest,
-    PayloadRef,
     RoundClaim,
     RoundRecord,
     SnapshotRecord,
-    check_learner_id,
 )
-from gradientmail.wire.row_pieces import DeltaTensor
-from gradientmail.wire.serialization import Schema, TensorBytes
+from gradientmail.wire.refs import PayloadRef
+from gradientmail.wire.serialization import Schema
+from gradientmail.wire.sharded_parts import assemble, part_metadata, pieces_of
+from gradientmail.wire.sharded_pieces import DeltaTensor
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 #: Contribution records a closer reads at once (`Exchange.contributions`).
 READS_AT_ONCE = 16
 
-__all__ = [
-    "CALL_KEY",
-    "MANIFEST_KEY",
-    "RANGED_AREAS",
-    "Contributions",
-    "Exchange",
-    "PlainSeal",
-    "Rejected",
-    "Seal",
-    "artifact_key",
-    "check_delta",
-    "current_attempt",
-    "delta_bound",
-    "init_key",
-    "init_part_key",
-    "part_key",
-    "payload_bound",
-    "plan_sweep",
-    "round_key",
-    "screen_snapshot",
-    "screen_snapshots",
-]
+__all__ = ["READS_AT_ONCE", "Exchange"]
 
-class Exchange(RunStore):
-    """The run's protocol on `mailbox`, under `prefix` (the constructor is `RunStore`'s:
-    `compression` is the codec of the payloads this process writes, readers take it from
-    each key's extension; `clock` timestamps lease listings; no I/O happens in it).
+
+class Exchange:
+    """The run's protocol on `mailbox`, under `prefix`: records and payloads go through
+    `store` (`compression`, `seal` and `run_key` are `RunStore`'s); `clock` timestamps
+    lease listings. No I/O happens in the constructor.
     """
+
+    def __init__(
+        self,
+        mailbox: Mailbox,
+        *,
+        clock: Clock | None = None,
+        compression: str = "off",
+        prefix: str = "",
+        seal: Seal | None = None,
+        run_key: str | bytes | None = None,
+    ) -> None:
+        self.store = RunStore(mailbox, compression=compression, prefix=prefix, seal=seal,
+                              run_key=run_key)
+        # The store's own, for the keys the protocol reads and writes raw (leases, the
+        # roll call, existence checks and the sweep's deletes).
+        self.mailbox: Mailbox = self.store.mailbox
+        self.prefix: str = self.store.prefix
+        self.clock: Clock = clock if clock is not None else MonotonicClock()
+        self._lease_counter: dict[str, int] = {}  # the lease keys this process bumped
+
+    def __repr__(self) -> str:
+        return f"Exchange({self.mailbox!r}, prefix={self.prefix!r})"
+
+    @property
+    def where(self) -> str:
+        """The run's place, for messages: the mailbox URL and the prefix, if any."""
+        return self.store.where
 
     # -- creation --------------------------------------------------------------------
 
     async def claim_creation(self, learner: str, attempt: int) -> bool:
         """Bid to create the run with `attempt`; True if this call holds that attempt."""
-        claim = CreationClaim(_check_number("attempt", attempt, 10**6), check_learner_id(learner))
-        return await self._write_record(f"claims/create/{attempt:06d}", claim)
+        claim = CreationClaim(check_number("attempt", attempt, 10**6), check_learner_id(learner))
+        return await self.store.write_record(f"claims/create/{attempt:06d}", claim)
 
     async def creation_claims(self) -> list[int]:
         """The creation attempts claimed so far, ascending (one LIST)."""
-        return _attempts(await self._list("claims/create/"), "claims/create/")
+        return attempts_in(await self.store.keys("claims/create/"), "claims/create/")
 
     async def read_creation_claim(self, attempt: int) -> CreationClaim | None:
-        return await self._read_record(f"claims/create/{attempt:06d}", CreationClaim)
+        return await self.store.read_record(f"claims/create/{attempt:06d}", CreationClaim)
 
     async def put_init(self, fragment: int, tensors: Mapping[str, TensorBytes],
                        *, attempt: int) -> PayloadRef:
         """Upload Θ⁰ of `fragment` for creation `attempt`; its ref goes into the manifest."""
-        ref = await self.put_payload(init_key(attempt, fragment), tensors)
+        ref = await self.store.put_payload(init_key(attempt, fragment), tensors)
         assert ref is not None
         return ref
 
@@ -147,35 +154,35 @@ class Exchange(RunStore):
                             rows: Mapping[str, tuple[int, int]], *, attempt: int) -> PayloadRef:
         """Upload part `k` of `n` of Θ⁰ of `fragment` for creation `attempt`: `tensors`
         hold rows `rows[name]` of each tensor, in its storage dtype (the format of a
-        contribution's part, `wire.parts`). Overwritten, as `put_init`: only the holder
+        contribution's part, `wire.sharded_parts`). Overwritten, as `put_init`: only the holder
         of the attempt's claim writes under it. Its ref goes into `Manifest.init_parts`."""
-        ref = await self.put_payload(init_part_key(attempt, fragment, k, n), tensors,
+        ref = await self.store.put_payload(init_part_key(attempt, fragment, k, n), tensors,
                                      metadata=part_metadata(rows))
         assert ref is not None
         return ref
 
     async def fetch_init(self, manifest: Manifest, fragment: int
                          ) -> dict[str, TensorBytes] | None:
-        """Θ⁰ of `fragment`, whole: its payload, or its parts checked (`wire.parts`: each
+        """Θ⁰ of `fragment`, whole: its payload, or its parts checked (`wire.sharded_parts`: each
         tensor's rows tile it once, in the schema's dtypes) and joined. Each payload is
         verified against its ref and bounded by the fragment's size; None if one is gone."""
         names = manifest.plan[fragment]
         bound = payload_bound(manifest.schema, names, "theta")
         ref = manifest.init[fragment]
         if ref is not None:
-            return await self.fetch_tensors(ref, bound)
-        parts = await self._fetch_parts(manifest.init_parts[fragment], bound)
+            return await self.store.fetch_tensors(ref, bound)
+        parts = await self.store.fetch_parts(manifest.init_parts[fragment], bound)
         return None if parts is None else assemble(parts, manifest.schema, names, None)
 
     async def create_manifest(self, manifest: Manifest) -> bool:
         """Write the manifest if there is none; False when another creator won."""
-        return await self._write_record(MANIFEST_KEY, manifest)
+        return await self.store.write_record(MANIFEST_KEY, manifest)
 
     async def read_manifest(self) -> Manifest | None:
         """The manifest, checked to name this Exchange's run key (`AuthenticationError`
         naming both fingerprints otherwise); None while the run does not exist."""
         data = await self.mailbox.get(self.prefix + MANIFEST_KEY)
-        return None if data is None else open_manifest(self.seal, data, MANIFEST_KEY,
+        return None if data is None else open_manifest(self.store.seal, data, MANIFEST_KEY,
                                                        self.where)
 
     # -- leases ----------------------------------------------------------------------
@@ -189,7 +196,7 @@ class Exchange(RunStore):
         if counter is None:
             # A restarted learner continues after its old counter (still listed until
             # deleted): counting from 0 again would look like no change to observers.
-            stale = await self._list(f"{area}/{learner}/")
+            stale = await self.store.keys(f"{area}/{learner}/")
             counter = lease_counters(stale, area).get(learner, -1)
         else:
             stale = [lease_key(learner, counter, area)]
@@ -204,7 +211,7 @@ class Exchange(RunStore):
     async def leases(self, area: LeaseArea = LEARNERS) -> dict[str, int]:
         """Every learner's lease counter, or every standalone closer's with
         `area="closers"` (one LIST per 1,000)."""
-        return lease_counters(await self._list(f"{area}/"), area)
+        return lease_counters(await self.store.keys(f"{area}/"), area)
 
     async def observe_leases(self, tracker: LeaseTracker,
                              area: LeaseArea = LEARNERS) -> frozenset[str]:
@@ -228,11 +235,14 @@ class Exchange(RunStore):
         """The roll call in `rollcall.json` (open, or closed with its verdict); None when
         no call was ever made (one GET)."""
         data = await self.mailbox.get(self.prefix + CALL_KEY)
-        return None if data is None else Call.decode(self.seal.open(CALL_KEY, data), CALL_KEY)
+        if data is None:
+            return None
+        return Call.decode(self.store.seal.open(CALL_KEY, data), CALL_KEY)
 
     async def post_call(self, call: Call) -> None:
         """Write `call` (a new call, or the verdict of one) over `rollcall.json`."""
-        await self.mailbox.put(self.prefix + CALL_KEY, self.seal.seal(CALL_KEY, call.encode()))
+        sealed = self.store.seal.seal(CALL_KEY, call.encode())
+        await self.mailbox.put(self.prefix + CALL_KEY, sealed)
 
     async def release(self, learner: str, area: LeaseArea = LEARNERS) -> None:
         """Delete `learner`'s lease: observers stop counting it at their next listing."""
@@ -242,7 +252,7 @@ class Exchange(RunStore):
             # Its predecessor too, in case a beat was cancelled before deleting it.
             keys = [lease_key(learner, c, area) for c in (counter, counter - 1) if c >= 0]
         else:
-            keys = await self._list(f"{area}/{learner}/")
+            keys = await self.store.keys(f"{area}/{learner}/")
         for key in keys:
             await self.mailbox.delete(self.prefix + key)
 
@@ -283,7 +293,7 @@ class Exchange(RunStore):
             learner=learner, round=round_, fragment=fragment, base_version=base_version,
             local_step=local_step, steps=steps, tokens=tokens, final=final,
             schema_digest=schema_digest, delta_format=delta_format,
-            payload=PayloadRef(f"{_round_dir('payloads/', round_)}{learner}", 0, "0" * 64),
+            payload=PayloadRef(f"{round_dir('payloads/', round_)}{learner}", 0, "0" * 64),
             step_seconds=step_seconds, loss=loss,
         )
 
@@ -295,15 +305,15 @@ class Exchange(RunStore):
             raise LocalProtocolError("publish_draft takes a draft of one payload; a delta "
                                      "made of parts goes out by put_part and publish_parts")
         round_, learner, stem = draft.round, draft.learner, draft.payload.key
-        ref = await self.put_payload(stem, tensors, create=True)
-        key = f"{_round_dir('snapshots/', round_)}{learner}.json"
+        ref = await self.store.put_payload(stem, tensors, create=True)
+        key = f"{round_dir('snapshots/', round_)}{learner}.json"
         if ref is None and await self.mailbox.get(self.prefix + key) is None:
             # Our own payload without its record: an earlier publish of this round failed
             # between the two writes. No record references those bytes, so replace them.
-            ref = await self.put_payload(stem, tensors)
+            ref = await self.store.put_payload(stem, tensors)
         if ref is not None:
             record = dataclasses.replace(draft, payload=ref)
-            if await self._write_record(key, record):
+            if await self.store.write_record(key, record):
                 return record
         raise AlreadyContributed(
             f"learner {learner!r} has already contributed to round {round_} ({key!r} or its "
@@ -321,13 +331,13 @@ class Exchange(RunStore):
         check_learner_id(learner)
         stem = part_key(round_, learner, k, n)
         meta = part_metadata(rows)
-        ref = await self.put_payload(stem, tensors, create=True, metadata=meta)
+        ref = await self.store.put_payload(stem, tensors, create=True, metadata=meta)
         if ref is None:
             if await self.contribution(round_, learner) is not None:
                 raise AlreadyContributed(
                     f"learner {learner!r} has already contributed to round {round_}; part "
                     f"{stem!r} belongs to its record")
-            ref = await self.put_payload(stem, tensors, metadata=meta)
+            ref = await self.store.put_payload(stem, tensors, metadata=meta)
         assert ref is not None
         return ref
 
@@ -341,8 +351,8 @@ class Exchange(RunStore):
         if problem is not None:
             raise LocalProtocolError(f"cannot publish {draft.learner!r}'s parts: "
                                      f"{problem[0]}; need {problem[1]}")
-        key = f"{_round_dir('snapshots/', draft.round)}{draft.learner}.json"
-        if await self._write_record(key, record):
+        key = f"{round_dir('snapshots/', draft.round)}{draft.learner}.json"
+        if await self.store.write_record(key, record):
             return record
         raise AlreadyContributed(
             f"learner {draft.learner!r} has already contributed to round {draft.round} "
@@ -351,15 +361,15 @@ class Exchange(RunStore):
     async def contribution(self, round_: int, learner: str) -> SnapshotRecord | None:
         """`learner`'s record for `round_`, or None when it has not contributed (one GET)."""
         check_learner_id(learner)
-        return await self._read_record(
-            f"{_round_dir('snapshots/', round_)}{learner}.json", SnapshotRecord
+        return await self.store.read_record(
+            f"{round_dir('snapshots/', round_)}{learner}.json", SnapshotRecord
         )
 
     async def publishers(self, round_: int) -> frozenset[str]:
         """Learners whose record for `round_` exists (one LIST, no GET)."""
-        prefix = _round_dir("snapshots/", round_)
+        prefix = round_dir("snapshots/", round_)
         out = set()
-        for key in await self._list(prefix):
+        for key in await self.store.keys(prefix):
             name = key[len(prefix):]
             if name.endswith(".json"):
                 try:
@@ -375,11 +385,11 @@ class Exchange(RunStore):
         its own key, is returned in `rejected` with the reason, never raised: one bad peer
         must not stop a round from closing. Records deleted meanwhile are skipped.
         """
-        prefix = _round_dir("snapshots/", round_)
+        prefix = round_dir("snapshots/", round_)
         records: list[SnapshotRecord] = []
         rejected: list[Rejected] = []
         named: list[tuple[str, str]] = []
-        for key in await self._list(prefix):
+        for key in await self.store.keys(prefix):
             name = key[len(prefix):]
             try:
                 named.append((key, check_learner_id(name[:-5] if name.endswith(".json")
@@ -392,7 +402,7 @@ class Exchange(RunStore):
 
         async def read(key: str) -> SnapshotRecord | None:
             async with gate:
-                return await self._read_record(key, SnapshotRecord)
+                return await self.store.read_record(key, SnapshotRecord)
 
         reads = await asyncio.gather(*(read(k) for k, _ in named), return_exceptions=True)
         for (key, learner), got in zip(named, reads, strict=True):
@@ -424,7 +434,7 @@ class Exchange(RunStore):
         """A contribution's delta: verified, decoded, and checked to hold exactly `names` in
         the record's `delta_format` (plus `<name>.scale` entries of quantized formats).
         A delta made of parts is each part checked, its rows left where they lie, never
-        joined (`wire.parts.pieces_of`: `RowPieces`; quantized parts come back in F32).
+        joined (`wire.sharded_parts.pieces_of`: `RowPieces`; quantized parts come back in F32).
 
         None if the payload was swept. `CorruptPayload` for bad bytes; `SchemaMismatch`
         naming every missing, extra or mis-shaped tensor.
@@ -432,33 +442,34 @@ class Exchange(RunStore):
         names = list(names)
         bound = delta_bound(schema, names)
         if snapshot.payload is not None:
-            tensors = await self.fetch_tensors(snapshot.payload, bound)
+            tensors = await self.store.fetch_tensors(snapshot.payload, bound)
             return None if tensors is None else dict(check_delta(tensors, snapshot, schema,
                                                                  names))
-        parts = await self._fetch_parts(snapshot.parts, bound)
+        parts = await self.store.fetch_parts(snapshot.parts, bound)
         return None if parts is None else pieces_of(parts, schema, names, snapshot.delta_format)
 
     # -- closing rounds --------------------------------------------------------------
 
     async def claim_round(self, round_: int, attempt: int, closer: str) -> bool:
         """Bid to close `round_` with `attempt`; True if this call holds that attempt."""
-        claim = RoundClaim(round_, _check_number("attempt", attempt, 10**6),
+        claim = RoundClaim(round_, check_number("attempt", attempt, 10**6),
                            check_learner_id(closer))
-        return await self._write_record(f"{_round_dir('claims/round/', round_)}{attempt:06d}",
+        return await self.store.write_record(f"{round_dir('claims/round/', round_)}{attempt:06d}",
                                         claim)
 
     async def round_claims(self, round_: int) -> list[int]:
         """The closer attempts claimed for `round_`, ascending (one LIST)."""
-        prefix = _round_dir("claims/round/", round_)
-        return _attempts(await self._list(prefix), prefix)
+        prefix = round_dir("claims/round/", round_)
+        return attempts_in(await self.store.keys(prefix), prefix)
 
     async def read_round_claim(self, round_: int, attempt: int) -> RoundClaim | None:
-        return await self._read_record(
-            f"{_round_dir('claims/round/', round_)}{attempt:06d}", RoundClaim)
+        return await self.store.read_record(
+            f"{round_dir('claims/round/', round_)}{attempt:06d}", RoundClaim)
 
     async def _put_artifact(self, kind: str, fragment: int, version: int, attempt: int,
                             tensors: Mapping[str, TensorBytes]) -> PayloadRef:
-        ref = await self.put_payload(artifact_key(kind, fragment, version, attempt, ""), tensors)
+        key = artifact_key(kind, fragment, version, attempt, "")
+        ref = await self.store.put_payload(key, tensors)
         assert ref is not None
         return ref
 
@@ -494,12 +505,12 @@ class Exchange(RunStore):
                 f"cannot commit round {record.round}: round {record.round - 1} has no record; "
                 "rounds are committed strictly in order"
             )
-        return await self._write_record(round_key(record.round), record)
+        return await self.store.write_record(round_key(record.round), record)
 
     async def read_round(self, round_: int) -> RoundRecord | None:
         """Round `round_`'s record, or None while it is not committed."""
         key = round_key(round_)
-        record = await self._read_record(key, RoundRecord)
+        record = await self.store.read_record(key, RoundRecord)
         if record is not None and record.round != round_:
             raise RemoteProtocolError(f"record {key!r} says round {record.round}; its key says "
                                       f"round {round_}")
@@ -528,9 +539,9 @@ class Exchange(RunStore):
         """The newest committed round (−1 if none), found with O(log n) GETs by galloping
         forward from `hint` (a round known to be committed) and bisecting."""
         lo, step = max(hint, -1), 1
-        while lo + step < _ROUND_LIMIT and await self._exists(lo + step):
+        while lo + step < ROUND_LIMIT and await self._exists(lo + step):
             lo, step = lo + step, step * 2
-        hi = min(lo + step, _ROUND_LIMIT)  # not committed (or past the last round number)
+        hi = min(lo + step, ROUND_LIMIT)  # not committed (or past the last round number)
         while hi - lo > 1:
             mid = (lo + hi) // 2
             if await self._exists(mid):
@@ -578,8 +589,8 @@ class Exchange(RunStore):
             kept = manifest.algorithm.get("keep_rounds")
             keep_rounds = kept if isinstance(kept, int) else None
         keys: list[str] = []
-        for area in (*_ROUND_AREAS, *(f"{k}/" for k in _ARTIFACT_KINDS)):
-            keys.extend(await self._list(area))
+        for area in (*ROUND_AREAS, *(f"{k}/" for k in ARTIFACT_KINDS)):
+            keys.extend(await self.store.keys(area))
         doomed = plan_sweep(keys, latest, keep_versions, checkpoint_every, keep_rounds,
                             fragments)
         for key in doomed:

@@ -16,6 +16,7 @@ applied once per process, and a closer that closed a round holds its result alre
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -24,11 +25,20 @@ from gradientmail.algorithms.base import Algorithm, FragmentState
 from gradientmail.algorithms.registry import algorithm_from_json
 from gradientmail.backends.numpy_backend import NumpyBackend
 from gradientmail.errors import ConfigError, GradientmailError, RemoteProtocolError
-from gradientmail.run.protocol import Exchange, payload_bound
+from gradientmail.run.bounds import payload_bound
+from gradientmail.run.protocol import Exchange
 from gradientmail.wire.records import Manifest, RoundRecord
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.tensor_bytes import TensorBytes
 
-__all__ = ["Replica", "newest_model", "require_manifest", "state_at", "theta_digest"]
+__all__ = [
+    "Chain",
+    "Replica",
+    "newest_model",
+    "require_manifest",
+    "state_at",
+    "theta_digest",
+    "walk_back",
+]
 
 
 def theta_digest(theta: Mapping[str, TensorBytes], names: Sequence[str]) -> str:
@@ -42,6 +52,50 @@ def theta_digest(theta: Mapping[str, TensorBytes], names: Sequence[str]) -> str:
         h.update(f"{n}\0{t.dtype}\0{list(t.shape)}\0".encode())
         h.update(t.buffer)
     return h.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    """The way to a commit of a fragment: a base, then `steps` (their records, oldest
+    first, each with a step) applied to it. The base is the state held at `base_version`
+    when `held`, else the checkpoint `checkpoint` committed, else Θ⁰ (`base_version` 0)."""
+
+    base_version: int
+    held: bool
+    checkpoint: RoundRecord | None
+    steps: tuple[RoundRecord, ...]
+
+
+async def walk_back(exchange: Exchange, fragments: int, fragment: int, rec: RoundRecord,
+                    held: int | None) -> Chain:
+    """The chain to `rec`'s version of `fragment` for a party that holds version `held`
+    of it (None: nothing), walking the records back from `rec`, one fragment's round
+    every `fragments` rounds, to a base: the held version just before a step, a
+    checkpoint, or Θ⁰. Reads records only. `RemoteProtocolError` when the records do not
+    form a chain (a record of it missing, or one with neither theta nor a step)."""
+    steps: list[RoundRecord] = []
+    cur = rec
+    while True:
+        if held is not None and held == cur.version - 1 and cur.step is not None:
+            steps.append(cur)
+            return Chain(held, True, None, tuple(reversed(steps)))
+        if cur.checkpoint:
+            return Chain(cur.version, False, cur, tuple(reversed(steps)))
+        if cur.step is None:
+            raise RemoteProtocolError(f"round {cur.round} commits version {cur.version} of "
+                                      f"fragment {fragment} with neither theta nor a step")
+        steps.append(cur)
+        if cur.version == 1:
+            return Chain(0, False, None, tuple(reversed(steps)))
+        prev_round = cur.round - fragments
+        prev = await exchange.read_round(prev_round) if prev_round >= 0 else None
+        if prev is None or prev.fragment != fragment or prev.version != cur.version - 1:
+            raise RemoteProtocolError(
+                f"round {cur.round} commits version {cur.version} of fragment {fragment}, "
+                f"and round {prev_round} is not its version {cur.version - 1}; the run's "
+                "records do not form a chain"
+            )
+        cur = prev
 
 
 class Replica:
@@ -95,35 +149,19 @@ class Replica:
     ) -> FragmentState | None:
         if rec is None:
             return await self._init(fragment)
-        # Walk back to a base: the held version just before a step, a checkpoint, or Θ⁰.
-        steps: list[RoundRecord] = []
-        cur = rec
+        chain = await walk_back(self.exchange, len(self.manifest.plan), fragment, rec,
+                                None if held is None else held.version)
         base: FragmentState | None
-        while True:
-            if held is not None and held.version == cur.version - 1 and cur.step is not None:
-                base = held
-                steps.append(cur)
-                break
-            if cur.checkpoint:
-                base = await self._checkpoint(cur)
-                break
-            steps.append(cur)
-            if cur.version == 1:
-                base = await self._init(fragment)
-                break
-            prev_round = cur.round - len(self.manifest.plan)
-            prev = await self.exchange.read_round(prev_round) if prev_round >= 0 else None
-            if prev is None or prev.fragment != fragment or prev.version != cur.version - 1:
-                raise RemoteProtocolError(
-                    f"round {cur.round} commits version {cur.version} of fragment {fragment}, "
-                    f"and round {prev_round} is not its version {cur.version - 1}; the run's "
-                    "records do not form a chain"
-                )
-            cur = prev
+        if chain.held:
+            base = held
+        elif chain.checkpoint is not None:
+            base = await self._checkpoint(chain.checkpoint)
+        else:
+            base = await self._init(fragment)
         if base is None:
             return None
         state = base
-        for step_rec in reversed(steps):
+        for step_rec in chain.steps:
             nxt = await self._apply(state, step_rec)
             if nxt is None:
                 return None
@@ -145,8 +183,9 @@ class Replica:
         assert rec.theta is not None and rec.outer is not None
         names = self.manifest.plan[rec.fragment]
         schema = self.manifest.schema
-        theta = await self.exchange.fetch_tensors(rec.theta, payload_bound(schema, names, "theta"))
-        outer = await self.exchange.fetch_tensors(rec.outer, payload_bound(schema, names, "outer"))
+        store = self.exchange.store
+        theta = await store.fetch_tensors(rec.theta, payload_bound(schema, names, "theta"))
+        outer = await store.fetch_tensors(rec.outer, payload_bound(schema, names, "outer"))
         if theta is None or outer is None:
             return None
         self.bytes_down += rec.theta.size + rec.outer.size
@@ -158,7 +197,7 @@ class Replica:
         step = rec.step
         assert step is not None
         names = self.manifest.plan[rec.fragment]
-        entries = await self.exchange.fetch_tensors(
+        entries = await self.exchange.store.fetch_tensors(
             step.payload, payload_bound(self.manifest.schema, names, "steps"))
         if entries is None:
             return None

@@ -49,14 +49,19 @@ from collections.abc import Collection, Mapping
 from typing import Any, Self
 
 from gradientmail.errors import LocalProtocolError
-from gradientmail.run.keyspace import CALL_KEY
-from gradientmail.wire.record_json import FORMAT_VERSION, Fields, build_record, check_count, is_int
-from gradientmail.wire.records import Record, check_learner_id
+from gradientmail.wire.record_json import (
+    FORMAT_VERSION,
+    Fields,
+    build_record,
+    check_count,
+    check_learner_id,
+    is_int,
+)
+from gradientmail.wire.records import Record
 
 __all__ = [
     "ANSWER_WITHIN",
     "CALL_AFTER",
-    "CALL_KEY",
     "READ_EVERY",
     "Call",
     "Judging",

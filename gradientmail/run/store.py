@@ -1,6 +1,7 @@
 """`RunStore`: a run's sealed records and verified payloads on a Mailbox.
 
-The plumbing `gradientmail.run.protocol.Exchange` builds the run's protocol on: every key
+What `gradientmail.run.protocol.Exchange` keeps the run's protocol in (`Exchange.store`),
+and what readers of payloads use directly: every key
 under the run's prefix, every record through the run's `Seal` and created once, every
 payload encoded with the writer's codec, checked against its ref's size and SHA-256 when
 read, and bounded before it is downloaded. Payloads that sharded learners read by ranges
@@ -13,15 +14,16 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
-from gradientmail.clock import Clock, MonotonicClock
 from gradientmail.errors import ConfigError, CorruptPayload
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.wire import compression as codec
 from gradientmail.wire.auth import HmacSeal, PlainSeal, Seal
-from gradientmail.wire.blocks import BLOCK_BYTES
-from gradientmail.wire.parts import Part, rows_in
-from gradientmail.wire.records import CODECS, PayloadRef, Record
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.record_json import CODECS
+from gradientmail.wire.records import Record
+from gradientmail.wire.refs import PayloadRef
+from gradientmail.wire.sharded_blocks import BLOCK_BYTES
+from gradientmail.wire.sharded_parts import Part, rows_in
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["RANGED_AREAS", "RunStore"]
 
@@ -29,7 +31,7 @@ _R = TypeVar("_R", bound=Record)
 
 #: Payloads a sharded learner's ranks read by ranges (docs/design/sharded.md §2): Θ⁰, a commit's
 #: theta and outer state, a replicated commit's step. Written with block digests
-#: (`gradientmail.wire.blocks`) when uncompressed. Not contributions or their parts (the
+#: (`gradientmail.wire.sharded_blocks`) when uncompressed. Not contributions or their parts (the
 #: closer reads them whole and checks their SHA-256) nor updates (read whole).
 RANGED_AREAS = ("init/", "theta/", "outer/", "steps/")
 
@@ -38,15 +40,14 @@ class RunStore:
     """The run's records and payloads on `mailbox`, under `prefix`.
 
     `compression` is the codec of the payloads this process writes ("off" or "zstd");
-    readers take the codec from each key's extension. `clock` timestamps lease listings.
-    No I/O happens in the constructor.
+    readers take the codec from each key's extension. Records pass through `seal` (or an
+    `HmacSeal` of `run_key`; plain JSON without either). No I/O happens in the constructor.
     """
 
     def __init__(
         self,
         mailbox: Mailbox,
         *,
-        clock: Clock | None = None,
         compression: str = "off",
         prefix: str = "",
         seal: Seal | None = None,
@@ -59,12 +60,10 @@ class RunStore:
         if prefix and (prefix.startswith("/") or not prefix.endswith("/")):
             raise ConfigError(f"prefix={prefix!r} must be empty or end with '/', no leading '/'")
         self.mailbox = mailbox
-        self.clock: Clock = clock if clock is not None else MonotonicClock()
         self.compression = compression
         self.prefix = prefix
         self.seal: Seal = seal if seal is not None else (
             PlainSeal() if run_key is None else HmacSeal(run_key))
-        self._lease_counter: dict[str, int] = {}  # the lease keys this process bumped
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.mailbox!r}, prefix={self.prefix!r})"
@@ -74,23 +73,23 @@ class RunStore:
         """The run's place, for messages: the mailbox URL and the prefix, if any."""
         return self.mailbox.url + (f" (prefix {self.prefix!r})" if self.prefix else "")
 
-    # -- plumbing --------------------------------------------------------------------
-
-    async def _list(self, prefix: str) -> list[str]:
+    async def keys(self, prefix: str) -> list[str]:
+        """The keys under the run's `prefix`/`prefix`, relative to the run's prefix."""
         return [k[len(self.prefix):] for k in await self.mailbox.list(self.prefix + prefix)]
 
-    async def _write_record(self, key: str, record: Record) -> bool:
+    async def write_record(self, key: str, record: Record) -> bool:
         """Every record is created once (create-if-absent): records never change."""
         return await self.mailbox.create(self.prefix + key, self.seal.seal(key, record.encode()))
 
-    async def _read_record(self, key: str, cls: type[_R]) -> _R | None:
+    async def read_record(self, key: str, cls: type[_R]) -> _R | None:
+        """The record at `key`, opened and decoded as `cls`; None when absent."""
         data = await self.mailbox.get(self.prefix + key)
         return None if data is None else cls.decode(self.seal.open(key, data), key)
 
     async def put_payload(self, key: str, tensors: Mapping[str, TensorBytes],
                           *, create: bool = False,
                           metadata: Mapping[str, str] | None = None) -> PayloadRef | None:
-        """Encode `tensors` (and `metadata`) with this Exchange's codec and store them at
+        """Encode `tensors` (and `metadata`) with this store's codec and store them at
         `key` + extension. A payload that sharded learners read by ranges (`RANGED_AREAS`)
         is written, uncompressed, with block digests and its ref pins its header.
 
@@ -144,7 +143,7 @@ class RunStore:
         return codec.decode(blob, codec.compression_of(ref.key), key=ref.key,
                             max_bytes=max_bytes)
 
-    async def _fetch_parts(self, refs: Sequence[PayloadRef], bound: int) -> list[Part] | None:
+    async def fetch_parts(self, refs: Sequence[PayloadRef], bound: int) -> list[Part] | None:
         """The parts `refs` name, each checked and decoded with the rows it holds; None
         when one is gone (swept)."""
         parts: list[Part] = []

@@ -5,6 +5,7 @@ Its pure decisions (`state`, `screening`, `merging`, and the roll call's closer 
 learner's communication thread.
 """
 
-from gradientmail.syncer.runtime import Syncer, theta_digest
+from gradientmail.run.replica import theta_digest
+from gradientmail.syncer.runtime import Syncer
 
 __all__ = ["Syncer", "theta_digest"]

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+from gradientmail.algorithms.rounds import effective_quorum
 from gradientmail.errors import RemoteProtocolError
 from gradientmail.events import EventSink, LearnersGone, RollCalled
 from gradientmail.run.lease import LeaseTracker
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.rollcall import Call, Judging, next_call, should_post, verdict
-from gradientmail.syncer.state import effective_quorum
 
 __all__ = ["RollCaller"]
 

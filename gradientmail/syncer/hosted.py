@@ -24,8 +24,9 @@ import dataclasses
 from gradientmail.clock import Clock
 from gradientmail.run.lease import LeaseTracker
 from gradientmail.run.replica import Replica
-from gradientmail.wire.records import PayloadRef, SnapshotRecord
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.records import SnapshotRecord
+from gradientmail.wire.refs import PayloadRef
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["Host", "Offer"]
 

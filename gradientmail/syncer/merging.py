@@ -14,23 +14,18 @@ import dataclasses
 from collections.abc import Awaitable, Callable, Collection, Sequence
 
 from gradientmail.algorithms.base import Algorithm, Contribution, FragmentState, RoundResult
-from gradientmail.algorithms.diloco import merged_step, outliers, step_format
-from gradientmail.algorithms.schedule import Estimates
+from gradientmail.algorithms.outer import merged_step, step_format
+from gradientmail.algorithms.rounds import outliers
 from gradientmail.backends.base import Backend
 from gradientmail.errors import GradientmailError, NonFiniteError, SchemaMismatch
 from gradientmail.run.keyspace import screen_snapshot
 from gradientmail.syncer.screening import delta_norms, screen_delta
-from gradientmail.wire.records import (
-    Arrival,
-    Dropped,
-    PayloadRef,
-    RoundRecord,
-    SnapshotRecord,
-    StepRef,
-    UpdateRef,
-)
-from gradientmail.wire.row_pieces import DeltaTensor
-from gradientmail.wire.serialization import Schema, TensorBytes
+from gradientmail.wire.estimates import Estimates
+from gradientmail.wire.records import Dropped, RoundRecord, SnapshotRecord
+from gradientmail.wire.refs import Arrival, PayloadRef, StepRef, UpdateRef
+from gradientmail.wire.serialization import Schema
+from gradientmail.wire.sharded_pieces import DeltaTensor
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = [
     "CommitRefs",

@@ -26,7 +26,7 @@ from gradientmail.algorithms.base import (
     RoundResult,
 )
 from gradientmail.algorithms.registry import algorithm_from_json
-from gradientmail.algorithms.schedule import Estimates, RoundSchedule
+from gradientmail.algorithms.schedule import RoundSchedule
 from gradientmail.backends.base import Backend
 from gradientmail.clock import Clock, MonotonicClock, sleep_unless, wall_time
 from gradientmail.errors import ConfigError, GradientmailError
@@ -43,9 +43,10 @@ from gradientmail.events import (
 )
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
+from gradientmail.run.bounds import check_delta
 from gradientmail.run.cadence import poll_delay
 from gradientmail.run.lease import LeaseTracker
-from gradientmail.run.protocol import Exchange, check_delta
+from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import Replica, theta_digest
 from gradientmail.syncer.caller import RollCaller
 from gradientmail.syncer.hosted import Host, Offer
@@ -64,17 +65,11 @@ from gradientmail.syncer.state import (
     probe_from,
     updated_estimates,
 )
-from gradientmail.wire.records import (
-    Arrival,
-    Dropped,
-    Manifest,
-    RoundRecord,
-    SnapshotRecord,
-    StepRef,
-    UpdateRef,
-)
-from gradientmail.wire.row_pieces import DeltaTensor
+from gradientmail.wire.estimates import Estimates
+from gradientmail.wire.records import Dropped, Manifest, RoundRecord, SnapshotRecord
+from gradientmail.wire.refs import Arrival, StepRef, UpdateRef
 from gradientmail.wire.serialization import Schema
+from gradientmail.wire.sharded_pieces import DeltaTensor
 
 __all__ = ["Syncer", "theta_digest"]
 
@@ -140,7 +135,7 @@ class Syncer:
         host: Host | None = None,
         wall_clock: Callable[[], float] = wall_time,
     ) -> None:
-        from gradientmail.wire.records import check_learner_id
+        from gradientmail.wire.record_json import check_learner_id
 
         self.closer_id = check_learner_id(closer_id)
         if host is not None and host.learner != self.closer_id:
@@ -179,6 +174,7 @@ class Syncer:
         self._awaiting: Awaiting | None = None
         # A standalone closer downloads each delta of its open round as it arrives.
         self._prefetch = Prefetcher(exchange) if host is None else None
+        self._codec_from_run = False  # `open`: write in the manifest's codec
         self.rounds_closed = 0
 
     @classmethod
@@ -187,10 +183,13 @@ class Syncer:
              **kwargs: Any) -> Syncer:
         """A standalone closer of the run at `mailbox` (a URL or a `Mailbox`) under
         `prefix`; `run_key` makes it read and write the sealed records of an
-        authenticated run (`gradientmail.wire.auth`); `kwargs` are the constructor's."""
+        authenticated run (`gradientmail.wire.auth`); `kwargs` are the constructor's. It
+        writes its commits in the codec of the run's manifest."""
         exchange = Exchange(open_mailbox(mailbox), clock=clock or MonotonicClock(),
                             prefix=prefix, run_key=run_key)
-        return cls(exchange, **kwargs)
+        syncer = cls(exchange, **kwargs)
+        syncer._codec_from_run = True
+        return syncer
 
     # -- loop ---------------------------------------------------------------------------
 
@@ -453,11 +452,11 @@ class Syncer:
             return False
         self._manifest = manifest
         self._algorithm = algorithm_from_json(dict(manifest.algorithm))
-        if self.host is None:
+        if self._codec_from_run:
             # A standalone closer writes the commits in the codec the run's creator chose
             # (`LearnerOptions.compression`): with zstd, the step every learner downloads
             # is 1.2x smaller (an embedded closer writes in its learner's codec).
-            self.exchange.compression = manifest.codec
+            self.exchange.store.compression = manifest.codec
         if self._replica is None:
             self._replica = Replica(self.exchange, manifest, self._algorithm)
         self._schedule = self._algorithm.schedule_for(len(manifest.plan))

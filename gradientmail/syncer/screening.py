@@ -1,5 +1,5 @@
 """What a round merges of a contribution whose record passed `keyspace.screen_snapshot`:
-its delta's values checked, and its norm for the outlier rule (`diloco.outliers`).
+its delta's values checked, and its norm for the outlier rule (`algorithms.rounds.outliers`).
 
 Pure functions over tensors: the syncer fetches a payload and reports what these say.
 """
@@ -17,8 +17,8 @@ from gradientmail.backends.base import Backend
 from gradientmail.backends.numpy_backend import NumpyBackend
 from gradientmail.errors import GradientmailError
 from gradientmail.wire.quantization import Quantized, dequantize, dequantizing
-from gradientmail.wire.row_pieces import DeltaTensor, RowPieces
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.sharded_pieces import DeltaTensor, RowPieces
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["delta_norms", "screen_delta"]
 
@@ -64,7 +64,7 @@ def _dequantized(
         return {n: entries[n] for n in names}
     if all(entries[n].dtype == "F32" and f"{n}.scale" not in entries for n in names):
         # A quantized delta made of parts: each part read with its own scales
-        # (`wire.parts.pieces_of`).
+        # (`wire.sharded_parts.pieces_of`).
         return {n: entries[n] for n in names}
     whole = {n: t for n, t in entries.items() if isinstance(t, TensorBytes)}
     return {n: _read_as_f32(whole, n, fmt) for n in names}

@@ -24,8 +24,8 @@ from gradientmail.events import EventSink, PollFailed
 from gradientmail.run.lease import CLOSERS
 from gradientmail.run.protocol import Exchange
 from gradientmail.wire.records import SnapshotRecord
-from gradientmail.wire.row_pieces import DeltaTensor
 from gradientmail.wire.serialization import Schema
+from gradientmail.wire.sharded_pieces import DeltaTensor
 
 __all__ = ["BEAT_EVERY", "JUDGED_AFTER", "Awaiting", "CloserLease", "Prefetcher", "arrived",
            "closer_timeout"]

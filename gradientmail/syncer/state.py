@@ -12,11 +12,11 @@ import math
 from collections.abc import Collection, Mapping
 from typing import Literal
 
-from gradientmail.algorithms.schedule import Estimates
+from gradientmail.algorithms.rounds import SLOW_FACTOR, effective_quorum, much_slower
+from gradientmail.wire.estimates import Estimates
 
 __all__ = [
     "CONTRIBUTOR_HEAD_START",
-    "SLOW_FACTOR",
     "Listing",
     "PollDecision",
     "PollView",
@@ -25,12 +25,10 @@ __all__ = [
     "close_time",
     "completes",
     "decide_poll",
-    "effective_quorum",
     "head_start",
     "listed",
     "lists_claims",
     "lists_contributions",
-    "much_slower",
     "next_claim_attempt",
     "preferred_closer",
     "probe_from",
@@ -41,11 +39,6 @@ __all__ = [
 #: Weight of the newest measurement in the estimates each record carries. A single slow
 #: round (a closer on a congested link) must not double every learner's timeouts at once.
 ESTIMATE_DECAY = 0.3
-
-
-def effective_quorum(quorum_size: int, live: int) -> int:
-    """min(quorum_size, live learners), never under 1: a run of one learner still closes."""
-    return max(1, min(quorum_size, live))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,21 +114,6 @@ def head_start(contributed: bool, backup_every: int) -> int:
     `CONTRIBUTOR_HEAD_START` on a round with its own contribution, `backup_every` on
     others (where it watches rarely and has nothing of its own to lose)."""
     return min(CONTRIBUTOR_HEAD_START, backup_every) if contributed else backup_every
-
-
-#: A live learner whose step time exceeds this many times the run's pace is not waited
-#: for: its contributions join whichever round is open when they arrive.
-SLOW_FACTOR = 1.5
-
-
-def much_slower(step_seconds: float | None, pace: float | None,
-                slow_factor: float = SLOW_FACTOR) -> bool:
-    """Whether a learner stepping `step_seconds` is much slower than the run's `pace`
-    (over `slow_factor` times): rounds do not wait for it, and it counts its gap at the
-    run's pace. False while either is unknown: a learner of unknown pace is waited for."""
-    if not step_seconds or not pace:
-        return False
-    return step_seconds > slow_factor * pace
 
 
 def awaited(

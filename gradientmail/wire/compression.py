@@ -28,18 +28,10 @@ import numpy as np
 import numpy.typing as npt
 
 from gradientmail.errors import ConfigError, CorruptPayload, MissingExtra, RemoteProtocolError
-from gradientmail.wire.blocks import BLOCKS_KEY, blocks_entry, digest_room
 from gradientmail.wire.quantization import quantized_nbytes
-from gradientmail.wire.serialization import (
-    Schema,
-    TensorBytes,
-    dtype_bits,
-    frozen_view,
-    handed_over,
-    pack,
-    pack_header,
-    read_index,
-)
+from gradientmail.wire.serialization import Schema, frozen_view, pack, pack_header, read_index
+from gradientmail.wire.sharded_blocks import BLOCKS_KEY, blocks_entry, digest_room
+from gradientmail.wire.tensor_bytes import TensorBytes, dtype_bits, handed_over
 
 __all__ = [
     "COMPRESSIONS",
@@ -193,7 +185,7 @@ def encode(
     """The payload bytes of `tensors` under `compression` (deterministic for equal input).
 
     `blocks` (bytes per block; uncompressed payloads only) adds the block digests a
-    ranged reader checks (`gradientmail.wire.blocks`).
+    ranged reader checks (`gradientmail.wire.sharded_blocks`).
 
     Under ``zstd`` the decompressed frame is exactly ``pack`` of the shuffled tensors with
     the shuffle marker in the metadata, built in one buffer and compressed in one call

@@ -45,7 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from gradientmail.errors import ConfigError, CorruptPayload, MissingExtra, NonFiniteError
-from gradientmail.wire.serialization import STORAGE_DTYPES, TensorBytes, handed_over
+from gradientmail.wire.tensor_bytes import STORAGE_DTYPES, TensorBytes, handed_over
 
 __all__ = [
     "BLOCK",

@@ -30,7 +30,7 @@ from gradientmail.wire.quantization import (
     overflow_error,
     scale_name,
 )
-from gradientmail.wire.serialization import TensorBytes, handed_over
+from gradientmail.wire.tensor_bytes import TensorBytes, handed_over
 
 __all__ = ["quantize_bytes", "quantize_tensor", "quantize_tensors"]
 

@@ -46,24 +46,14 @@ from gradientmail.wire.refs import Arrival, PayloadRef, StepRef, UpdateRef
 from gradientmail.wire.serialization import Schema
 
 __all__ = [
-    "CODECS",
-    "FORMAT_VERSION",
-    "MAX_RECORD_BYTES",
-    "Arrival",
     "CreationClaim",
     "Dropped",
     "Manifest",
     "Participant",
-    "PayloadRef",
     "Record",
     "RoundClaim",
     "RoundRecord",
     "SnapshotRecord",
-    "StepRef",
-    "UpdateRef",
-    "canonical_json",
-    "check_learner_id",
-    "parse_json",
 ]
 
 class Record:
@@ -147,11 +137,11 @@ class Manifest(Record):
 
     A creator whose ranks each hold a shard uploads Θ⁰ of a fragment as parts instead
     (`init/<attempt>/<fragment>/<k>-of-<n><ext>`, in k order, each holding the rows of
-    `wire.parts`; docs/design/sharded.md §3): `init[p]` is then None and `init_parts[p]` lists
-    them. Each fragment has its payload or its parts, never both. `init_parts` is () when
-    no fragment has parts, and is then left out of the JSON, so manifests without parts
-    keep their bytes (and an older reader, strict, refuses a manifest with parts rather
-    than misread it). `init_refs(p)` is what a reader fetches either way.
+    `wire.sharded_parts`; docs/design/sharded.md §3): `init[p]` is then None and
+    `init_parts[p]` lists them. Each fragment has its payload or its parts, never both.
+    `init_parts` is () when no fragment has parts, and is then left out of the JSON, so
+    manifests without parts keep their bytes (and an older reader, strict, refuses a
+    manifest with parts rather than misread it). `init_refs(p)` is what a reader fetches either way.
     """
 
     MAX_BYTES: ClassVar[int] = MAX_MANIFEST_BYTES

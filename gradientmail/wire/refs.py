@@ -2,8 +2,8 @@
 
 `PayloadRef` (where a payload lies, its size and SHA-256), `UpdateRef` and `StepRef` (a
 commit's optional update and replicated step), and `Arrival` (how a round waited for its
-learners). Kept apart from `gradientmail.wire.records`, which re-exports them, so that the
-records module stays one concept: the records themselves.
+learners). Kept apart from `gradientmail.wire.records`, which holds the records that carry
+them, so that the records module stays one concept: the records themselves.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class PayloadRef:
     """Where a payload lies (key relative to the run's prefix), its size and its SHA-256;
     for a payload written for ranged readers, the SHA-256 of its header too
     (`header_sha256`: the 8-byte length and the JSON, which holds the block digests of
-    the data; `gradientmail.wire.blocks`). Omitted from the JSON when None, so records
+    the data; `gradientmail.wire.sharded_blocks`). Omitted from the JSON when None, so records
     of payloads without it keep their bytes."""
 
     key: str

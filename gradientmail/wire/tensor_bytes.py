@@ -4,8 +4,8 @@ dtype tables every payload shares.
 A `TensorBytes` holds `bytes`, or without a copy any read-only contiguous buffer whose
 memory nobody writes (a slice of a downloaded payload, an array a backend handed over):
 payloads are unpacked into views of the one blob they arrived in, and merge outputs reach
-the store without being copied into `bytes` first. `gradientmail.wire.serialization` re-exports
-everything public here; the wire format lives there.
+the store without being copied into `bytes` first. The wire format lives in
+`gradientmail.wire.serialization`.
 """
 
 from __future__ import annotations

@@ -42,10 +42,12 @@ from gradientmail.events import Event
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.local import TEMP_PREFIX
 from gradientmail.mailbox.wrappers import FaultPlan
-from gradientmail.run.protocol import Exchange, round_key
+from gradientmail.run.keyspace import round_key
+from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import Replica, state_at
 from gradientmail.wire.records import RoundRecord
-from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
+from gradientmail.wire.serialization import ParameterSpec, Schema
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = [
     "CHAOS_DIR",
@@ -440,7 +442,7 @@ def verify_run(mailbox: Mailbox, prefix: str = "") -> RunFigures:
             versions[rec.fragment] = versions.get(rec.fragment, 0) + 1
             assert rec.version == versions[rec.fragment], (i, rec.version)
             for ref in rec.payload_refs():
-                blob = await ex.fetch_payload(ref)  # raises CorruptPayload on a mismatch
+                blob = await ex.store.fetch_payload(ref)  # raises CorruptPayload on a mismatch
                 assert blob is not None, f"round {i}: payload {ref.key} is missing"
             state = await replica.at(rec.fragment, rec)  # checks a step's theta digest
             assert state is not None

@@ -45,8 +45,8 @@ from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import FaultPlan, FaultyMailbox, LocalMailbox, Mailbox, MemoryMailbox
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import Replica
-from gradientmail.wire.records import PayloadRef
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.refs import PayloadRef
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 SNAP = "snapshots/0000000000/{}.json"
 PAYLOAD = "payloads/0000000000/{}.safetensors"

@@ -28,7 +28,7 @@ import torch
 from accelerate import Accelerator
 
 from gradientmail.algorithms.diloco import DiLoCo as Config
-from gradientmail.algorithms.diloco import WeightedMean
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.learner.options import LearnerOptions
 from gradientmail_accelerate import DiLoCo, DiLoCoPlugin
 

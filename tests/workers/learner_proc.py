@@ -26,7 +26,8 @@ import torch
 from toy import inner_step, make_model
 
 from gradientmail.adapters import TorchAdapter
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.events import Event, RoundRecorded
 from gradientmail.learner.runtime import Learner
 

@@ -42,7 +42,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from gradientmail import events as ev
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.mailbox import LocalMailbox
 from gradientmail_lightning import DiLoCoCallback
 from workers.lightning_toy import ToyModule, toy_loader

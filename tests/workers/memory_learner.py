@@ -1,4 +1,4 @@
-"""One rank of an FSDP2 learner (`PartedRanks` under `RankSync`) whose publish and apply
+"""One rank of an FSDP2 learner (`ShardedRanks` under `RankSync`) whose publish and apply
 are measured: what it allocates, on any of its threads, while it mails its part and while
 it reads a commit and applies it.
 
@@ -34,9 +34,10 @@ import torch
 import torch.distributed as dist
 from alloc_meter import SharedMeter
 
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.integration import RankSync, TorchRanks
-from gradientmail.integration.parted import PartedRanks
+from gradientmail.integration.sharded import ShardedRanks
 from gradientmail.learner.runtime import Learner
 
 
@@ -53,23 +54,23 @@ def measure(meter: SharedMeter, *, tap_snapshot: bool = True) -> None:
     """Open and close the windows around the learner's own code (test instrumentation:
     the library has no hooks for it). Without `tap_snapshot` a snapshot's torch ops are
     not watched (a benchmark timing it)."""
-    upload, reach, replay = PartedRanks._upload, PartedRanks._reach, PartedRanks._replay
+    upload, reach, replay = ShardedRanks._upload, ShardedRanks._reach, ShardedRanks._replay
     trained: list[bool] = []  # a snapshot was taken: the join is behind
 
-    async def measured_upload(self: PartedRanks, *args: Any) -> Any:
+    async def measured_upload(self: ShardedRanks, *args: Any) -> Any:
         meter.begin("publish")
         try:
             return await upload(self, *args)
         finally:
             meter.end("publish")
 
-    async def measured_reach(self: PartedRanks, *args: Any) -> Any:
+    async def measured_reach(self: ShardedRanks, *args: Any) -> Any:
         # Ended by the apply or rebase that uses what it loads. Before the first snapshot
         # it is the join, which also makes the rank's rows of the outer state.
         meter.begin("apply" if trained else "join")
         return await reach(self, *args)
 
-    def measured_replay(self: PartedRanks, kind: str, *args: Any) -> None:
+    def measured_replay(self: ShardedRanks, kind: str, *args: Any) -> None:
         if kind == "snapshot":
             trained.append(True)
             meter.begin("snapshot")
@@ -83,9 +84,9 @@ def measure(meter: SharedMeter, *, tap_snapshot: bool = True) -> None:
         elif kind in ("apply", "rebase") and meter.window is not None:
             meter.end(meter.window)
 
-    PartedRanks._upload = measured_upload  # type: ignore[method-assign]
-    PartedRanks._reach = measured_reach  # type: ignore[method-assign]
-    PartedRanks._replay = measured_replay  # type: ignore[method-assign]
+    ShardedRanks._upload = measured_upload  # type: ignore[method-assign]
+    ShardedRanks._reach = measured_reach  # type: ignore[method-assign]
+    ShardedRanks._replay = measured_replay  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -111,10 +112,10 @@ def main() -> None:
     fully_shard(model)
     alg = DiLoCo(sync_every=args.sync_every, fragments=1, in_flight=1, overlap_steps=0,
                  merge=WeightedMean(), quorum_size=1, checkpoint_every=args.checkpoint_every)
-    parted = PartedRanks.create(model, args.mailbox, timeout=300.0)
-    sync = RankSync(TorchRanks("cpu"), model, parted=parted)
+    sharded_ranks = ShardedRanks.create(model, args.mailbox, timeout=300.0)
+    sync = RankSync(TorchRanks("cpu"), model, sharded_ranks=sharded_ranks)
     sync.start(lambda: Learner(
-        parted.learner_adapter(),
+        sharded_ranks.learner_adapter(),
         alg,
         args.mailbox,
         "sharded",
@@ -128,7 +129,7 @@ def main() -> None:
         opt.step()
         sync.step(16)
     sync.close()
-    a = parted.adapter
+    a = sharded_ranks.adapter
     Path(f"{args.out}.rank{rank}.json").write_text(json.dumps({
         "rank": rank,
         "rounds_seen": sync.rounds_seen,

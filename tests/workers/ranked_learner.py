@@ -6,7 +6,7 @@
 
 Every rank builds the toy model (the same seed), shards it with FSDP2 (`--fsdp`) or keeps
 it whole (a DDP group splitting its upload), and runs it through `RankSync` with
-`PartedRanks`: standard DiLoCo with a quorum of L learners. Every rank trains on worker W's
+`ShardedRanks`: standard DiLoCo with a quorum of L learners. Every rank trains on worker W's
 batches, so the gradient every rank sees (FSDP2 averages identical ones) is the one a
 single process would. Rank 0 writes OUT.json: the full parameters (gathered from the
 shards), the rounds seen and the rounds it published; rank k > 0 writes OUT.json.rank<k>.
@@ -28,10 +28,11 @@ import torch
 import torch.distributed as dist
 from toy import inner_step, make_model
 
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.events import Event, SnapshotPublished
 from gradientmail.integration import RankSync, TorchRanks
-from gradientmail.integration.parted import PartedRanks
+from gradientmail.integration.sharded import ShardedRanks
 from gradientmail.learner.runtime import Learner
 
 
@@ -67,11 +68,11 @@ def main() -> None:
         if isinstance(e, SnapshotPublished):
             published.append(e.round)
 
-    parted = PartedRanks.create(model, args.mailbox, timeout=300.0,
+    sharded_ranks = ShardedRanks.create(model, args.mailbox, timeout=300.0,
                                 compression=args.compression)
-    sync = RankSync(TorchRanks("cpu"), model, parted=parted)
+    sync = RankSync(TorchRanks("cpu"), model, sharded_ranks=sharded_ranks)
     sync.start(lambda: Learner(
-        parted.learner_adapter(),
+        sharded_ranks.learner_adapter(),
         alg,
         args.mailbox,
         args.learner_id,
@@ -94,10 +95,10 @@ def main() -> None:
         full = p.full_tensor() if hasattr(p, "full_tensor") else p  # a collective
         params[name] = full.detach().reshape(-1).tolist()
     rank = dist.get_rank()
-    state = parted.rows_state(0)  # this rank's rows of the replayed outer state, if any
+    state = sharded_ranks.rows_state(0)  # this rank's rows of the replayed outer state, if any
     rows = None if state is None else {
         "version": state.version,
-        "held": {n: list(parted.adapter.local_rows(n)) for n in state.theta},
+        "held": {n: list(sharded_ranks.adapter.local_rows(n)) for n in state.theta},
         "sha256": {f"{kind}/{n}": hashlib.sha256(t.buffer).hexdigest()
                    for kind, part in (("theta", state.theta), ("momentum", state.momentum),
                                       ("master", state.master or {}))

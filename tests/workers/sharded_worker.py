@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from gradientmail.adapters.torch import from_torch
-from gradientmail.wire.serialization import Schema, TensorBytes
+from gradientmail.wire.serialization import Schema
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 MIXING = 0.25
 
@@ -84,8 +85,8 @@ def main(out_dir: str, kind: str) -> None:
     import torch.distributed as dist
 
     from gradientmail.adapters.sharded import ShardedAdapter
-    from gradientmail.wire.payload_ranges import rows_of
     from gradientmail.wire.serialization import pack
+    from gradientmail.wire.sharded_ranges import rows_of
     from workers.alloc_meter import AllocationMeter
 
     dist.init_process_group("gloo")

@@ -16,11 +16,13 @@ from collections.abc import Mapping, Sequence
 from gradientmail.errors import AlreadyContributed, ConfigError
 from gradientmail.run.keyspace import init_part_key, part_key
 from gradientmail.run.protocol import Exchange
-from gradientmail.wire.blocks import BLOCKS_KEY, blocks_entry, blocks_placeholder
 from gradientmail.wire.compression import extension
-from gradientmail.wire.parts import part_metadata
-from gradientmail.wire.records import PayloadRef, check_learner_id
-from gradientmail.wire.serialization import ParameterSpec, TensorBytes, pack_header
+from gradientmail.wire.record_json import check_learner_id
+from gradientmail.wire.refs import PayloadRef
+from gradientmail.wire.serialization import ParameterSpec, pack_header
+from gradientmail.wire.sharded_blocks import BLOCKS_KEY, blocks_entry, blocks_placeholder
+from gradientmail.wire.sharded_parts import part_metadata
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["PartBlob", "put_init_blob", "put_part_blob"]
 
@@ -71,9 +73,9 @@ class PartBlob:
 async def put_part_blob(ex: Exchange, round_: int, learner: str, k: int, n: int,
                         blob: PartBlob) -> PayloadRef:
     """`Exchange.put_part` for a part written in place (an uncompressed exchange only)."""
-    if ex.compression != "off":
+    if ex.store.compression != "off":
         raise ConfigError(f"a part written in place is uncompressed; this exchange's codec "
-                          f"is {ex.compression!r} (use Exchange.put_part)")
+                          f"is {ex.store.compression!r} (use Exchange.put_part)")
     key = part_key(round_, check_learner_id(learner), k, n) + extension("off")
     data = blob.data
     # Create-if-absent; an own part no record references yet (a failed attempt) is

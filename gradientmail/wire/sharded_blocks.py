@@ -26,7 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gradientmail.errors import ConfigError, CorruptPayload
-from gradientmail.wire.serialization import Span, TensorBytes, read_index, write_order
+from gradientmail.wire.serialization import Span, read_index, write_order
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = [
     "BLOCKS_KEY",
@@ -45,7 +46,7 @@ BLOCKS_KEY = "gradientmail.blocks"
 #: of the data in the header, which every rank reads whole; a rank's range of a tensor
 #: grows by less than 2 blocks. Smaller blocks grow the header, larger ones the ranges:
 #: for GPT-2 XL-shaped BF16 fragments at 2-16 ranks the sum is least at 16-32 KiB
-#: (benchmarks/blocks.py; docs/design/sharded.md §2 has the numbers).
+#: (benchmarks/sharded_blocks.py; docs/design/sharded.md §2 has the numbers).
 BLOCK_BYTES = 1 << 15
 #: Bound on the block size a reader accepts (a block is hashed as one buffer).
 MAX_BLOCK_BYTES = 1 << 30
@@ -72,7 +73,7 @@ def blocks_entry(tensors: Mapping[str, TensorBytes], block: int = BLOCK_BYTES) -
 def blocks_placeholder(nbytes: Sequence[int], block: int = BLOCK_BYTES) -> str:
     """An entry of exactly the length `blocks_entry` gives tensors of `nbytes` bytes each
     (digests zero): what a writer that fills the data in place after the header reserves
-    (`gradientmail.run.part_blob.PartBlob`)."""
+    (`gradientmail.run.sharded_part.PartBlob`)."""
     return _entry(bytes(_DIGEST * sum(_blocks_of(n, block) for n in nbytes)), block)
 
 

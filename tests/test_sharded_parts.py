@@ -21,18 +21,20 @@ import pytest
 from test_syncer import SCHEMA, Run, algorithm, delta
 from test_verify import audited, statuses, verify
 
-from gradientmail.algorithms.diloco import DiLoCo, Rda, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import Rda, WeightedMean
 from gradientmail.errors import AlreadyContributed, LocalProtocolError, RemoteProtocolError
 from gradientmail.events import ContributionDropped
 from gradientmail.mailbox import Mailbox, MemoryMailbox
 from gradientmail.run.keyspace import part_key, plan_sweep
 from gradientmail.run.protocol import Exchange
-from gradientmail.wire.parts import ROWS_KEY
-from gradientmail.wire.payload_ranges import rows_of
 from gradientmail.wire.quantization import dequantize, quantize
-from gradientmail.wire.records import PayloadRef, SnapshotRecord
-from gradientmail.wire.row_pieces import RowPieces
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.records import SnapshotRecord
+from gradientmail.wire.refs import PayloadRef
+from gradientmail.wire.sharded_parts import ROWS_KEY
+from gradientmail.wire.sharded_pieces import RowPieces
+from gradientmail.wire.sharded_ranges import rows_of
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 #: Rows of each tensor of SCHEMA (w: 2 rows, b: 3) per part, for two ranks.
 TWO_RANKS = [{"w": (0, 1), "b": (0, 2)}, {"w": (1, 2), "b": (2, 3)}]
@@ -119,7 +121,8 @@ def test_part_keys_live_apart_from_payloads_and_are_swept_with_their_round() -> 
 
 
 def _round_record() -> Any:
-    from gradientmail.wire.records import Estimates, RoundRecord
+    from gradientmail.wire.estimates import Estimates
+    from gradientmail.wire.records import RoundRecord
 
     ref = PayloadRef("theta/0/0000000001-000000.safetensors", 1, "c" * 64)
     return RoundRecord(round=0, fragment=0, version=1, theta=ref, outer=ref, update=None,

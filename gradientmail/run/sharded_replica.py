@@ -8,9 +8,10 @@ a rank's rows come out byte for byte as the same rows of the whole state a `Repl
 computes (the same `Algorithm.apply_step`, on slices).
 
 The work is split as `Replica._reach` splits it, across ranks: rank 0 (which holds the
-authenticated records) walks the records back to a base (`plan_chain`: the state the
-ranks hold, a checkpoint, or Θ⁰) and sends the `RowChain`; every rank then reads its rows
-of the base and of each step by ranged GETs and replays (`RowReplica.reach`).
+authenticated records) walks the records back to a base (`plan_chain`, on the walk every
+reader of a chain shares, `gradientmail.run.replica.walk_back`: the state the
+ranks hold, a checkpoint, or Θ⁰) and sends the `ShardedChain`; every rank then reads its rows
+of the base and of each step by ranged GETs and replays (`ShardedReplica.reach`).
 
 Memory: the state's rows are this rank's, held in writable buffers the steps update in
 place, a few rows at a time; what a replay allocates on top is one tensor's rows of the
@@ -18,10 +19,10 @@ step (for an F4 step whose 32-element blocks cross this rank's first or last row
 tensor whole). A zstd payload cannot be
 read by ranges and is decoded whole: sharded runs should commit uncompressed. A rank that
 reads one whole for a part of its rows logs a warning saying so, once, with the bytes it
-downloaded and those of its rows, and counts those bytes (`RowReplica.bytes_whole`).
+downloaded and those of its rows, and counts those bytes (`ShardedReplica.bytes_whole`).
 
 Checked on rows: the header of each payload against its ref's `header_sha256`, and every
-block of the rows read against the header's block digests (`gradientmail.wire.blocks`;
+block of the rows read against the header's block digests (`gradientmail.wire.sharded_blocks`;
 a mismatch is a `CorruptPayload`, as for a whole payload whose SHA-256 differs), when the
 payload was written with them. Not checked: the record's `theta_sha256` (it covers the
 whole theta; the block digests of the step and of the base stand for it).
@@ -44,10 +45,15 @@ from gradientmail.backends.numpy_backend import NumpyBackend
 from gradientmail.errors import GradientmailError, RemoteProtocolError
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.run.protocol import Exchange
-from gradientmail.wire.blocks import BlockIndex
+from gradientmail.run.replica import walk_back
 from gradientmail.wire.compression import compression_of, decode_with_metadata
-from gradientmail.wire.parts import ROWS_KEY, rows_in
-from gradientmail.wire.payload_ranges import (
+from gradientmail.wire.quantization import dequantize, scale_name
+from gradientmail.wire.records import Manifest, RoundRecord
+from gradientmail.wire.refs import PayloadRef, StepRef
+from gradientmail.wire.serialization import Span
+from gradientmail.wire.sharded_blocks import BlockIndex
+from gradientmail.wire.sharded_parts import ROWS_KEY, rows_in
+from gradientmail.wire.sharded_ranges import (
     Rows,
     cover,
     fetch_header,
@@ -55,24 +61,22 @@ from gradientmail.wire.payload_ranges import (
     row_range,
     rows_of,
 )
-from gradientmail.wire.quantization import dequantize, scale_name
-from gradientmail.wire.records import Manifest, PayloadRef, RoundRecord, StepRef
-from gradientmail.wire.serialization import Span, TensorBytes
+from gradientmail.wire.tensor_bytes import TensorBytes
 
-__all__ = ["CHUNK_BYTES", "RowChain", "RowReplica", "plan_chain"]
+__all__ = ["CHUNK_BYTES", "ShardedChain", "ShardedReplica", "plan_chain"]
 
 #: Bytes of F32 rows a replay hands `apply_step` at once: its temporaries (a few buffers
 #: this size) stay small next to a shard; ~60 µs of overhead per call, ~1 ms per 1 MiB.
 CHUNK_BYTES = 1 << 16
 
-#: What `RowReplica.reach` calls with each tensor's theta rows, one tensor at a time.
+#: What `ShardedReplica.reach` calls with each tensor's theta rows, one tensor at a time.
 Each = Callable[[str, Rows], Awaitable[None]]
 
 _log = logging.getLogger("gradientmail.run")
 
 
 @dataclasses.dataclass(frozen=True)
-class RowChain:
+class ShardedChain:
     """How to reach `version` of `fragment`: from the base (the state held at
     `base_version` when `theta` is None and there are no `theta_parts`; else `theta` and
     `outer`, the outer state, or Θ⁰ when `outer` is None and `base_version` is 0), then
@@ -98,7 +102,7 @@ class RowChain:
 
 
 async def plan_chain(ex: Exchange, manifest: Manifest, fragment: int,
-                     rec: RoundRecord | None, held: int | None) -> RowChain:
+                     rec: RoundRecord | None, held: int | None) -> ShardedChain:
     """The chain to `rec`'s version of `fragment` (Θ⁰ for None) for ranks that hold
     version `held` of it (None: nothing). `RemoteProtocolError` when the records do not
     form a chain, as `Replica.at`."""
@@ -107,45 +111,26 @@ async def plan_chain(ex: Exchange, manifest: Manifest, fragment: int,
     replicated = _algorithm(alg).replicated
     init_parts = manifest.init_parts[fragment] if manifest.init[fragment] is None else ()
     if rec is None:
-        return RowChain(fragment, names, 0, replicated, 0, manifest.init[fragment], None, (),
+        return ShardedChain(fragment, names, 0, replicated, 0, manifest.init[fragment], None, (),
                         alg, init_parts)
     if not replicated:
         if rec.theta is None:
             raise RemoteProtocolError(f"round {rec.round}'s record carries no theta and this "
                                       "run does not replicate its outer step")
-        return RowChain(fragment, names, rec.version, False, rec.version, rec.theta, None, (),
+        return ShardedChain(fragment, names, rec.version, False, rec.version, rec.theta, None, (),
                         alg)
     if held == rec.version:
-        return RowChain(fragment, names, rec.version, True, held, None, None, (), alg)
-    steps: list[tuple[int, StepRef]] = []
-    cur = rec
-    while True:
-        if held is not None and held == cur.version - 1 and cur.step is not None:
-            steps.append((cur.round, cur.step))
-            base: tuple[int, PayloadRef | None, PayloadRef | None, tuple[PayloadRef, ...]] \
-                = (held, None, None, ())
-            break
-        if cur.checkpoint:
-            base = (cur.version, cur.theta, cur.outer, ())
-            break
-        if cur.step is None:
-            raise RemoteProtocolError(f"round {cur.round} commits version {cur.version} of "
-                                      f"fragment {fragment} with neither theta nor a step")
-        steps.append((cur.round, cur.step))
-        if cur.version == 1:
-            base = (0, manifest.init[fragment], None, init_parts)
-            break
-        prev_round = cur.round - len(manifest.plan)
-        prev = await ex.read_round(prev_round) if prev_round >= 0 else None
-        if prev is None or prev.fragment != fragment or prev.version != cur.version - 1:
-            raise RemoteProtocolError(
-                f"round {cur.round} commits version {cur.version} of fragment {fragment}, "
-                f"and round {prev_round} is not its version {cur.version - 1}; the run's "
-                "records do not form a chain"
-            )
-        cur = prev
-    return RowChain(fragment, names, rec.version, True, base[0], base[1], base[2],
-                    tuple(reversed(steps)), alg, base[3])
+        return ShardedChain(fragment, names, rec.version, True, held, None, None, (), alg)
+    chain = await walk_back(ex, len(manifest.plan), fragment, rec, held)
+    steps = tuple((r.round, r.step) for r in chain.steps if r.step is not None)
+    if chain.held:
+        return ShardedChain(fragment, names, rec.version, True, chain.base_version, None, None,
+                        steps, alg)
+    if chain.checkpoint is not None:
+        return ShardedChain(fragment, names, rec.version, True, chain.base_version,
+                        chain.checkpoint.theta, chain.checkpoint.outer, steps, alg)
+    return ShardedChain(fragment, names, rec.version, True, 0, manifest.init[fragment], None,
+                    steps, alg, init_parts)
 
 
 class _Buf:
@@ -198,7 +183,7 @@ class _Reader:
                                        header_sha256=ref.header_sha256)
             return None if index is None else cls(ex.mailbox, key, index.spans, None,
                                                   index.metadata, index.blocks)
-        blob = await ex.fetch_payload(ref)
+        blob = await ex.store.fetch_payload(ref)
         if blob is None:
             return None
         whole, metadata = decode_with_metadata(blob, compression_of(key), key=key)
@@ -260,7 +245,7 @@ class _Reader:
 
 
 class _PartsReader:
-    """Θ⁰ of a fragment in parts (`wire.parts`), read as `_Reader` reads one payload:
+    """Θ⁰ of a fragment in parts (`wire.sharded_parts`), read as `_Reader` reads one payload:
     each part's header once, and a tensor's rows from the parts that hold them, each
     part's own rows by ranges. A rank whose rows lie in one part gets them without a
     copy; rows across parts are joined (this rank's rows, nothing more)."""
@@ -354,7 +339,7 @@ class _PartsReader:
         return None if got is None else TensorBytes(got.tensor.dtype, shape, got.tensor.buffer)
 
 
-class RowReplica:
+class ShardedReplica:
     """This rank's rows (`rows`: name -> [start, stop) of the full tensor) of each
     fragment's state, reached chain by chain (`reach`); `bytes_down` counts what it read.
     One per rank, used from one thread at a time."""
@@ -385,7 +370,7 @@ class RowReplica:
             None if st.master is None else {n: b.view(0, b.rows) for n, b in st.master.items()},
             {n: b.view(0, b.rows) for n, b in st.momentum.items()})
 
-    async def _open_base(self, chain: RowChain) -> _Reader | _PartsReader | None:
+    async def _open_base(self, chain: ShardedChain) -> _Reader | _PartsReader | None:
         """The reader of the chain's base theta: one payload, or Θ⁰ in parts."""
         if chain.theta is not None:
             return await self._open(chain.theta)
@@ -412,7 +397,7 @@ class RowReplica:
                 "every rank of this sharded learner reads every compressed payload whole. "
                 "Set compression: \"off\" on every learner of the run (their closers write "
                 "the commits; recipes/gpt2-xl.yaml does), so that each rank downloads its "
-                "rows alone (reported once; RowReplica.bytes_whole counts these bytes)",
+                "rows alone (reported once; ShardedReplica.bytes_whole counts these bytes)",
                 reader.key, reader.codec, reader.codec, f"{reader.bytes:,}", f"{decoded:,}",
                 f"{mine:,}")
         return reader
@@ -435,7 +420,7 @@ class RowReplica:
             total += t.nbytes * max(0, min(held[1], b) - max(held[0], a)) // rows
         return total
 
-    async def reach(self, chain: RowChain, each: Each) -> bool:
+    async def reach(self, chain: ShardedChain, each: Each) -> bool:
         """Follow `chain`, then hand `each` this rank's theta rows of every tensor, one at a
         time. False when a payload was swept (a newer commit exists). The state is dropped
         when a replay fails partway, so that the next chain starts from a checkpoint."""
@@ -448,7 +433,7 @@ class RowReplica:
             self._states.pop(chain.fragment, None)
         return done
 
-    async def _reach(self, chain: RowChain, each: Each) -> bool:
+    async def _reach(self, chain: ShardedChain, each: Each) -> bool:
         alg = _algorithm(chain.algorithm)
         if not chain.replicated:
             assert not chain.from_held
@@ -484,7 +469,7 @@ class RowReplica:
             await each(n, Rows(a, b, state.theta[n].view(0, state.theta[n].rows)))
         return True
 
-    async def _base(self, alg: Algorithm, chain: RowChain) -> _State | None:
+    async def _base(self, alg: Algorithm, chain: ShardedChain) -> _State | None:
         assert not chain.from_held
         theta_in = await self._open_base(chain)
         outer_in = None if chain.outer is None else await self._open(chain.outer)

@@ -5,7 +5,7 @@ block digests or its header's digest, docs/design/sharded.md §2), fails its com
 every rank, the commit is read again on a later poll, and every rank ends on the newest
 commits with the oracle's parameters.
 
-Ranks are threads, as in tests/test_parted.py (its oracle, toy model and training loops).
+Ranks are threads, as in tests/test_sharded_ranks.py (its oracle, toy model and training loops).
 """
 
 from __future__ import annotations
@@ -21,21 +21,22 @@ import pytest
 import torch
 from test_learner_oracle import ROUNDS, H, oracle
 from test_learner_runtime import Recorder, in_threads
-from test_parted import RANKS, TIMEOUT, train_plain, train_ranked
+from test_sharded_ranks import RANKS, TIMEOUT, train_plain, train_ranked
 from workers.toy import make_model
 
 from gradientmail import events as ev
 from gradientmail.adapters import TorchAdapter
 from gradientmail.adapters.sharded import ShardedAdapter
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.integration import RankSync, ThreadRanks
-from gradientmail.integration.parted import PartedRanks
+from gradientmail.integration.sharded import ShardedRanks
 from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import FaultPlan, FaultyMailbox, Mailbox, MemoryMailbox
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
-from gradientmail.wire.payload_ranges import rows_of
+from gradientmail.wire.sharded_ranges import rows_of
 
 #: The payloads of versions 1-9 of a fragment (theta, outer, steps): the commits, not Θ⁰
 #: (version 0), which a learner reads while it joins, where a failed read fails the join.
@@ -59,7 +60,7 @@ def learner(adapter: Any, mailbox: Mailbox | str, name: str, alg: dict[str, Any]
 @pytest.mark.parametrize("alg", [{"checkpoint_every": 1}, {}], ids=["rows", "replicated"])
 def test_a_parted_learner_whose_ranged_reads_fail_ends_on_the_oracle(
         alg: dict[str, Any], fault: str) -> None:
-    name = f"parted-faults-{secrets.token_hex(4)}"
+    name = f"sharded-faults-{secrets.token_hex(4)}"
     url = f"memory://{name}"
     # Each rank's 2nd and 3rd ranged reads of a commit fail (or come back with bytes
     # flipped); the 2nd fails a commit's read (on both ranks: they read the same ranges,
@@ -81,14 +82,15 @@ def test_a_parted_learner_whose_ranged_reads_fail_ends_on_the_oracle(
         model = models[k]
         box = FaultyMailbox(MemoryMailbox(name), plans[k])
         adapter = ShardedAdapter(model, group_size=RANKS, group_rank=k)
-        parted = PartedRanks(adapter, default[k], side[k], k, box, timeout=TIMEOUT)
-        sync = RankSync(default[k], model, parted=parted)
-        sync.start(lambda: learner(parted.learner_adapter(), box, "ranked", alg,
+        sharded_ranks = ShardedRanks(adapter, default[k], side[k], k, box, timeout=TIMEOUT)
+        sync = RankSync(default[k], model, sharded_ranks=sharded_ranks)
+        sync.start(lambda: learner(sharded_ranks.learner_adapter(), box, "ranked", alg,
                                    on_event=events))
         train_ranked(sync, model, ready)
         assert sync.rounds_seen == ROUNDS - 1
         results[f"rank{k}"] = [p.detach().clone() for p in model.parameters()]
-        rows[k] = parted.rows_state(0), {n: adapter.local_rows(n) for n in adapter.schema.names}
+        rows[k] = (sharded_ranks.rows_state(0),
+                   {n: adapter.local_rows(n) for n in adapter.schema.names})
 
     def plain() -> None:
         model = models[RANKS]

@@ -1,4 +1,4 @@
-"""A rank's rows of a fragment's state, replayed commit by commit (`RowReplica`), equal
+"""A rank's rows of a fragment's state, replayed commit by commit (`ShardedReplica`), equal
 byte for byte the same rows of the whole state that an unsharded `Replica` computes: for
 every step format, for ranks holding few rows, one row or none, from a checkpoint, from
 Θ⁰ and from the version held. A run is written by hand on a MemoryMailbox and closed by
@@ -16,21 +16,23 @@ import pytest
 
 from gradientmail.adapters.sharded import chunk_rows
 from gradientmail.algorithms.base import FragmentState
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.backends.numpy_backend import NumpyBackend
-from gradientmail.clock import FakeClock
 from gradientmail.errors import GradientmailError
 from gradientmail.mailbox import MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox
-from gradientmail.run import row_replica
+from gradientmail.run import sharded_replica
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
-from gradientmail.run.row_replica import RowReplica, plan_chain
+from gradientmail.run.sharded_replica import ShardedReplica, plan_chain
 from gradientmail.syncer.runtime import CloserSettings, Syncer
+from gradientmail.testing import FakeClock
 from gradientmail.wire.compression import decode
-from gradientmail.wire.payload_ranges import Rows, rows_of
 from gradientmail.wire.records import Manifest, RoundRecord
-from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
+from gradientmail.wire.serialization import ParameterSpec, Schema
+from gradientmail.wire.sharded_ranges import Rows, rows_of
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 #: Odd row counts, a BF16 tensor (the fragment keeps an fp32 master), a 0-d scalar;
 #: "wide" has rows of 32 elements: its F4 blocks end at every row, so ranks read its rows.
@@ -97,7 +99,7 @@ def same_state(mine: FragmentState, whole: FragmentState,
 @pytest.mark.parametrize("commit_dtype", [None, "BF16", "F8_E4M3", "F4"])
 def test_each_ranks_replayed_rows_equal_the_whole_replicas_rows(
         commit_dtype: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(row_replica, "CHUNK_BYTES", 8)  # a row or two per apply_step
+    monkeypatch.setattr(sharded_replica, "CHUNK_BYTES", 8)  # a row or two per apply_step
 
     async def main() -> None:
         box = MemoryMailbox(f"rows-{commit_dtype}")
@@ -106,7 +108,7 @@ def test_each_ranks_replayed_rows_equal_the_whole_replicas_rows(
         assert [r.checkpoint for r in recs] == [False, False, True, False, False]
         for k in range(RANKS):
             rows = rank_rows(k)
-            follower = RowReplica(ex, rows)
+            follower = ShardedReplica(ex, rows)
             for rec in [None, *recs]:  # joined at Θ⁰, then commit by commit
                 got: dict[str, Rows] = {}
 
@@ -123,7 +125,7 @@ def test_each_ranks_replayed_rows_equal_the_whole_replicas_rows(
                 same_state(mine, whole, rows)
                 rows_equal({n: r.tensor for n, r in got.items()}, whole.theta, rows, "out")
             # A rank that joins late: from the checkpoint (version 3), then the steps.
-            late = RowReplica(ex, rows)
+            late = ShardedReplica(ex, rows)
             chain = await plan_chain(ex, manifest, 0, recs[-1], None)
             assert (chain.base_version, len(chain.steps)) == (3, 2)
 
@@ -144,7 +146,7 @@ def test_a_rank_reads_only_its_rows_and_a_wrong_held_version_is_refused() -> Non
         ex = Exchange(box, clock=FakeClock(100.0))
         manifest, recs = await make_run(ex, None)
         rows = {"emb": (0, 1), "w": (4, 5), "b": (2, 3), "s": (0, 1), "wide": (1, 2)}
-        follower = RowReplica(ex, rows)
+        follower = ShardedReplica(ex, rows)
 
         async def nothing(name: str, r: Rows) -> None:
             pass
@@ -173,11 +175,11 @@ def test_a_rank_reading_zstd_payloads_whole_warns_once_naming_the_codec_and_the_
     mine = rank_rows(1)
     every = {p.name: (0, p.shape[0] if p.shape else 1) for p in SCHEMA.params}
 
-    async def main() -> tuple[Manifest, list[RoundRecord], RowReplica, RowReplica,
+    async def main() -> tuple[Manifest, list[RoundRecord], ShardedReplica, ShardedReplica,
                               dict[str, TensorBytes]]:
         ex = Exchange(MemoryMailbox("rows-zstd"), clock=FakeClock(100.0), compression="zstd")
         manifest, recs = await make_run(ex, None)
-        follower, whole = RowReplica(ex, mine), RowReplica(ex, every)
+        follower, whole = ShardedReplica(ex, mine), ShardedReplica(ex, every)
         for replica in (follower, whole):
             for rec in [None, *recs]:
                 chain = await plan_chain(ex, manifest, 0, rec, replica.held(0))
@@ -185,7 +187,7 @@ def test_a_rank_reading_zstd_payloads_whole_warns_once_naming_the_codec_and_the_
         state = follower.state(0)
         assert state is not None
         same_state(state, await state_at(ex, 0, recs[-1], manifest), mine)
-        blob = await ex.fetch_payload(manifest.init[0])
+        blob = await ex.store.fetch_payload(manifest.init[0])
         assert blob is not None
         return manifest, recs, follower, whole, decode(blob, "zstd")
 
@@ -212,5 +214,5 @@ def test_a_rank_reading_zstd_payloads_whole_warns_once_naming_the_codec_and_the_
         f"for {rows:,} bytes of its rows, and every rank of this sharded learner reads "
         "every compressed payload whole. Set compression: \"off\" on every learner of "
         "the run (their closers write the commits; recipes/gpt2-xl.yaml does), so that "
-        "each rank downloads its rows alone (reported once; RowReplica.bytes_whole counts "
+        "each rank downloads its rows alone (reported once; ShardedReplica.bytes_whole counts "
         "these bytes)")

@@ -11,7 +11,7 @@ ranks' rows in step, each ordered by rank 0:
 - The side channel, on a gloo group of its own (so its collectives never interleave with
   FSDP's): what the communication thread does (upload a part; reach a fragment's
   version, joining or following commits, each rank reading its own rows and, with a
-  replicated outer step, replaying it on its rows of the state: `RowReplica`; upload
+  replicated outer step, replaying it on its rows of the state: `ShardedReplica`; upload
   its rows of Θ⁰ as its part when the learner creates the run). Rank 0 sends a command;
   every rank, rank 0 included,
   carries out its share; the results are gathered. The other ranks serve it from a
@@ -27,7 +27,6 @@ import asyncio
 import dataclasses
 import datetime
 import itertools
-import struct
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -42,29 +41,22 @@ from gradientmail.errors import (
     SchemaMismatch,
 )
 from gradientmail.integration.ranks import Ranks, TorchRanks
+from gradientmail.integration.sharded_ops import END, HEAD, OBJECT, OP, OpMessages
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
-from gradientmail.run.part_blob import PartBlob, put_init_blob, put_part_blob
 from gradientmail.run.protocol import Exchange
-from gradientmail.run.row_replica import RowChain, RowReplica, plan_chain
-from gradientmail.wire.blocks import BLOCK_BYTES
-from gradientmail.wire.parts import assemble
-from gradientmail.wire.payload_ranges import Rows
+from gradientmail.run.sharded_part import PartBlob, put_init_blob, put_part_blob
+from gradientmail.run.sharded_replica import ShardedChain, ShardedReplica, plan_chain
 from gradientmail.wire.quantization import quantize
-from gradientmail.wire.records import Manifest, PayloadRef, RoundRecord
-from gradientmail.wire.serialization import TensorBytes
+from gradientmail.wire.records import Manifest, RoundRecord
+from gradientmail.wire.refs import PayloadRef
+from gradientmail.wire.sharded_blocks import BLOCK_BYTES
+from gradientmail.wire.sharded_parts import assemble
+from gradientmail.wire.sharded_ranges import Rows
+from gradientmail.wire.tensor_bytes import TensorBytes
 
-__all__ = ["Handle", "PartedRanks", "RankAdapter", "SideGroup", "check_meshes", "is_sharded"]
+__all__ = ["Handle", "RankAdapter", "ShardedRanks", "SideGroup", "check_meshes", "is_sharded"]
 
-#: Training-channel messages are one `Ranks.broadcast_ints` each, of a fixed width:
-#: `[code, kind, a, b, n, released x _RELEASES, *tail]`. `code` is `_END` (no more ops;
-#: `tail` is what the caller closes the collective with), `_OP` (the op in the ints: kind,
-#: its two ints, n released handles) or `_OBJECT` (the op follows as an object: new name
-#: lists, more releases than fit). An op is one broadcast in the steady state.
-_END, _OP, _OBJECT = 0, 1, 2
-_RELEASES = 4
-_HEAD = 5 + _RELEASES
-_KINDS = ("snapshot", "apply", "rebase", "release")
 #: Errors another rank reports that say the data is bad, not the store unreachable: a
 #: commit that fails with one of them is passed over, not retried forever.
 _PERMANENT = {cls.__name__: cls for cls in (ConfigError, SchemaMismatch, RemoteProtocolError)}
@@ -91,7 +83,7 @@ class Handle:
     id: int
 
 
-class PartedRanks:
+class ShardedRanks:
     """One learner's ranks, each mailing and reading its own rows of `adapter`'s model.
 
     Build one on every rank, at the same point (`create` makes the side group, a
@@ -115,21 +107,18 @@ class PartedRanks:
         self._changed = threading.Condition()
         self._ids = itertools.count()
         self._released: list[int] = []  # rank 0: ids to release with the next message
-        # The name lists snapshots were taken of, numbered in the order the training
-        # channel first sent each (the same on every rank): later snapshots send the number.
-        self._lists: list[list[str]] = []
-        self._list_ids: dict[tuple[str, ...], int] = {}  # rank 0
+        self._messages = OpMessages()  # the training channel's encoding
         self._tail = 0  # rank 0: the width of the tail the next `end_ops` closes with
         self._command = threading.Lock()  # rank 0: one side command at a time
         self._thread: threading.Thread | None = None
-        self._replica: RowReplica | None = None  # this rank's rows of each fragment's state
+        self._replica: ShardedReplica | None = None  # this rank's rows of each fragment's state
         self._versions: dict[int, int] = {}  # rank 0: the version every rank's replica holds
         self.failure: BaseException | None = None  # what ended a member's serving thread
 
     @classmethod
     def create(cls, module: Any, mailbox: Mailbox | str, *, prefix: str = "",
                compression: str = "off", timeout: float = 600.0,
-               ranks: Ranks | None = None) -> PartedRanks:
+               ranks: Ranks | None = None) -> ShardedRanks:
         """For a `torch.distributed` launch (every rank calls it): a `ShardedAdapter` of
         `module` (after `fully_shard`), the default group, and a new gloo side group.
 
@@ -183,15 +172,14 @@ class PartedRanks:
         """Rank 0: do `kind` to the model's rows on every rank (training thread)."""
         with self._changed:
             released, self._released = self._released, []
-        ints = self._as_ints(kind, args, released)
+        ints = self._messages.encode(kind, args, released)
         if ints is None:
-            head = [_OBJECT] + [0] * (_HEAD - 1) + [0] * self._tail
-            new = kind == "snapshot" and tuple(args[1]) not in self._list_ids
+            head = [OBJECT] + [0] * (HEAD - 1) + [0] * self._tail
+            new = self._messages.is_new(kind, args)
             self.ranks.broadcast_ints(head)
             self.ranks.broadcast_object((kind, args, released, new))
             if new:
-                self._list_ids[tuple(args[1])] = len(self._lists)
-                self._lists.append(list(args[1]))
+                self._messages.learn(args[1])
         else:
             self.ranks.broadcast_ints(ints + [0] * self._tail)
         self._replay(kind, args, released)
@@ -202,60 +190,30 @@ class PartedRanks:
         assert len(tail) == self._tail, "ops_tail() names the width of end_ops' tail"
         if self._released:
             self.op("release")
-        got = self.ranks.broadcast_ints([_END] + [0] * (_HEAD - 1) + list(tail))
+        got = self.ranks.broadcast_ints(OpMessages.closing(tail))
         self._tail = 0
-        return got[_HEAD:]
+        return got[HEAD:]
 
     def serve_ops(self, tail: Sequence[int] = ()) -> list[int]:
         """Every rank but 0: replay rank 0's ops until it says there are no more; returns
         the tail rank 0 closed with (`tail`: this rank's, of the same length)."""
-        mine = [_END] + [0] * (_HEAD - 1) + list(tail)
+        mine = OpMessages.closing(tail)
         while True:
             got = self.ranks.broadcast_ints(mine)
-            if got[0] == _END:
-                return got[_HEAD:]
-            if got[0] == _OP:
-                kind, args, released = self._from_ints(got[:_HEAD])
+            if got[0] == END:
+                return got[HEAD:]
+            if got[0] == OP:
+                kind, args, released = self._messages.decode(got[:HEAD])
             else:
                 kind, args, released, new = self.ranks.broadcast_object(None)
                 if new:
-                    self._lists.append(list(args[1]))
+                    self._messages.learn(args[1])
             self._replay(kind, args, released)
 
     def ops_tail(self, n: int) -> None:
         """Rank 0, before the learner acts: the next `end_ops` closes with `n` ints (every
         op message before it is as wide, so the other ranks can receive either)."""
         self._tail = n
-
-    def _as_ints(self, kind: str, args: tuple[Any, ...],
-                 released: Sequence[int]) -> list[int] | None:
-        """Rank 0: the message of an op in ints, or None when it needs an object."""
-        if len(released) > _RELEASES:
-            return None
-        if kind == "snapshot":
-            listed = self._list_ids.get(tuple(args[1]))
-            if listed is None:
-                return None
-            a, b = args[0], listed
-        elif kind == "apply":
-            a, b = args[0], struct.unpack("<q", struct.pack("<d", args[1]))[0]
-        elif kind == "rebase":
-            a, b = args
-        else:
-            a, b = 0, 0
-        rel = list(released) + [0] * (_RELEASES - len(released))
-        return [_OP, _KINDS.index(kind), a, b, len(released), *rel]
-
-    def _from_ints(self, got: Sequence[int]) -> tuple[str, tuple[Any, ...], list[int]]:
-        kind, a, b, n = _KINDS[got[1]], got[2], got[3], got[4]
-        released = list(got[5:5 + n])
-        if kind == "snapshot":
-            return kind, (a, self._lists[b]), released
-        if kind == "apply":
-            return kind, (a, struct.unpack("<d", struct.pack("<q", b))[0]), released
-        if kind == "rebase":
-            return kind, (a, b), released
-        return kind, (), released
 
     def _replay(self, kind: str, args: tuple[Any, ...], released: Sequence[int]) -> None:
         # Released first: rank 0 dropped them before this op, which names only handles it
@@ -455,7 +413,7 @@ class PartedRanks:
         formats are computed a tensor at a time and quantized before the next."""
         a = self.adapter
         rows = a.mailed(list(snapshot))
-        if fmt == "F32" and ex.compression == "off":
+        if fmt == "F32" and ex.store.compression == "off":
             specs = [dataclasses.replace(p, dtype="F32") for p in a.part_schema(list(rows)).params]
             blob = PartBlob(specs, rows)
             await asyncio.to_thread(a.delta_into, anchor, snapshot,
@@ -469,12 +427,12 @@ class PartedRanks:
             del one, t  # before the next tensor's delta
         return await ex.put_part(round_, learner, self.rank, self.size, entries, rows)
 
-    async def _reach(self, ex: Exchange, i: int, chain: RowChain) -> int | None:
+    async def _reach(self, ex: Exchange, i: int, chain: ShardedChain) -> int | None:
         """This rank's share of `load`: its rows of the chain's theta, loaded onto its
         device one tensor at a time (the bytes read, or None when swept)."""
         a = self.adapter
         if self._replica is None:
-            self._replica = RowReplica(ex, {n: a.local_rows(n) for n in a.schema.names})
+            self._replica = ShardedReplica(ex, {n: a.local_rows(n) for n in a.schema.names})
         replica = self._replica
         loaded: dict[str, Any] = {}
 
@@ -525,11 +483,11 @@ def check_meshes(module: Any, world: int) -> None:
 class RankAdapter:
     """The adapter of rank 0's `Learner` when every rank mails its own rows: each call
     reaches every rank (see the module), each value is a `Handle`, and `crew` is the
-    `PartedRanks` the learner's mailman uploads and reads through."""
+    `ShardedRanks` the learner's mailman uploads and reads through."""
 
-    def __init__(self, parted: PartedRanks) -> None:
-        self.crew = parted
-        self._inner = parted.adapter
+    def __init__(self, sharded_ranks: ShardedRanks) -> None:
+        self.crew = sharded_ranks
+        self._inner = sharded_ranks.adapter
 
     @property
     def schema(self) -> Any:

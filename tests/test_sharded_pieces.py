@@ -19,15 +19,17 @@ import numpy as np
 import pytest
 
 from gradientmail.algorithms.base import Contribution
-from gradientmail.algorithms.diloco import DiLoCo, Rda, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import Rda, WeightedMean
 from gradientmail.backends.numpy_backend import BLOCK, NumpyBackend, NumpyRows
 from gradientmail.errors import ConfigError, CorruptPayload
 from gradientmail.syncer.screening import delta_norms, screen_delta
-from gradientmail.wire.parts import assemble, pieces_of
-from gradientmail.wire.payload_ranges import rows_of
 from gradientmail.wire.quantization import Quantized, dequantize, dequantizing, quantize
-from gradientmail.wire.row_pieces import DeltaTensor, RowPieces
-from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes
+from gradientmail.wire.serialization import ParameterSpec, Schema
+from gradientmail.wire.sharded_parts import assemble, pieces_of
+from gradientmail.wire.sharded_pieces import DeltaTensor, RowPieces
+from gradientmail.wire.sharded_ranges import rows_of
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 #: 1,500 rows of 1,000: the tensor spans two Gram blocks (BLOCK = 2^20 elements).
 SHAPE = (1500, 1000)

@@ -1,6 +1,6 @@
 """What block digests cost a sharded learner's ranged reads (docs/design/sharded.md §2, issue #15).
 
-    python benchmarks/blocks.py [--layers 4] [--embd 1600] [--dtype BF16] [--ranks 2 4 8 16]
+    python benchmarks/sharded_blocks.py [--layers 4] [--embd 1600] [--dtype BF16] [--ranks 2 4 8 16]
                                 [--blocks 16 32 64 256] [--no-append]
 
 A GPT-2-shaped fragment (`--layers` transformer blocks of width `--embd`, 1600 as GPT-2
@@ -10,7 +10,7 @@ as the closer writes a commit's theta: uncompressed, without block digests and w
 digests of each block size (`--blocks`, KiB). For each rank count every rank reads its
 rows of every tensor (`chunk_rows`: `torch.chunk`'s split, as FSDP2 shards dim 0) through
 a memory mailbox that counts the bytes of each ranged GET, twice: tensor by tensor, as
-`RowReplica` reads a commit (`fetch_header`, then `fetch_span_rows` per tensor), and all
+`ShardedReplica` reads a commit (`fetch_header`, then `fetch_span_rows` per tensor), and all
 at once with `fetch_rows` (touching ranges fetched as one). Reported: the header and its
 growth (every rank reads the header whole), and per rank (mean and worst over the ranks)
 the data bytes fetched beyond its rows, and header growth + extra as a share of its rows.
@@ -30,14 +30,14 @@ import numpy as np
 
 from gradientmail.mailbox import MemoryMailbox
 from gradientmail.wire.compression import encode
-from gradientmail.wire.payload_ranges import (
+from gradientmail.wire.sharded_ranges import (
     HEADER_PROBE,
     fetch_header,
     fetch_rows,
     fetch_span_rows,
     header_length,
 )
-from gradientmail.wire.serialization import TensorBytes, nbytes_of
+from gradientmail.wire.tensor_bytes import TensorBytes, nbytes_of
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 KEY = "theta/0/0000000001-000000.safetensors"
@@ -159,7 +159,7 @@ def main() -> None:
     parser.add_argument("--no-append", action="store_true", help="do not touch RESULTS.md")
     args = parser.parse_args()
     rows, about = measure(args)
-    command = "python benchmarks/blocks.py" + "".join(
+    command = "python benchmarks/sharded_blocks.py" + "".join(
         f" --{k} " + (" ".join(map(str, v)) if isinstance(v, list) else str(v))
         for k, v in vars(args).items()
         if k != "no_append" and v != parser.get_default(k))

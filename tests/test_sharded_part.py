@@ -14,8 +14,8 @@ import torch
 from gradientmail.adapters.sharded import ShardedAdapter
 from gradientmail.errors import AlreadyContributed, ConfigError
 from gradientmail.mailbox import MemoryMailbox
-from gradientmail.run.part_blob import PartBlob, put_part_blob
 from gradientmail.run.protocol import Exchange
+from gradientmail.run.sharded_part import PartBlob, put_part_blob
 
 RANKS = 3
 

@@ -21,8 +21,9 @@ from collections.abc import Mapping, Sequence
 
 from gradientmail.errors import CorruptPayload, SchemaMismatch
 from gradientmail.wire.quantization import Quantized, dequantizing
-from gradientmail.wire.row_pieces import DeltaTensor, Piece, RowPieces
-from gradientmail.wire.serialization import ParameterSpec, Schema, TensorBytes, validate
+from gradientmail.wire.serialization import ParameterSpec, Schema, validate
+from gradientmail.wire.sharded_pieces import DeltaTensor, Piece, RowPieces
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["ROWS_KEY", "Part", "assemble", "part_metadata", "pieces_of", "rows_in"]
 

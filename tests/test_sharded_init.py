@@ -5,9 +5,9 @@ manifest names them (`Manifest.init_parts`, `init[p]` None).
 The manifest's two shapes and their bytes (an older manifest keeps its bytes and reads
 as before); the keys, never swept; every reader of Θ⁰ reading the parts: a whole reader
 (`Replica`, `read_committed`), ranks reading their own rows under another layout
-(`RowReplica`, replicated outer step or not), the closer's first merge of each fragment
+(`ShardedReplica`, replicated outer step or not), the closer's first merge of each fragment
 (byte for byte the commits of the same run created with one payload per fragment), and
-`gradientmail verify`. A learner whose ranks create the run: tests/test_parted.py.
+`gradientmail verify`. A learner whose ranks create the run: tests/test_sharded_ranks.py.
 """
 
 from __future__ import annotations
@@ -19,27 +19,30 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
-from test_row_replica import RANKS, SCHEMA, make_run, rank_rows, rows_equal, same_state, tensors
+from test_sharded_replica import RANKS, SCHEMA, make_run, rank_rows, rows_equal, same_state, tensors
 from test_syncer import SCHEMA as SMALL
 from test_syncer import Run, init_tensors
 from test_verify import audited, statuses, verify
 
 from gradientmail.adapters.sharded import chunk_rows
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.app.cli import read_status
-from gradientmail.clock import FakeClock
 from gradientmail.errors import LocalProtocolError, RemoteProtocolError, SchemaMismatch
 from gradientmail.mailbox import Mailbox, MemoryMailbox
 from gradientmail.run.committed import read_committed
 from gradientmail.run.keyspace import init_key, init_part_key, plan_sweep
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
-from gradientmail.run.row_replica import RowReplica, plan_chain
+from gradientmail.run.sharded_replica import ShardedReplica, plan_chain
+from gradientmail.testing import FakeClock
 from gradientmail.wire.compression import decode_with_metadata
-from gradientmail.wire.parts import ROWS_KEY
-from gradientmail.wire.payload_ranges import Rows, rows_of
-from gradientmail.wire.records import Manifest, PayloadRef, RoundRecord
-from gradientmail.wire.serialization import Schema, TensorBytes
+from gradientmail.wire.records import Manifest, RoundRecord
+from gradientmail.wire.refs import PayloadRef
+from gradientmail.wire.serialization import Schema
+from gradientmail.wire.sharded_parts import ROWS_KEY
+from gradientmail.wire.sharded_ranges import Rows, rows_of
+from gradientmail.wire.tensor_bytes import TensorBytes
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
 
@@ -184,7 +187,7 @@ def test_a_whole_reader_joins_the_parts_to_theta0_and_refuses_parts_that_do_not_
         assert [ref.key for ref in m.init_parts[0]] == [
             f"init/000000/0/{k}-of-3.safetensors" for k in range(3)]
         # Each part holds rank k's rows in the schema's dtypes, named in its metadata.
-        blob = await ex.fetch_payload(m.init_parts[0][1])
+        blob = await ex.store.fetch_payload(m.init_parts[0][1])
         entries, meta = decode_with_metadata(blob, "off")
         assert json.loads(meta[ROWS_KEY]) == {n: list(r) for n, r in
                                               owned(SCHEMA, plan, 1, 3).items()}
@@ -242,7 +245,7 @@ def test_ranks_of_another_layout_read_their_rows_of_theta0_from_the_parts(
             rows = rank_rows(k)
             # Versions 0, 1 and 2 (version 3 is a checkpoint of its own).
             for rec in [None, *recs[:2]]:
-                follower = RowReplica(ex, rows)  # joining: from Θ⁰ and the steps since
+                follower = ShardedReplica(ex, rows)  # joining: from Θ⁰ and the steps since
                 got: dict[str, Rows] = {}
 
                 async def each(name: str, r: Rows, got: dict[str, Rows] = got) -> None:
@@ -268,7 +271,7 @@ def test_ranks_of_another_layout_read_their_rows_of_theta0_from_the_parts(
             one = dataclasses.replace(parted, init_parts=((parted.init_parts[0][kept],),))
             chain = await plan_chain(ex, one, 0, None, None)
             with pytest.raises(RemoteProtocolError, match=needle):
-                await RowReplica(ex, rank_rows(2)).reach(chain, nothing)
+                await ShardedReplica(ex, rank_rows(2)).reach(chain, nothing)
 
     run(main())
 

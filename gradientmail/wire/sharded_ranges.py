@@ -16,7 +16,7 @@ Limits of this first version (docs/design/sharded.md says how they are to be lif
   `fetch_rows` downloads and decodes it whole, then slices.
 - Ranged bytes cannot be checked against the payload's SHA-256 (that covers the whole
   blob). A payload written for ranged readers carries block digests in its header, and
-  its ref the header's SHA-256 (`gradientmail.wire.blocks`): the header is checked
+  its ref the header's SHA-256 (`gradientmail.wire.sharded_blocks`): the header is checked
   against the ref, each range is rounded out to whole blocks of its tensor and every
   block checked (`CorruptPayload` naming the key, the tensor and the block). A payload
   without them (written before) is checked as before: the header for consistency with
@@ -35,17 +35,10 @@ from dataclasses import dataclass
 
 from gradientmail.errors import ConfigError, CorruptPayload
 from gradientmail.mailbox.base import Mailbox
-from gradientmail.wire.blocks import BLOCKS_KEY, BlockIndex
 from gradientmail.wire.compression import compression_of, decode
-from gradientmail.wire.serialization import (
-    MAX_HEADER_BYTES,
-    MAX_TENSORS,
-    Span,
-    TensorBytes,
-    dtype_bits,
-    read_header,
-)
-from gradientmail.wire.tensor_bytes import _numel
+from gradientmail.wire.serialization import MAX_HEADER_BYTES, MAX_TENSORS, Span, read_header
+from gradientmail.wire.sharded_blocks import BLOCKS_KEY, BlockIndex
+from gradientmail.wire.tensor_bytes import TensorBytes, _numel, dtype_bits
 
 __all__ = [
     "HEADER_PROBE",
@@ -66,7 +59,7 @@ __all__ = [
 
 #: Bytes `fetch_rows` asks for first: the length and, for a payload without block
 #: digests, usually the whole header (a fragment of a GPT-2 has a few hundred tensors,
-#: about 100 bytes of JSON each). Block digests add 0.13% of the data (`wire.blocks`): a
+#: about 100 bytes of JSON each). Block digests add 0.13% of the data (`wire.sharded_blocks`): a
 #: payload over ~48 MiB then takes a second GET for the rest of its header.
 HEADER_PROBE = 64 * 1024
 #: Ranges of more bytes than this are hashed off the event loop (hashlib releases the GIL).
@@ -182,7 +175,7 @@ def coalesce(ranges: Sequence[ByteRange], max_gap: int = 0) -> list[ByteRange]:
 @dataclass(frozen=True)
 class PayloadIndex:
     """What a ranged reader knows of a payload from its header: where each tensor lies,
-    its metadata (a part's rows, `wire.parts`), and the block digests that check its data
+    its metadata (a part's rows, `wire.sharded_parts`), and the block digests that check its data
     (None for a payload written without)."""
 
     key: str

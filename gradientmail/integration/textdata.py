@@ -13,8 +13,9 @@
 - `tiny_gpt2(vocab_size, ...)`: a `GPT2LMHeadModel` from a `GPT2Config`; nothing is
   downloaded.
 
-torch, transformers, tokenizers and datasets are imported inside the functions that need
-them, so importing this module costs nothing.
+transformers, tokenizers and datasets are imported inside the functions that need them
+(torch comes with the `gradientmail.integration` package), so both integrations and the
+demo use it without pulling in Hugging Face until they tokenize.
 """
 
 from __future__ import annotations

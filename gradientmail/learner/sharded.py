@@ -4,7 +4,7 @@ A learner run by several ranks that each hold a shard (FSDP2), or that split the
 (DDP), publishes a contribution as one part per rank and reads each commit by ranges, each
 rank its own rows (docs/design/sharded.md §3). Rank 0 runs the `Learner`; its adapter then has a
 `crew`: the other ranks, reached over a side process group that the integration core
-(`gradientmail.integration.parted`) carries out. The mailman's poster and fetcher ask it
+(`gradientmail.integration.sharded`) carries out. The mailman's poster and fetcher ask it
 for three things, and for nothing else:
 
 - `upload`: every rank computes anchor − θ over the rows it owns and uploads it as its
@@ -25,7 +25,8 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from gradientmail.run.protocol import Exchange
-from gradientmail.wire.records import Manifest, PayloadRef, RoundRecord
+from gradientmail.wire.records import Manifest, RoundRecord
+from gradientmail.wire.refs import PayloadRef
 
 __all__ = ["Crew", "crew_of"]
 

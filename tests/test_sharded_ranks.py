@@ -1,4 +1,4 @@
-"""A learner whose ranks each mail their own rows (`PartedRanks` under `RankSync`), with
+"""A learner whose ranks each mail their own rows (`ShardedRanks` under `RankSync`), with
 ranks as threads (`ThreadRanks` for both the default and the side group): a 2-rank
 learner that splits its upload, next to a plain learner, is standard DiLoCo's oracle; its
 rounds are made of parts, one per rank, and its ranks end on the same parameters.
@@ -22,15 +22,16 @@ from workers.toy import inner_step, make_model
 
 from gradientmail.adapters import TorchAdapter
 from gradientmail.adapters.sharded import ShardedAdapter
-from gradientmail.algorithms.diloco import DiLoCo, WeightedMean
+from gradientmail.algorithms.diloco import DiLoCo
+from gradientmail.algorithms.merge import WeightedMean
 from gradientmail.integration import RankSync, ThreadRanks
-from gradientmail.integration.parted import PartedRanks
+from gradientmail.integration.sharded import ShardedRanks
 from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import MemoryMailbox
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import state_at
-from gradientmail.wire.payload_ranges import rows_of
+from gradientmail.wire.sharded_ranges import rows_of
 
 RANKS = 2
 TIMEOUT = 120.0
@@ -88,21 +89,21 @@ def train_plain(one: Learner, model: torch.nn.Module,
 @pytest.mark.parametrize("alg", [{"checkpoint_every": 1}, {}], ids=["rows", "replicated"])
 def test_a_two_rank_learner_mailing_parts_and_a_plain_one_equal_the_oracle(
         alg: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    url = f"memory://parted-{secrets.token_hex(4)}"
+    url = f"memory://sharded-{secrets.token_hex(4)}"
     # How many earlier snapshots each rank still holds as it takes one: none (standard
     # DiLoCo, one round in flight), so a fragment's snapshot never coexists with the last.
     snapshots: dict[int, set[int]] = {k: set() for k in range(RANKS)}
     overlapping: dict[int, list[int]] = {k: [] for k in range(RANKS)}
-    replay = PartedRanks._replay
+    replay = ShardedRanks._replay
 
-    def counted(self: PartedRanks, kind: str, args: Any, released: Any) -> None:
+    def counted(self: ShardedRanks, kind: str, args: Any, released: Any) -> None:
         if kind == "snapshot":
             live = snapshots[self.rank] & (set(self._store) - set(released))
             overlapping[self.rank].append(len(live))
             snapshots[self.rank].add(args[0])
         replay(self, kind, args, released)
 
-    monkeypatch.setattr(PartedRanks, "_replay", counted)
+    monkeypatch.setattr(ShardedRanks, "_replay", counted)
     default = ThreadRanks.group(RANKS, timeout=TIMEOUT)
     side = ThreadRanks.group(RANKS, timeout=TIMEOUT)
     # Built one after the other: make_model seeds torch's global generator.
@@ -114,16 +115,17 @@ def test_a_two_rank_learner_mailing_parts_and_a_plain_one_equal_the_oracle(
     def rank(k: int) -> None:
         model = models[k]
         adapter = ShardedAdapter(model, group_size=RANKS, group_rank=k)
-        parted = PartedRanks(adapter, default[k], side[k], k, url, timeout=TIMEOUT)
-        sync = RankSync(default[k], model, parted=parted)
-        sync.start(lambda: learner(parted.learner_adapter(), url, "ranked", **alg))
+        sharded_ranks = ShardedRanks(adapter, default[k], side[k], k, url, timeout=TIMEOUT)
+        sync = RankSync(default[k], model, sharded_ranks=sharded_ranks)
+        sync.start(lambda: learner(sharded_ranks.learner_adapter(), url, "ranked", **alg))
         train_ranked(sync, model, ready)
         assert sync.rounds_seen == ROUNDS - 1
         # The anchor of the one fragment, and a snapshot kept for rebasing at most: every
         # other snapshot and commit was released on every rank.
-        assert parted.held <= 2, parted.held
+        assert sharded_ranks.held <= 2, sharded_ranks.held
         results[f"rank{k}"] = [p.detach().clone() for p in model.parameters()]
-        rows[k] = parted.rows_state(0), {n: adapter.local_rows(n) for n in adapter.schema.names}
+        rows[k] = (sharded_ranks.rows_state(0),
+                   {n: adapter.local_rows(n) for n in adapter.schema.names})
 
     def plain() -> None:
         model = models[RANKS]
@@ -170,7 +172,7 @@ def test_a_mesh_that_does_not_span_the_learner_is_refused() -> None:
     from torch.distributed.fsdp import fully_shard
 
     from gradientmail.errors import ConfigError
-    from gradientmail.integration.parted import check_meshes, is_sharded
+    from gradientmail.integration.sharded import check_meshes, is_sharded
 
     store = tempfile.mktemp(prefix="gm-mesh-")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
@@ -194,8 +196,8 @@ def test_a_mesh_that_does_not_span_the_learner_is_refused() -> None:
     )
 
 
-class Recording(PartedRanks):
-    """A rank's `PartedRanks` that notes the kind of every side command it serves."""
+class Recording(ShardedRanks):
+    """A rank's `ShardedRanks` that notes the kind of every side command it serves."""
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
@@ -234,7 +236,7 @@ def test_a_two_rank_creator_uploads_theta0_by_parts_and_a_plain_learner_joins_on
     codec); the manifest names the parts. A plain
     learner built with other parameters joins at version 0 on exactly the creator's;
     the rounds closed from that Θ⁰ equal the oracle, and verify re-derives every one."""
-    url = f"memory://parted-init-{secrets.token_hex(4)}"
+    url = f"memory://sharded-init-{secrets.token_hex(4)}"
     default = ThreadRanks.group(RANKS, timeout=TIMEOUT)
     side = ThreadRanks.group(RANKS, timeout=TIMEOUT)
     models = [make_model() for _ in range(RANKS)] + [make_model(seed=3)]
@@ -251,10 +253,10 @@ def test_a_two_rank_creator_uploads_theta0_by_parts_and_a_plain_learner_joins_on
     def rank(k: int) -> None:
         model = models[k]
         adapter = ReadLog(model, group_size=RANKS, group_rank=k)
-        parted = crews[k] = Recording(adapter, default[k], side[k], k, url, timeout=TIMEOUT,
+        sharded_ranks = crews[k] = Recording(adapter, default[k], side[k], k, url, timeout=TIMEOUT,
                                       compression=compression)
-        sync = RankSync(default[k], model, parted=parted)
-        sync.start(lambda: learner(parted.learner_adapter(), url, "ranked",
+        sync = RankSync(default[k], model, sharded_ranks=sharded_ranks)
+        sync.start(lambda: learner(sharded_ranks.learner_adapter(), url, "ranked",
                                    compression=compression, **kw))
         created.set()
         train_ranked(sync, model, ready)
@@ -285,7 +287,7 @@ def test_a_two_rank_creator_uploads_theta0_by_parts_and_a_plain_learner_joins_on
     async def check() -> None:
         from gradientmail.app.verify import verify_run
         from gradientmail.wire.compression import decode_with_metadata
-        from gradientmail.wire.parts import rows_in
+        from gradientmail.wire.sharded_parts import rows_in
 
         box = MemoryMailbox(url.split("//")[1])
         ex = Exchange(box)
@@ -296,7 +298,7 @@ def test_a_two_rank_creator_uploads_theta0_by_parts_and_a_plain_learner_joins_on
         assert [ref.key for ref in manifest.init_parts[0]] == [
             "init/000000/0/0-of-2.safetensors", "init/000000/0/1-of-2.safetensors"]
         for k, ref in enumerate(manifest.init_parts[0]):
-            blob = await ex.fetch_payload(ref)
+            blob = await ex.store.fetch_payload(ref)
             assert blob is not None
             _, meta = decode_with_metadata(blob, "off")
             assert rows_in(meta, ref.key) == crews[k].adapter.mailed(manifest.plan[0])
@@ -342,27 +344,28 @@ def test_an_op_is_one_broadcast_once_its_names_are_known_and_the_control_closes_
 
     def rank(k: int) -> None:
         adapter = ShardedAdapter(models[k], group_size=RANKS, group_rank=k)
-        parted = PartedRanks(adapter, default[k], side[k], k, "memory://ops", timeout=TIMEOUT)
+        sharded_ranks = ShardedRanks(adapter, default[k], side[k], k, "memory://ops",
+                                     timeout=TIMEOUT)
         ones = {n: torch.ones_like(adapter.local(n)) for n in names}
-        parted._keep(100, ones)  # loaded values, as a commit's would be on every rank
+        sharded_ranks._keep(100, ones)  # loaded values, as a commit's would be on every rank
         counts = []
         if k == 0:
             for step in range(3):
-                parted.ops_tail(len(tail))
+                sharded_ranks.ops_tail(len(tail))
                 if step < 2:
-                    parted.op("snapshot", 10 + step, names[:2])
+                    sharded_ranks.op("snapshot", 10 + step, names[:2])
                 else:
-                    parted.op("apply", 100, 0.3)
+                    sharded_ranks.op("apply", 100, 0.3)
                     for i in range(5):  # more releases than a message holds
-                        parted._drop(i)
-                    parted.op("release")
+                        sharded_ranks._drop(i)
+                    sharded_ranks.op("release")
                 counts.append((default[k].ints, default[k].objects))
-                assert parted.end_ops(tail) == tail
+                assert sharded_ranks.end_ops(tail) == tail
         else:
             for _ in range(3):
-                assert parted.serve_ops([0, 0, 0]) == tail
+                assert sharded_ranks.serve_ops([0, 0, 0]) == tail
                 counts.append((default[k].ints, default[k].objects))
-        seen[k] = counts, {i: parted._store.get(i) for i in (10, 11)}
+        seen[k] = counts, {i: sharded_ranks._store.get(i) for i in (10, 11)}
 
     before = {k: [p.detach().clone() for p in models[k].parameters()] for k in range(RANKS)}
     in_threads(*(functools.partial(rank, k) for k in range(RANKS)), timeout=60)
