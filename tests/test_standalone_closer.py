@@ -157,6 +157,7 @@ def test_a_standalone_closer_writes_commits_in_the_runs_codec() -> None:
             live=frozenset({"a"}))
         (rec2,) = await r2.records()
         assert rec2.theta is not None and not rec2.theta.key.endswith(".zst")
-        assert await r.ex.fetch_tensors(rec.theta) == await r2.ex.fetch_tensors(rec2.theta)
+        assert await r.ex.store.fetch_tensors(rec.theta) == await r2.ex.store.fetch_tensors(
+            rec2.theta)
 
     asyncio.run(main())
