@@ -33,6 +33,7 @@ import zstandard
 
 from gradientmail.wire.compression import decode, encode
 from gradientmail.wire.quantization import FORMATS, dequantize, quantize
+from gradientmail.wire.quantization_torch import quantize_bytes
 from gradientmail.wire.serialization import pack
 from gradientmail.wire.tensor_bytes import TensorBytes
 
@@ -181,9 +182,10 @@ def quantizer_rows(tensors: dict[str, TensorBytes], reps: int) -> list[dict[str,
             for backend in ("numpy", "torch"):
 
                 def q(fmt: str = fmt, backend: str = backend) -> dict[str, TensorBytes]:
+                    one = quantize_bytes if backend == "torch" else quantize
                     out: dict[str, TensorBytes] = {}
                     for name, t in tensors.items():
-                        out |= quantize(name, t, fmt, backend=backend)
+                        out |= one(name, t, fmt)
                     return out
 
                 q_wall, q_cpu, entries = best_of(reps, q)

@@ -12,6 +12,7 @@ import pytest
 
 from gradientmail.errors import NonFiniteError
 from gradientmail.wire.quantization import BLOCK, quantize
+from gradientmail.wire.quantization_torch import quantize_bytes
 from gradientmail.wire.tensor_bytes import TensorBytes
 
 torch = pytest.importorskip("torch")
@@ -19,6 +20,11 @@ from gradientmail.wire.quantization_torch import quantize_tensor, quantize_tenso
 
 PATHS = ("numpy", "torch")
 CODED = ("F8_E4M3", "F4")
+
+
+def quantize_on(path: str, name: str, tensor: TensorBytes, fmt: str) -> dict[str, TensorBytes]:
+    """`quantize` on the numpy path, or the torch kernels' `quantize_bytes`."""
+    return (quantize_bytes if path == "torch" else quantize)(name, tensor, fmt)
 
 
 def _oracle(x: npt.NDArray[np.float32], fmt: str) -> tuple[bytes, bytes]:
@@ -70,7 +76,7 @@ def _edge_values() -> npt.NDArray[np.float32]:
 @pytest.mark.parametrize("cut", [0, 1, 7, 31, 33, 100, None])
 def test_edge_cases_match_the_oracle(fmt: str, path: str, cut: int | None) -> None:
     x = _edge_values()[:cut]
-    entries = quantize("e", TensorBytes.from_numpy(x), fmt, backend=path)
+    entries = quantize_on(path, "e", TensorBytes.from_numpy(x), fmt)
     assert (entries["e"].data, entries["e.scale"].data) == _oracle(x, fmt)
 
 
@@ -84,7 +90,7 @@ def test_chunk_boundaries_match_the_oracle_on_both_paths(fmt: str, n: int) -> No
     x = x.astype(np.float32)
     want = _oracle(x, fmt)
     for path in PATHS:
-        entries = quantize("c", TensorBytes.from_numpy(x), fmt, backend=path)
+        entries = quantize_on(path, "c", TensorBytes.from_numpy(x), fmt)
         assert (entries["c"].data, entries["c.scale"].data) == want
 
 
@@ -93,7 +99,7 @@ def test_chunk_boundaries_match_the_oracle_on_both_paths(fmt: str, n: int) -> No
 def test_half_precision_sources_on_both_paths(fmt: str, dtype: object) -> None:
     x = (np.random.default_rng(1).standard_normal(3001) * 50).astype(dtype)
     t = TensorBytes.from_numpy(x)
-    assert quantize("h", t, fmt, backend="torch") == quantize("h", t, fmt, backend="numpy")
+    assert quantize_bytes("h", t, fmt) == quantize("h", t, fmt)
 
 
 @pytest.mark.parametrize("fmt", ("BF16", *CODED))
@@ -101,8 +107,8 @@ def test_half_precision_sources_on_both_paths(fmt: str, dtype: object) -> None:
 def test_empty_scalar_and_odd_shapes_on_both_paths(fmt: str, shape: tuple[int, ...]) -> None:
     x = np.arange(math.prod(shape), dtype=np.float32).reshape(shape) - 3
     t = TensorBytes.from_numpy(x)
-    numpy_entries = quantize("s", t, fmt, backend="numpy")
-    assert quantize("s", t, fmt, backend="torch") == numpy_entries
+    numpy_entries = quantize("s", t, fmt)
+    assert quantize_bytes("s", t, fmt) == numpy_entries
     assert numpy_entries["s"].shape == shape
 
 
@@ -115,7 +121,7 @@ def test_non_finite_past_the_first_chunk_is_refused_alike(fmt: str, path: str,
     x[[70_000, 70_001, 199_999]] = bad
     with pytest.raises(NonFiniteError, match=r"^tensor 'w' holds 3 NaN or infinite values "
                        rf"\(first at flat index 70000\); cannot quantize to {fmt}\."):
-        quantize("w", TensorBytes.from_numpy(x), fmt, backend=path)
+        quantize_on(path, "w", TensorBytes.from_numpy(x), fmt)
 
 
 @pytest.mark.parametrize("fmt", ("BF16", *CODED))
@@ -124,7 +130,7 @@ def test_rounding_past_float32_max_is_refused_alike(fmt: str, path: str) -> None
     x = np.zeros(100, np.float32)
     x[40] = 3.4e38
     with pytest.raises(NonFiniteError, match=f"'big'.*overflow to infinity when rounded to {fmt}"):
-        quantize("big", TensorBytes.from_numpy(x), fmt, backend=path)
+        quantize_on(path, "big", TensorBytes.from_numpy(x), fmt)
 
 
 @pytest.mark.parametrize("fmt", ("BF16", *CODED))
@@ -172,5 +178,5 @@ def test_whole_tensor_scales_at_the_ends(fmt: str, path: str, values: list[float
     # F8's one scale from a subnormal absmax (k clamps at -126), from one near float32's
     # maximum, from zeros; and absmaxes right at the formats' largest codes.
     x = np.array(values, np.float32)
-    entries = quantize("s", TensorBytes.from_numpy(x), fmt, backend=path)
+    entries = quantize_on(path, "s", TensorBytes.from_numpy(x), fmt)
     assert (entries["s"].data, entries["s.scale"].data) == _oracle(x, fmt)

@@ -62,7 +62,7 @@ def merged_step(name: str, merged: TensorBytes, fmt: str) -> dict[str, TensorByt
         return {name: merged}
     from gradientmail.wire.quantization import quantize
 
-    return quantize(name, merged, fmt, backend="numpy")
+    return quantize(name, merged, fmt)
 
 
 def apply_step(

@@ -28,8 +28,8 @@ F8 and F4 codes come from the float32 bits: each scaled value is rounded to odd 
 bits (its top 16 bits, the lowest of them set when any bit below is), and a 65,536-entry
 table maps that to the code ml_dtypes' round-to-nearest-even cast gives (rounding to odd
 first, with at least two bits more than the target keeps, rounds the same). numpy does it
-a cache-sized chunk at a time in the calling thread; `backend="torch"` runs the kernels of
-`gradientmail.wire.quantization_torch` instead (the same bytes, which the tests check),
+a cache-sized chunk at a time in the calling thread; the kernels of
+`gradientmail.wire.quantization_torch` give the same bytes (which the tests check),
 which also quantize a torch tensor on its own device (`quantize_tensor`). BF16 uses
 ml_dtypes' cast, which is fast already.
 """
@@ -44,7 +44,7 @@ import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
-from gradientmail.errors import ConfigError, CorruptPayload, MissingExtra, NonFiniteError
+from gradientmail.errors import ConfigError, CorruptPayload, NonFiniteError
 from gradientmail.wire.tensor_bytes import STORAGE_DTYPES, TensorBytes, handed_over
 
 __all__ = [
@@ -120,28 +120,22 @@ def quantized_nbytes(fmt: str, numel: int) -> int:
     return (numel + 1) // 2 + -(-numel // BLOCK)
 
 
-def quantize(
-    name: str, tensor: TensorBytes, fmt: str, *, backend: str = "auto"
-) -> dict[str, TensorBytes]:
-    """The entries carrying `tensor` in format `fmt`: ``{name: codes[, name.scale: scale]}``.
-
-    `backend` is "auto" or "numpy" (numpy, the faster on a CPU), or "torch" (the torch
-    kernels on the CPU: the same bytes).
-    """
+def check_quantizable(name: str, tensor: TensorBytes, fmt: str) -> None:
+    """`ConfigError` unless `fmt` is a format and `tensor` a TensorBytes of a float dtype
+    a format can carry."""
     check_format(fmt)
     if not isinstance(tensor, TensorBytes) or tensor.dtype not in STORAGE_DTYPES:
         got = tensor.dtype if isinstance(tensor, TensorBytes) else type(tensor).__name__
         raise ConfigError(
             f"tensor {name!r}: can only quantize {', '.join(STORAGE_DTYPES)} TensorBytes, not {got}"
         )
-    if backend not in ("auto", "numpy", "torch"):
-        raise ConfigError(f"backend {backend!r} must be 'auto', 'numpy' or 'torch'")
-    if backend == "torch":
-        try:
-            from gradientmail.wire import quantization_torch
-        except ImportError:
-            raise MissingExtra("torch", "the torch quantization path") from None
-        return quantization_torch.quantize_bytes(name, tensor, fmt)
+
+
+def quantize(name: str, tensor: TensorBytes, fmt: str) -> dict[str, TensorBytes]:
+    """The entries carrying `tensor` in format `fmt`: ``{name: codes[, name.scale: scale]}``,
+    computed by numpy in the calling thread (`quantization_torch.quantize_bytes` gives the
+    same bytes from torch kernels)."""
+    check_quantizable(name, tensor, fmt)
     x = tensor.to_numpy().reshape(-1)
     if fmt == "BF16":
         return {name: _quantize_bf16(name, tensor, x)}
@@ -150,9 +144,9 @@ def quantize(
     return _quantize_f4(name, tensor.shape, x)
 
 
-def roundtrip(tensor: TensorBytes, fmt: str, *, backend: str = "auto") -> TensorBytes:
+def roundtrip(tensor: TensorBytes, fmt: str) -> TensorBytes:
     """The F32 tensor that `fmt` represents for `tensor`: dequantize(quantize(tensor))."""
-    return dequantize(quantize("t", tensor, fmt, backend=backend), "t", fmt)
+    return dequantize(quantize("t", tensor, fmt), "t", fmt)
 
 
 def non_finite_error(name: str, count: int, first: int, fmt: str) -> NonFiniteError:

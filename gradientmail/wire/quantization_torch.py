@@ -6,8 +6,7 @@ scaled values (a multiplication by a power of two), F8_E4M3 by torch's float8 ca
 (round to nearest even, as ml_dtypes'), F4 through the numpy path's table of codes,
 BF16 by torch's bfloat16 cast. On a GPU the whole tensor is one batch of kernels and
 only the codes and scales cross to the host; on the CPU the kernels run a chunk at a
-time. Importing this module imports torch: `quantization` imports it only for
-``backend="torch"``.
+time. Importing this module imports torch; `quantization` never imports it.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from gradientmail.wire.quantization import (
     BLOCK,
     F4_CODES,
     check_format,
+    check_quantizable,
     non_finite_error,
     overflow_error,
     scale_name,
@@ -45,7 +45,9 @@ _TABLES: dict[torch.device, torch.Tensor] = {}
 
 
 def quantize_bytes(name: str, tensor: TensorBytes, fmt: str) -> dict[str, TensorBytes]:
-    """`quantize_tensor` of a host `TensorBytes` (F32, F16 or BF16), viewed without a copy."""
+    """`quantize_tensor` of a host `TensorBytes` (F32, F16 or BF16), viewed without a copy:
+    the bytes of `quantization.quantize`."""
+    check_quantizable(name, tensor, fmt)
     raw = np.frombuffer(tensor.buffer, np.uint8)
     with warnings.catch_warnings():  # read-only input: no kernel writes through the view
         warnings.simplefilter("ignore", UserWarning)
