@@ -246,14 +246,14 @@ def test_a_two_rank_creator_uploads_theta0_by_parts_and_a_plain_learner_joins_on
     created = threading.Event()
     ready = threading.Barrier(RANKS + 1)
     results: dict[str, list[torch.Tensor]] = {}
-    crews: dict[int, Recording] = {}
+    sets: dict[int, Recording] = {}
     joined: list[torch.Tensor] = []
     kw = dict(alg, keep_rounds=100)  # every contribution kept: verify re-derives them
 
     def rank(k: int) -> None:
         model = models[k]
         adapter = ReadLog(model, group_size=RANKS, group_rank=k)
-        sharded_ranks = crews[k] = Recording(adapter, default[k], side[k], k, url, timeout=TIMEOUT,
+        sharded_ranks = sets[k] = Recording(adapter, default[k], side[k], k, url, timeout=TIMEOUT,
                                       compression=compression)
         sync = RankSync(default[k], model, sharded_ranks=sharded_ranks)
         sync.start(lambda: learner(sharded_ranks.learner_adapter(), url, "ranked",
@@ -276,9 +276,9 @@ def test_a_two_rank_creator_uploads_theta0_by_parts_and_a_plain_learner_joins_on
     for who, got in results.items():
         for g, w in zip(got, oracle(), strict=True):
             torch.testing.assert_close(g, w, rtol=0, atol=1e-6, msg=who)
-    for k, crew in crews.items():
-        assert "init" in crew.served and "read" not in crew.served, (k, crew.served)
-        adapter = crew.adapter
+    for k, ranks in sets.items():
+        assert "init" in ranks.served and "read" not in ranks.served, (k, ranks.served)
+        adapter = ranks.adapter
         assert isinstance(adapter, ReadLog)
         # Its own rows, one tensor per read: no rank ever held more of Θ⁰ than that.
         assert adapter.reads and all(len(r) == 1 for r in adapter.reads)
@@ -301,7 +301,7 @@ def test_a_two_rank_creator_uploads_theta0_by_parts_and_a_plain_learner_joins_on
             blob = await ex.store.fetch_payload(ref)
             assert blob is not None
             _, meta = decode_with_metadata(blob, "off")
-            assert rows_in(meta, ref.key) == crews[k].adapter.mailed(manifest.plan[0])
+            assert rows_in(meta, ref.key) == sets[k].adapter.mailed(manifest.plan[0])
         theta = await ex.fetch_init(manifest, 0)
         assert theta is not None
         names = list(manifest.plan[0])

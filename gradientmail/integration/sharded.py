@@ -307,14 +307,14 @@ class ShardedRanks:
 
     async def upload(self, exchange: Exchange, round_: int, learner: str, anchor: Any,
                      snapshot: Any, delta_format: str) -> list[PayloadRef]:
-        """`Crew.upload`: every rank's part, in rank order."""
+        """`Ranks.upload`: every rank's part, in rank order."""
         cmd = ("upload", round_, learner, anchor.id, snapshot.id, delta_format)
         refs: list[PayloadRef] = await self._side_command_async(cmd, exchange)
         return refs
 
     async def upload_init(self, exchange: Exchange, fragment: int, names: tuple[str, ...],
                           attempt: int) -> list[PayloadRef]:
-        """`Crew.upload_init`: every rank's owned rows of Θ⁰ of `fragment` (tensors
+        """`Ranks.upload_init`: every rank's owned rows of Θ⁰ of `fragment` (tensors
         `names`) uploaded as its part, in rank order. No rank gathers or joins them."""
         cmd = ("init", fragment, list(names), attempt)
         refs: list[PayloadRef] = await self._side_command_async(cmd, exchange)
@@ -322,7 +322,7 @@ class ShardedRanks:
 
     async def load(self, exchange: Exchange, manifest: Manifest, fragment: int,
                    record: RoundRecord | None) -> tuple[Any, int]:
-        """`Crew.load`: every rank's rows of `fragment`'s theta at `record` (Θ⁰ for
+        """`Ranks.load`: every rank's rows of `fragment`'s theta at `record` (Θ⁰ for
         None), each read by ranges and, with a replicated outer step, replayed on the
         rank's own rows of the state; (None, 0) when a payload was swept. Rank 0 walks
         the records (it alone holds the run key), the ranks read and replay."""
@@ -482,11 +482,11 @@ def check_meshes(module: Any, world: int) -> None:
 
 class RankAdapter:
     """The adapter of rank 0's `Learner` when every rank mails its own rows: each call
-    reaches every rank (see the module), each value is a `Handle`, and `crew` is the
+    reaches every rank (see the module), each value is a `Handle`, and `ranks` is the
     `ShardedRanks` the learner's mailman uploads and reads through."""
 
     def __init__(self, sharded_ranks: ShardedRanks) -> None:
-        self.crew = sharded_ranks
+        self.ranks = sharded_ranks
         self._inner = sharded_ranks.adapter
 
     @property
@@ -498,28 +498,28 @@ class RankAdapter:
         return self._inner.direct_names
 
     def read(self, names: Sequence[str] | None = None) -> dict[str, TensorBytes]:
-        return self.crew.read(names)
+        return self.ranks.read(names)
 
     def snapshot(self, names: Sequence[str]) -> Handle:
-        i = self.crew.new_id()
-        self.crew.op("snapshot", i, list(names))
+        i = self.ranks.new_id()
+        self.ranks.op("snapshot", i, list(names))
         h = Handle(i)
-        weakref.finalize(h, self.crew._drop, i)
+        weakref.finalize(h, self.ranks._drop, i)
         return h
 
     def load(self, values: Mapping[str, TensorBytes]) -> Handle:
-        return self.crew.load_full(values)
+        return self.ranks.load_full(values)
 
     def delta(self, anchor: Handle, snapshot: Handle) -> dict[str, Any]:
         """Rank 0's own rows only (`Rows`, not the full tensors `Adapter.delta` promises,
-        hence `Any`): a learner with a `crew` uploads through it, never through this."""
-        return self._inner.delta(self.crew.local(anchor), self.crew.local(snapshot))
+        hence `Any`): a learner with a `ranks` uploads through it, never through this."""
+        return self._inner.delta(self.ranks.local(anchor), self.ranks.local(snapshot))
 
     def apply(self, values: Handle, mixing: float = 0.0) -> None:
-        self.crew.op("apply", values.id, float(mixing))
+        self.ranks.op("apply", values.id, float(mixing))
 
     def rebase(self, values: Handle, base: Handle) -> None:
-        self.crew.op("rebase", values.id, base.id)
+        self.ranks.op("rebase", values.id, base.id)
 
 
 def _portable(rows: Rows) -> Rows:

@@ -19,7 +19,7 @@ from gradientmail.errors import (
     SchemaMismatch,
 )
 from gradientmail.learner.messages import Commit
-from gradientmail.learner.sharded import crew_of
+from gradientmail.learner.sharded import ranks_of
 from gradientmail.run.bounds import payload_bound
 from gradientmail.run.join import JoinResult
 from gradientmail.run.protocol import Exchange
@@ -58,7 +58,7 @@ class CommitFetcher:
         ex = self._exchange
         names = self._plan[rec.fragment]
         schema = self._adapter.schema
-        if crew_of(self._adapter) is not None:
+        if ranks_of(self._adapter) is not None:
             return await self._fetch_rows(rec)
         theta: dict[str, TensorBytes] | None = None
         nbytes = 0
@@ -109,14 +109,14 @@ class CommitFetcher:
         return Commit(rec, loaded, nbytes)
 
     async def _fetch_rows(self, rec: RoundRecord) -> Commit | None:
-        """A commit read by a learner whose ranks each read their own rows (`Crew.load`),
+        """A commit read by a learner whose ranks each read their own rows (`Ranks.load`),
         and with a replicated outer step replay it on their own rows of the state: no rank
         downloads the fragment, so none holds it to rebuild the next version from an
         update."""
-        crew = crew_of(self._adapter)
-        assert crew is not None
+        ranks = ranks_of(self._adapter)
+        assert ranks is not None
         try:
-            loaded, nbytes = await crew.load(self._exchange, self._replica.manifest,
+            loaded, nbytes = await ranks.load(self._exchange, self._replica.manifest,
                                              rec.fragment, rec)
         except (RemoteProtocolError, SchemaMismatch, ConfigError) as exc:
             return Commit(rec, None, 0, rejected=str(exc))

@@ -38,7 +38,7 @@ from gradientmail.learner.lease_keeper import LeaseKeeper
 from gradientmail.learner.messages import Commit, Observed, Outgoing, delta_format
 from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.poster import Poster
-from gradientmail.learner.sharded import Crew, crew_of
+from gradientmail.learner.sharded import Ranks, ranks_of
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
 from gradientmail.mailbox.wrappers import CountingMailbox
@@ -67,16 +67,16 @@ MANIFEST_EVERY = 10
 WANTED_LIST = 0.2
 
 
-def _rows_loader(crew: Crew, ex: Exchange) -> Loader:
+def _rows_loader(ranks: Ranks, ex: Exchange) -> Loader:
     async def load(manifest: Manifest, fragment: int, rec: RoundRecord | None) -> Any:
-        return (await crew.load(ex, manifest, fragment, rec))[0]
+        return (await ranks.load(ex, manifest, fragment, rec))[0]
 
     return load
 
 
-def _init_uploader(crew: Crew, ex: Exchange) -> InitUploader:
+def _init_uploader(ranks: Ranks, ex: Exchange) -> InitUploader:
     async def upload(fragment: int, names: tuple[str, ...], attempt: int) -> list[PayloadRef]:
-        return await crew.upload_init(ex, fragment, names, attempt)
+        return await ranks.upload_init(ex, fragment, names, attempt)
 
     return upload
 
@@ -271,11 +271,11 @@ class Mailman:
     async def _main(self, joined: concurrent.futures.Future[JoinResult]) -> None:
         ex = self._exchange
         assert ex is not None
-        crew = crew_of(self.adapter)
+        ranks = ranks_of(self.adapter)
         # A learner of several ranks joins with each rank's own rows.
-        load = None if crew is None else _rows_loader(crew, ex)
+        load = None if ranks is None else _rows_loader(ranks, ex)
         # ... and, creating the run, uploads Θ⁰ as each rank's own rows.
-        upload_init = None if crew is None else _init_uploader(crew, ex)
+        upload_init = None if ranks is None else _init_uploader(ranks, ex)
         try:
             result = await join_run(
                 ex,

@@ -22,7 +22,7 @@ from gradientmail.clock import Clock
 from gradientmail.errors import LocalProtocolError
 from gradientmail.events import EventSink, PublishCancelled, PublishFailed, SnapshotPublished
 from gradientmail.learner.messages import Outgoing, delta_format
-from gradientmail.learner.sharded import crew_of
+from gradientmail.learner.sharded import ranks_of
 from gradientmail.run.protocol import Exchange
 from gradientmail.syncer.hosted import Host
 from gradientmail.wire.quantization import quantize
@@ -147,11 +147,11 @@ class Poster:
         fmt = delta_format(self._algorithm.delta_dtype,
                            [self._adapter.schema[n].dtype for n in self._plan[job.fragment]])
         draft = job.draft(ex, self._learner, self._adapter.schema.digest(), fmt)
-        crew = crew_of(self._adapter)
-        if crew is not None:
+        ranks = ranks_of(self._adapter)
+        if ranks is not None:
             # Every rank uploads its own rows: no rank holds the whole delta, so nothing
             # is offered to the embedded closer from memory.
-            parts = await crew.upload(ex, job.round, self._learner, job.anchor,
+            parts = await ranks.upload(ex, job.round, self._learner, job.anchor,
                                       job.snapshot, fmt)
             self._published(job, await ex.publish_parts(draft, parts), t0)
             return

@@ -3,7 +3,7 @@
 A learner run by several ranks that each hold a shard (FSDP2), or that split their upload
 (DDP), publishes a contribution as one part per rank and reads each commit by ranges, each
 rank its own rows (docs/design/sharded.md §3). Rank 0 runs the `Learner`; its adapter then has a
-`crew`: the other ranks, reached over a side process group that the integration core
+`ranks`: the other ranks, reached over a side process group that the integration core
 (`gradientmail.integration.sharded`) carries out. The mailman's poster and fetcher ask it
 for three things, and for nothing else:
 
@@ -28,10 +28,10 @@ from gradientmail.run.protocol import Exchange
 from gradientmail.wire.records import Manifest, RoundRecord
 from gradientmail.wire.refs import PayloadRef
 
-__all__ = ["Crew", "crew_of"]
+__all__ = ["Ranks", "ranks_of"]
 
 
-class Crew(Protocol):
+class Ranks(Protocol):
     """The ranks of a learner that mails its contribution in parts (see the module)."""
 
     @property
@@ -58,8 +58,8 @@ class Crew(Protocol):
         ...
 
 
-def crew_of(adapter: Any) -> Crew | None:
-    """The crew an adapter brings (its `crew` attribute), or None: a learner of one rank,
+def ranks_of(adapter: Any) -> Ranks | None:
+    """The ranks an adapter brings (its `ranks` attribute), or None: a learner of one rank,
     or one whose rank 0 mails for all (the whole-model adapters)."""
-    crew: Crew | None = getattr(adapter, "crew", None)
-    return crew
+    ranks: Ranks | None = getattr(adapter, "ranks", None)
+    return ranks
