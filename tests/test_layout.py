@@ -107,15 +107,6 @@ def test_integrations_sit_on_the_library_not_the_app() -> None:
     assert wrong == []
 
 
-#: Names modules still list in `__all__` though another module defines them: the
-#: learner's and the closer's runtimes, which #28's seam between them is rewriting.
-PASSED_ON = {
-    "learner/mailman.py": {"delta_format"},
-    "learner/runtime.py": {"BACKUP_EVERY", "LearnerOptions", "WAIT_TIMEOUT"},
-    "syncer/runtime.py": {"theta_digest"},
-}
-
-
 def test_each_name_is_exported_by_the_module_that_defines_it() -> None:
     passed_on = {}
     for path in sorted(ROOT.rglob("*.py")):
@@ -129,4 +120,4 @@ def test_each_name_is_exported_by_the_module_that_defines_it() -> None:
                   for elt in getattr(node.value, "elts", []) if isinstance(elt, ast.Constant)}
         if listed & imported:
             passed_on[str(path.relative_to(ROOT))] = listed & imported
-    assert passed_on == PASSED_ON
+    assert passed_on == {}

@@ -35,7 +35,7 @@ from gradientmail.events import (
 from gradientmail.learner.fetcher import CommitFetcher
 from gradientmail.learner.hosting import hosted_closer
 from gradientmail.learner.lease_keeper import LeaseKeeper
-from gradientmail.learner.messages import Commit, Observed, Outgoing, delta_format
+from gradientmail.learner.messages import Commit, Observed, Outgoing
 from gradientmail.learner.options import LearnerOptions
 from gradientmail.learner.poster import Poster
 from gradientmail.learner.sharded import Ranks, ranks_of
@@ -54,7 +54,7 @@ from gradientmail.wire.auth import HmacSeal
 from gradientmail.wire.records import Manifest, RoundRecord
 from gradientmail.wire.refs import PayloadRef
 
-__all__ = ["BACKUP_EVERY", "MANIFEST_EVERY", "Mailman", "delta_format"]
+__all__ = ["BACKUP_EVERY", "MANIFEST_EVERY", "Mailman"]
 
 #: Polls between a learner's own looks at who published the next round, when its
 #: embedded syncer is not watching that round already.

@@ -37,9 +37,9 @@ from gradientmail.events import (
     log_events,
 )
 from gradientmail.learner import state as ls
-from gradientmail.learner.mailman import BACKUP_EVERY, Mailman
+from gradientmail.learner.mailman import Mailman
 from gradientmail.learner.messages import Commit, Outgoing
-from gradientmail.learner.options import WAIT_TIMEOUT, LearnerOptions
+from gradientmail.learner.options import LearnerOptions
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.traffic import RequestCounts, Traffic, measure
 from gradientmail.wire.auth import HmacSeal, resolve_run_key
@@ -47,14 +47,7 @@ from gradientmail.wire.estimates import Estimates
 from gradientmail.wire.record_json import check_learner_id
 from gradientmail.wire.records import RoundRecord
 
-__all__ = [
-    "AWAIT_REPORT_EVERY",
-    "BACKUP_EVERY",
-    "WAIT_TIMEOUT",
-    "Learner",
-    "LearnerOptions",
-    "default_learner_id",
-]
+__all__ = ["AWAIT_REPORT_EVERY", "Learner", "default_learner_id"]
 
 #: Seconds between `AwaitingLearners` reports of a wait whose live set does not change.
 AWAIT_REPORT_EVERY = 30.0

@@ -71,7 +71,7 @@ from gradientmail.wire.refs import Arrival, StepRef, UpdateRef
 from gradientmail.wire.serialization import Schema
 from gradientmail.wire.sharded_pieces import DeltaTensor
 
-__all__ = ["Syncer", "theta_digest"]
+__all__ = ["CloserSettings", "Syncer"]
 
 
 @dataclasses.dataclass
