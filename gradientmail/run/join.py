@@ -124,9 +124,32 @@ async def join_run(
     parts (a learner whose ranks each upload their own rows), instead of the adapter's
     `read` uploaded as one payload."""
     await verify_conditional_writes(ex.mailbox, prefix=ex.prefix + "selftest/")
+    manifest, created = await _manifest(ex, adapter, algorithm, learner, poll_interval,
+                                        on_event, upload_init)
+    _check_fits_run(ex, manifest, adapter, algorithm)
+    replica = Replica(ex, manifest, algorithm_from_json(dict(manifest.algorithm)))
+    while True:
+        newest = await ex.newest_round()
+        fragments = await _newest_fragments(ex, manifest, adapter, replica, newest, load)
+        if fragments is None:
+            continue  # swept while we read: a newer commit exists, look again
+        # Beat before training starts, so every observer counts this learner from its
+        # next lease listing on.
+        await ex.beat(learner)
+        on_event(Joined(learner, newest, tuple(v for v, _, _ in fragments), created))
+        return JoinResult(manifest.plan, newest, tuple((v, x) for v, x, _ in fragments),
+                          tuple(t for _, _, t in fragments), created, manifest, replica)
+
+
+async def _manifest(
+    ex: Exchange, adapter: Adapter, algorithm: Algorithm, learner: str, poll_interval: float,
+    on_event: EventSink, upload_init: InitUploader | None,
+) -> tuple[Manifest, bool]:
+    """The run's manifest, and whether this learner created it: read, or, while there is
+    none, created by whoever wins the creation claim (a stale claim is taken over after
+    `creation_timeout`)."""
     schema = adapter.schema
     plan = algorithm.plan(schema)
-    created = False
     manifest = await ex.read_manifest()
     seen: dict[int, float] = {}
     waited_for: int | None = None
@@ -148,14 +171,18 @@ async def join_run(
                 on_event(AwaitingCreator(learner, attempt))
         if mine is not None:
             on_event(CreatingRun(learner, mine))
-            manifest = await _create(ex, adapter, algorithm, learner, plan, mine,
-                                     upload_init)
-            created = manifest.creator == learner
-            break
+            made = await _create(ex, adapter, algorithm, learner, plan, mine, upload_init)
+            return made, made.creator == learner
         await ex.clock.sleep(poll_interval)
         manifest = await ex.read_manifest()
+    return manifest, False
 
-    diffs = schema_differences(manifest.schema, schema)
+
+def _check_fits_run(ex: Exchange, manifest: Manifest, adapter: Adapter,
+                    algorithm: Algorithm) -> None:
+    """`SchemaMismatch` or `RunConfigMismatch` naming every difference between this
+    learner's model or configuration and the run's."""
+    diffs = schema_differences(manifest.schema, adapter.schema)
     if diffs:
         raise SchemaMismatch(
             f"this model does not match the run in {ex.mailbox.url} "
@@ -163,44 +190,38 @@ async def join_run(
             + "; ".join(diffs)
             + ". Use the same model definition, or another mailbox/prefix for a new run"
         )
-    mine_json = algorithm.to_json()
-    diffs = config_differences(manifest.algorithm, mine_json)
+    diffs = config_differences(manifest.algorithm, algorithm.to_json())
     if diffs:
         raise RunConfigMismatch(
             f"this algorithm configuration differs from the run in {ex.mailbox.url}: "
             + "; ".join(diffs)
             + ". Use the run's configuration, or another mailbox/prefix for a new run"
         )
-    plan = manifest.plan
-    replica = Replica(ex, manifest, algorithm_from_json(dict(manifest.algorithm)))
-    while True:
-        newest = await ex.newest_round()
-        latest = await ex.latest_commit_per_fragment(len(plan), newest)
-        fragments = []
-        thetas: list[dict[str, TensorBytes]] = []
-        for p, names in enumerate(plan):
-            rec = latest.get(p)
-            if load is not None:
-                loaded = await load(manifest, p, rec)
-                if loaded is None:
-                    break  # swept while we read: a newer commit exists, look again
-                fragments.append((rec.version if rec is not None else 0, loaded))
-                thetas.append({})
-                continue
-            state = await replica.at(p, rec)
-            if state is None:
-                break  # swept while we read: a newer commit exists, look again
-            values = {n: state.theta[n] for n in names}
-            loaded = await asyncio.to_thread(adapter.load, values)
-            fragments.append((rec.version if rec is not None else 0, loaded))
-            thetas.append(values)
-        else:
-            # Beat before training starts, so every observer counts this learner from
-            # its next lease listing on.
-            await ex.beat(learner)
-            on_event(Joined(learner, newest, tuple(v for v, _ in fragments), created))
-            return JoinResult(plan, newest, tuple(fragments), tuple(thetas), created, manifest,
-                              replica)
+
+
+async def _newest_fragments(
+    ex: Exchange, manifest: Manifest, adapter: Adapter, replica: Replica, newest: int,
+    load: Loader | None,
+) -> list[tuple[int, Any, dict[str, TensorBytes]]] | None:
+    """Each fragment's (version, loaded parameters, host bytes) as of round `newest`; None
+    when a payload was swept while being read."""
+    latest = await ex.latest_commit_per_fragment(len(manifest.plan), newest)
+    out: list[tuple[int, Any, dict[str, TensorBytes]]] = []
+    for p, names in enumerate(manifest.plan):
+        rec = latest.get(p)
+        version = rec.version if rec is not None else 0
+        if load is not None:
+            loaded = await load(manifest, p, rec)
+            if loaded is None:
+                return None
+            out.append((version, loaded, {}))
+            continue
+        state = await replica.at(p, rec)
+        if state is None:
+            return None
+        values = {n: state.theta[n] for n in names}
+        out.append((version, await asyncio.to_thread(adapter.load, values), values))
+    return out
 
 
 async def _create(

@@ -203,25 +203,11 @@ def plan_sweep(
     uploading them), fragments with no record in `latest`, and keys of any
     shape this function does not know.
     """
-    if isinstance(keep_versions, bool) or not isinstance(keep_versions, int) \
-            or keep_versions < 1:
-        raise ConfigError(f"keep_versions={keep_versions!r} must be an integer >= 1")
-    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) \
-            or checkpoint_every < 1:
-        raise ConfigError(f"checkpoint_every={checkpoint_every!r} must be an integer >= 1")
-    if keep_rounds is not None and (isinstance(fragments, bool) or not isinstance(fragments, int)
-                                    or fragments < 1):
-        raise ConfigError(f"keep_rounds={keep_rounds!r} needs the plan's fragments (an "
-                          f"integer >= 1), got fragments={fragments!r}")
+    _check_sweep(keep_versions, checkpoint_every, keep_rounds, fragments)
     if not latest:
         return []
     closed = max(r.round for r in latest.values())
-    kept_from = closed + 1
-    if keep_rounds is not None:
-        if isinstance(keep_rounds, bool) or not isinstance(keep_rounds, int) or keep_rounds < 1:
-            raise ConfigError(f"keep_rounds={keep_rounds!r} must be None or an integer >= 1")
-        kept_from = closed - keep_rounds + 1
-        assert fragments is not None
+    kept_from = closed + 1 if keep_rounds is None else closed - keep_rounds + 1
     referenced = {ref.key for r in latest.values() for ref in r.payload_refs()}
     doomed = []
     for key in keys:
@@ -236,18 +222,35 @@ def plan_sweep(
         art = _ARTIFACT.fullmatch(key)
         if art is None or key in referenced or int(art.group(2)) not in latest:
             continue
-        newest = latest[int(art.group(2))].version
+        newest = latest[int(art.group(2))]
         version = int(art.group(3))
-        floor = newest - keep_versions
+        floor = newest.version - keep_versions
         if checkpoint_every > 1:
-            floor = min(floor, newest - newest % checkpoint_every - 1)
+            floor = min(floor, newest.version - newest.version % checkpoint_every - 1)
         if keep_rounds is not None:
             assert fragments is not None
-            floor = min(floor, audit_floor(latest[int(art.group(2))], kept_from, fragments,
-                                           checkpoint_every))
-        if version <= floor or version == newest:
+            floor = min(floor, audit_floor(newest, kept_from, fragments, checkpoint_every))
+        if version <= floor or version == newest.version:
             doomed.append(key)
     return doomed
+
+
+def _check_sweep(keep_versions: int, checkpoint_every: int, keep_rounds: int | None,
+                 fragments: int | None) -> None:
+    """`ConfigError` naming the first of `plan_sweep`'s settings that is out of range."""
+    if isinstance(keep_versions, bool) or not isinstance(keep_versions, int) \
+            or keep_versions < 1:
+        raise ConfigError(f"keep_versions={keep_versions!r} must be an integer >= 1")
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) \
+            or checkpoint_every < 1:
+        raise ConfigError(f"checkpoint_every={checkpoint_every!r} must be an integer >= 1")
+    if keep_rounds is not None and (isinstance(fragments, bool) or not isinstance(fragments, int)
+                                    or fragments < 1):
+        raise ConfigError(f"keep_rounds={keep_rounds!r} needs the plan's fragments (an "
+                          f"integer >= 1), got fragments={fragments!r}")
+    if keep_rounds is not None and (isinstance(keep_rounds, bool)
+                                    or not isinstance(keep_rounds, int) or keep_rounds < 1):
+        raise ConfigError(f"keep_rounds={keep_rounds!r} must be None or an integer >= 1")
 
 
 def audit_floor(newest: RoundRecord, kept_from: int, fragments: int,
