@@ -20,8 +20,9 @@ fragments and the merge cost at two learners):
   `--poll` to change) and their embedded closers, started with `wait_for_learners(2)`:
   `standard` = `DiLoCo.standard(20, 2)` on a local directory; `standard-s3` the same on
   moto's S3 server in this process; `decoupled` = `DiLoCo(sync_every=20, fragments=2)`
-  (quorum 1, RDA, τ = 2, never waits); `standard-p2` = `DiLoCo.standard(20, 2,
-  fragments=2)` (Streaming DiLoCo behind a barrier: a fragment synced every H/2 steps);
+  (quorum 1, RDA for rounds of 3 or more deltas, τ = 2, never waits); `standard-p2` =
+  `DiLoCo.standard(20, 2, fragments=2)` (Streaming DiLoCo behind a barrier: a fragment
+  synced every H/2 steps);
   `decoupled-mean` = the decoupled defaults with `merge=WeightedMean()`;
   `f4` = standard with F4 deltas and F4 commit updates, payloads compressed with zstd;
 - torchft: `torchft` = `torchft.local_sgd.DiLoCo` over one fragment (the whole model),
@@ -151,7 +152,7 @@ ARMS: tuple[Arm, ...] = (
 LABELS = {
     ("torchft", "standard"): "DiLoCo (1 fragment, Manager + gloo)",
     ("gradientmail", "standard"): "standard DiLoCo (`DiLoCo.standard(H, 2)`)",
-    ("gradientmail", "decoupled"): "decoupled defaults (P=2, quorum 1, RDA)",
+    ("gradientmail", "decoupled"): "decoupled defaults (P=2, quorum 1, RDA from 3 deltas)",
     ("gradientmail", "standard-p2"): "standard DiLoCo over P=2 fragments (streaming, barrier)",
     ("gradientmail", "decoupled-mean"): "decoupled defaults, merge=WeightedMean()",
     ("gradientmail", "f4"): "standard DiLoCo, F4 deltas + F4 commits, zstd",
