@@ -127,7 +127,12 @@ def test_temp_files_hidden_and_cleaned_by_rule(tmp_path: Path) -> None:
     # a live writer's temp file, another host's (its pid means nothing here) and foreign
     # hidden files stay; the dead writer's and the old one go
     assert left == sorted(["00000000.json", names["live"], names["other_host"], ".DS_Store"])
-    assert asyncio.run(mailbox.clean_temp_files(max_age=0.001)) == 2
+    # Aged by hand: a file's mtime comes from the filesystem's coarser clock and may read
+    # later than time.time() just after it was written (a max_age of 1 ms then kept it).
+    a_minute_ago = time.time() - 60
+    for name in (names["live"], names["other_host"]):
+        os.utime(root / "rounds" / name, (a_minute_ago, a_minute_ago))
+    assert asyncio.run(mailbox.clean_temp_files(max_age=30)) == 2
     assert sorted(p.name for p in (root / "rounds").iterdir()) == [".DS_Store", "00000000.json"]
 
 
