@@ -1,6 +1,7 @@
 """What a standalone closer (`gradientmail sync`) does that an embedded one does not: it
 holds a lease under `closers/`, which tells the learners to leave it the rounds, and it
-looks for its open round's missing contributions between polls.
+looks for its open round's missing contributions between polls (and claims the round as
+soon as a look finds the last one: `Sighting`).
 
 Why both: between sites, a learner's link is the slowest hop a round crosses, and the
 learner that closes a round pulls every other contribution down through it (20 Mbit/s, two
