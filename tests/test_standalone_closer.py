@@ -9,9 +9,10 @@ import asyncio
 
 from test_syncer import Run, algorithm, fingerprint
 
+from gradientmail.clock import MonotonicClock
 from gradientmail.mailbox import Mailbox, MemoryMailbox
 from gradientmail.mailbox.wrappers import FaultPlan, FaultyMailbox
-from gradientmail.syncer.runtime import Syncer
+from gradientmail.syncer.runtime import CloserSettings, Syncer
 from gradientmail.syncer.standalone import Prefetcher
 from gradientmail.syncer.state import preferred_closer
 
@@ -161,3 +162,61 @@ def test_a_standalone_closer_writes_commits_in_the_runs_codec() -> None:
             rec2.theta)
 
     asyncio.run(main())
+
+
+class Requests(FaultyMailbox):
+    """Records (operation, key) of every read, listing and write."""
+
+    def __init__(self, inner: Mailbox) -> None:
+        super().__init__(inner, FaultPlan())
+        self.log: list[tuple[str, str]] = []
+
+    async def get(self, key: str) -> bytes | None:
+        self.log.append(("get", key))
+        return await super().get(key)
+
+    async def list(self, prefix: str = "", start_after: str | None = None) -> list[str]:
+        self.log.append(("list", prefix))
+        return await super().list(prefix, start_after)
+
+    async def create(self, key: str, data: bytes) -> bool:
+        self.log.append(("create", key))
+        return await super().create(key, data)
+
+
+def test_a_closer_that_sees_the_last_contribution_claims_without_listing_again() -> None:
+    """The look between polls that finds the last awaited contribution is followed by the
+    claim itself: no catch-up, lease, contribution or claim listing in between."""
+
+    async def main() -> list[tuple[str, str]]:
+        box = fresh("sighting")
+        r = Run(box, algorithm(fragments=1, quorum_size=3), clock=MonotonicClock())
+        await r.create()
+        for learner in sorted(LIVE):
+            await r.ex.beat(learner)
+        await r.contribute(0, "a")
+        await r.contribute(0, "b")
+        logged = Requests(box)
+        s = Syncer.open(logged, closer_id="sync-1",
+                        settings=CloserSettings(poll_interval=5.0, lease_timeout=60.0))
+        stop = asyncio.Event()
+        task = asyncio.create_task(s.run(stop))
+        while not logged.log.count(("get", "snapshots/0000000000/c.json")):
+            await asyncio.sleep(0.005)  # it looks for c between polls
+        mark = len(logged.log)
+        await r.contribute(0, "c")
+        while await r.ex.read_round(0) is None:
+            await asyncio.sleep(0.005)
+        stop.set()
+        await asyncio.wait_for(task, timeout=30)
+        (rec,) = await r.records()
+        assert [p.learner for p in rec.participants] == ["a", "b", "c"]
+        return logged.log[mark:]
+
+    log = asyncio.run(main())
+    # The first look at c's record after it was written found it.
+    seen = log.index(("get", "snapshots/0000000000/c.json"))
+    claim = log.index(("create", "claims/round/0000000000/000000"))
+    assert seen < claim
+    between = [op for op in log[seen + 1:claim] if op[0] == "list" or op[1].startswith("rounds/")]
+    assert between == [], between

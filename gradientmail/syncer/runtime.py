@@ -51,7 +51,7 @@ from gradientmail.run.replica import Replica, theta_digest
 from gradientmail.syncer.caller import RollCaller
 from gradientmail.syncer.hosted import Host, Offer
 from gradientmail.syncer.merging import CommitRefs, merge_round, round_record, screen_round
-from gradientmail.syncer.standalone import Awaiting, CloserLease, Prefetcher, arrived
+from gradientmail.syncer.standalone import Awaiting, CloserLease, Prefetcher, Sighting, arrived
 from gradientmail.syncer.state import (
     PollDecision,
     PollView,
@@ -172,6 +172,7 @@ class Syncer:
         self._paces: dict[str, float] = {}
         self._open = _Open(0, self.clock.now())
         self._awaiting: Awaiting | None = None
+        self._sighting: Sighting | None = None  # the awaited set completed between polls
         # A standalone closer downloads each delta of its open round as it arrives.
         self._prefetch = Prefetcher(exchange) if host is None else None
         self._codec_from_run = False  # `open`: write in the manifest's codec
@@ -281,13 +282,18 @@ class Syncer:
         if self._manifest is None and not await self._load_manifest():
             return False
         await self.sweep_due()
-        await self._take_records(records)
+        sight, self._sighting = self._sighting, None
+        if sight is not None and (sight.round != self._cursor + 1 or live is not None
+                                  or self._caller.judging):
+            sight = None
+        if sight is None:
+            await self._take_records(records)
         calling = live is None or refresh_live is not None
         if refresh_live is None:
             refresh_live = self._observe_leases if live is None else _constant(live)
-        listed_now = live is None
+        listed_now = live is None and sight is None
         if live is None:
-            live = await refresh_live()
+            live = sight.live if sight is not None else await refresh_live()
         r = self._cursor + 1
         now = self.clock.now()
         if calling and self._caller.judging:
@@ -296,7 +302,8 @@ class Syncer:
         standalone = self.host is not None and self.host.standalone
         preferred = self.host is None or (
             not standalone and preferred_closer(r, live) == self.closer_id)
-        offer = await self._watch(r, now, preferred, None if standalone else offers.get(r))
+        offer = await self._watch(r, now, preferred, None if standalone else offers.get(r),
+                                  sight)
         alg = self._alg()
         grace = alg.grace_window(self._estimates(), self._sch(), r, self.poll_interval)
         view = PollView(r, now, self.closer_id, dict(self._open.first_seen), live,
@@ -314,7 +321,7 @@ class Syncer:
             # The window is open: look every poll, so the round closes as soon as the
             # last learner it waits for is in (one LIST a poll, for one closer a round).
             self._next_watch = -math.inf
-        self._awaiting = self._awaited(r, self._open, decision)
+        self._awaiting = self._awaited(r, self._open, decision, live)
         if decision.call_roll:
             await self._caller.maybe_call(r, self._open.first_seen, alg.quorum_size, live,
                                           refresh_live, now, decision.held,
@@ -322,7 +329,7 @@ class Syncer:
         if not decision.claim:
             return False
         return await self._claim(r, now, RoundWatch(r, view.first_seen), decision, grace,
-                                 offer)
+                                 offer, sight is not None)
 
     async def _take_records(self, records: Sequence[RoundRecord] | None) -> None:
         """Accept the rounds committed since the cursor: those the embedding learner read
@@ -334,19 +341,26 @@ class Syncer:
             if rec.round == self._cursor + 1:
                 self._accept(rec)
 
-    async def _watch(self, r: int, now: float, preferred: bool,
-                     offer: Offer | None) -> Offer | None:
+    async def _watch(self, r: int, now: float, preferred: bool, offer: Offer | None,
+                     sight: Sighting | None = None) -> Offer | None:
         """Update what this closer has seen of the open round `r`: a listing when one is
-        due, its host's contributions, and (standalone) the downloads of what arrived.
-        Returns `offer` if it still counts."""
+        due (not after a `sight`ing, which completed what the last one saw), its host's
+        contributions, and (standalone) the downloads of what arrived. Returns `offer` if
+        it still counts."""
         o = self._open
+        if sight is not None:
+            o.first_seen.setdefault(sight.learner, sight.at)
+            # Its live set is the one it listed at the poll before, at most a poll
+            # interval old: no joiner to look for before an early close (`decide_poll`'s
+            # "early" relist is for a live set up to a lease period old).
+            o.refreshed = True
         noted = self.host.take_noted(r) if self.host is not None else {}
         if noted:
             # Its own contribution is in: look at the round now (one LIST a round),
             # preferred closer or not: if it completed the set, it closes at once.
             self._next_watch = -math.inf
-        if lists_contributions(now, self._next_watch, preferred, o.preferred,
-                               offer is not None):
+        if sight is None and lists_contributions(now, self._next_watch, preferred,
+                                                 o.preferred, offer is not None):
             self._next_watch = -math.inf  # should the LIST fail, the next poll tries again
             seen = listed(o.first_seen, o.idle, await self.exchange.publishers(r), now,
                           me=self.closer_id, offered=offer is not None, preferred=preferred,
@@ -367,7 +381,8 @@ class Syncer:
                 self._prefetch.start(learner)
         return offer
 
-    def _awaited(self, r: int, o: _Open, decision: PollDecision) -> Awaiting | None:
+    def _awaited(self, r: int, o: _Open, decision: PollDecision,
+                 live: frozenset[str]) -> Awaiting | None:
         """What a standalone syncer looks for between polls (`probe_from`): the awaited
         learners not in yet, while the round is not due."""
         if self.host is not None or decision.claim:
@@ -375,7 +390,7 @@ class Syncer:
         missing = tuple(sorted(decision.awaited - set(o.first_seen)))
         first = min(o.first_seen.values(), default=None)
         since = probe_from(o.opened, self._sch().gap(r), self._estimates().step, first)
-        return None if not missing or since is None else Awaiting(r, missing, since)
+        return None if not missing or since is None else Awaiting(r, missing, since, live)
 
     async def _between_polls(self, stop: asyncio.Event | None) -> None:
         """Sleep out the poll interval; while the open round awaits contributions that are
@@ -398,17 +413,22 @@ class Syncer:
             looks += 1
             delay = poll_delay(self.poll_interval, looks, self.exchange.mailbox.metered)
             await sleep_unless(self.clock, min(delay, end - now), stop)
-            if await arrived(self.exchange, aw.round, aw.missing[(looks - 1) % len(aw.missing)],
-                             self._prefetch):
+            learner = aw.missing[(looks - 1) % len(aw.missing)]
+            if await arrived(self.exchange, aw.round, learner, self._prefetch):
+                if len(aw.missing) == 1:
+                    self._sighting = Sighting(aw.round, learner, self.clock.now(), aw.live)
                 return
 
     async def _claim(self, r: int, now: float, watch: RoundWatch, decision: PollDecision,
-                     grace: float, offer: Offer | None) -> bool:
-        """Claim the due round `r` if no current claim is another closer's, and close it."""
+                     grace: float, offer: Offer | None, sighted: bool = False) -> bool:
+        """Claim the due round `r` if no current claim is another closer's, and close it.
+        `sighted`: the round was completed between polls; with no claim seen yet, claim
+        the first attempt without listing them (a lost claim is seen as of now, as a
+        listed one would be)."""
         ex = self.exchange
         timeout = self._estimates().takeover_timeout(self.poll_interval)
         claims = self._open.claims
-        if lists_claims(claims, now, timeout):
+        if not (sighted and not claims) and lists_claims(claims, now, timeout):
             for claim in await ex.round_claims(r):
                 claims.setdefault(claim, now)
         attempt = next_claim_attempt(claims, now, timeout)

@@ -1,6 +1,7 @@
 """What a standalone closer (`gradientmail sync`) does that an embedded one does not: it
 holds a lease under `closers/`, which tells the learners to leave it the rounds, and it
-looks for its open round's missing contributions between polls.
+looks for its open round's missing contributions between polls (and claims the round as
+soon as a look finds the last one: `Sighting`).
 
 Why both: between sites, a learner's link is the slowest hop a round crosses, and the
 learner that closes a round pulls every other contribution down through it (20 Mbit/s, two
@@ -27,8 +28,8 @@ from gradientmail.wire.records import SnapshotRecord
 from gradientmail.wire.serialization import Schema
 from gradientmail.wire.sharded_pieces import DeltaTensor
 
-__all__ = ["BEAT_EVERY", "JUDGED_AFTER", "Awaiting", "CloserLease", "Prefetcher", "arrived",
-           "closer_timeout"]
+__all__ = ["BEAT_EVERY", "JUDGED_AFTER", "Awaiting", "CloserLease", "Prefetcher", "Sighting",
+           "arrived", "closer_timeout"]
 
 #: Seconds between a standalone closer's beats (at most: half its lease timeout when that
 #: is shorter). Learners judge it by their own lease timeout, which it does not know: the
@@ -85,11 +86,27 @@ class CloserLease:
 @dataclasses.dataclass(frozen=True)
 class Awaiting:
     """The open round `round` awaits `missing`: from `since` (observer time) on, the
-    closer looks for their records between polls (`syncer.state.probe_from`)."""
+    closer looks for their records between polls (`syncer.state.probe_from`). `live`:
+    the learners live at the poll that decided it."""
 
     round: int
     missing: tuple[str, ...]
     since: float
+    live: frozenset[str] = frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
+class Sighting:
+    """A look between polls found `learner`'s contribution to `round` at `at`, the last
+    one the round awaited: the next poll closes it without looking at the store again
+    for what the poll before it read (the records before it, the leases: `live`, the
+    round's other contributions) — those requests cost ~40 ms after the last upload at
+    100 Mbit/s, with every learner of the barrier waiting."""
+
+    round: int
+    learner: str
+    at: float
+    live: frozenset[str]
 
 
 async def arrived(exchange: Exchange, round_: int, learner: str,
