@@ -295,3 +295,40 @@ def test_a_payload_not_merged_gives_its_residual_back() -> None:
     res.failed(99)
     assert res.residual(1) == {}
     assert np.array_equal(res.residual(0)["w"], kept["w"])
+
+
+def test_a_learner_publishes_sparse_deltas_that_commit() -> None:
+    import torch
+    from test_learner_runtime import FAST, Recorder, all_records, make_model
+
+    from gradientmail import events as ev
+    from gradientmail.adapters.torch import TorchAdapter
+    from gradientmail.learner.options import LearnerOptions
+    from gradientmail.learner.runtime import Learner
+
+    mailbox = MemoryMailbox()
+    alg = DiLoCo(sync_every=4, fragments=1, in_flight=1, overlap_steps=0,
+                 delta_dtype="TOPK_F8", delta_density=0.01, flush_on_close=False)
+    model = make_model(width=512)
+    start = [p.detach().clone() for p in model.parameters()]
+    rec = Recorder()
+    learner = Learner(TorchAdapter(model), alg, mailbox, "solo", on_event=rec,
+                      options=LearnerOptions(**FAST, hold_own=False))
+    learner.start()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(8):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 2, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        learner.step(4)
+    learner.close()
+    records = all_records(mailbox)
+    assert [[p.learner for p in r.participants] for r in records] == [["solo"], ["solo"]]
+    published = rec.of(ev.SnapshotPublished)
+    n = sum(p.numel() for p in model.parameters())
+    # Each of the 4 tensors keeps 41 of its first 4096 elements (3 bytes each), plus
+    # counts, scales and a header: far below F32's 4 bytes per element.
+    assert len(published) == 2 and all(e.bytes < 4 * n / 10 for e in published)
+    assert any(not torch.equal(a, b) for a, b in zip(start, model.parameters(), strict=True))
