@@ -107,6 +107,7 @@ ARMS: tuple[Arm, ...] = (
     Arm("streaming", "Streaming DiLoCo (P=3 strided, τ=2, α=0.5)", "learner"),
     Arm("decoupled", "Decoupled defaults (P=3, RDA, quorum 1, grace)", "learner"),
     Arm("f4", "standard DiLoCo, F4 deltas + F4 commits, zstd", "learner"),
+    Arm("topk", "standard DiLoCo, TOPK_F8 deltas (density 1/32, error feedback)", "learner"),
     Arm("localsgd", "Accelerate LocalSGD (gloo, average every H)", "localsgd"),
 )
 
@@ -133,6 +134,8 @@ def algorithm(arm: str, s: Settings) -> Any:
         return DiLoCo(**standard)
     if arm == "f4":
         return DiLoCo(**standard, delta_dtype="F4", commit_dtype="F4")
+    if arm == "topk":
+        return DiLoCo(**standard, delta_dtype="TOPK_F8")
     if arm == "streaming":
         # Streaming DiLoCo overlaps a fragment's sync with training, then takes the merged
         # fragment: a learner may train one round's gap past its unmerged publish.
@@ -523,6 +526,12 @@ def table(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
         ok = rel <= 0.005 and fewer >= 7
         goals.append(f"F4 within +0.5% of F32 loss at >= 7x fewer bytes: {rel:+.2%} at "
                      f"{fewer:.1f}x fewer ({'met' if ok else 'NOT met'})")
+    if "diloco" in by and "topk" in by:
+        d, t = by["diloco"]["curve"][-1], by["topk"]["curve"][-1]
+        rel, fewer = t[2] / d[2] - 1.0, d[1] / max(t[1], 1.0)
+        ok = rel <= 0.005 and fewer >= 30
+        goals.append(f"TOPK_F8 within +0.5% of F32 loss at >= 30x fewer bytes: {rel:+.2%} at "
+                     f"{fewer:.1f}x fewer ({'met' if ok else 'NOT met'})")
     return "\n".join(lines), goals
 
 
@@ -577,7 +586,8 @@ def main(argv: list[str] | None = None) -> None:
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="S=60, H=20 (minutes)")
     size.add_argument("--smoke", action="store_true", help="tiny sizes for CI (seconds)")
-    ap.add_argument("--arms", default=",".join(a.name for a in ARMS))
+    # topk (issue #29) is opt-in: name it in --arms.
+    ap.add_argument("--arms", default=",".join(a.name for a in ARMS if a.name != "topk"))
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per learner")
     ap.add_argument("--n-layer", type=int, default=None, help="GPT-2 layers (default 2)")
     ap.add_argument("--n-embd", type=int, default=None, help="GPT-2 width (default 128)")

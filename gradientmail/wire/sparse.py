@@ -60,6 +60,7 @@ _F32_MAX = float(np.finfo(np.float32).max)
 _K_RANGE = (-126, 127)
 _F8_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(_F32)
 _SUFFIXES = ("index", "count", "scale")
+_ROWS = 256  # chunks `_top` selects from at a time: 1 Mi elements
 
 
 def check_density(density: object) -> float:
@@ -131,16 +132,24 @@ def sparsify(name: str, tensor: TensorBytes, density: float) -> dict[str, Tensor
 
 def _top(a: npt.NDArray[np.float32], k: int) -> npt.NDArray[np.int64]:
     """Flat positions (row-major, ascending) of the k largest of each row of `a`; among
-    equal values at the threshold, the lowest indices (deterministic on every platform)."""
+    equal values at the threshold, the lowest indices (deterministic on every platform).
+    `_ROWS` rows at a time, so that the temporaries stay a few MiB whatever the tensor."""
     width = a.shape[1]
     kth = width - k
-    thr = np.partition(a, kth, axis=1)[:, kth : kth + 1]
-    above = a > thr
-    tied = a == thr
-    need = k - above.sum(axis=1, keepdims=True)
-    keep = above | (tied & (np.cumsum(tied, axis=1) <= need))
-    out: npt.NDArray[np.int64] = np.flatnonzero(keep).astype(np.int64)
-    return out
+    out: list[npt.NDArray[np.int64]] = []
+    for r in range(0, a.shape[0], _ROWS):
+        block = a[r : r + _ROWS]
+        thr = np.partition(block, kth, axis=1)[:, kth : kth + 1]
+        keep = block > thr
+        need = k - keep.sum(axis=1)
+        tied = block == thr
+        many = np.flatnonzero(tied.sum(axis=1) > need)
+        keep |= tied
+        if many.size:  # more ties at the threshold than places left: the first ones
+            first = np.cumsum(tied[many], axis=1) <= need[many, None]
+            keep[many] = (block[many] > thr[many]) | (tied[many] & first)
+        out.append(np.flatnonzero(keep).astype(np.int64) + r * width)
+    return np.concatenate(out)
 
 
 def densify(entries: Mapping[str, TensorBytes], name: str, shape: tuple[int, ...], *,
