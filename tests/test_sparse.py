@@ -332,3 +332,49 @@ def test_a_learner_publishes_sparse_deltas_that_commit() -> None:
     # counts, scales and a header: far below F32's 4 bytes per element.
     assert len(published) == 2 and all(e.bytes < 4 * n / 10 for e in published)
     assert any(not torch.equal(a, b) for a, b in zip(start, model.parameters(), strict=True))
+
+
+def test_a_poster_whose_upload_fails_keeps_the_residual_it_had() -> None:
+    import asyncio
+    import queue
+
+    from gradientmail.learner.messages import Outgoing
+    from gradientmail.learner.poster import Poster
+    from gradientmail.mailbox.wrappers import FaultPlan, FaultyMailbox
+    from gradientmail.run.protocol import Exchange
+
+    class Adapter:
+        schema = SCHEMA
+
+        def delta(self, anchor: dict[str, np.ndarray], snapshot: dict[str, np.ndarray]
+                  ) -> dict[str, TensorBytes]:
+            return {n: f32(anchor[n] - snapshot[n]) for n in snapshot}
+
+    alg = DiLoCo(4, 1, in_flight=1, delta_dtype="TOPK_F8", delta_density=1 / CHUNK)
+    rng = np.random.default_rng(5)
+
+    def job(r: int) -> Outgoing:
+        snap = {n: rng.standard_normal(SCHEMA[n].shape).astype(np.float32)
+                for n in SCHEMA.names}
+        return Outgoing(r, 0, r, 4 * (r + 1), 4, 64, False, None, snap,
+                        {n: np.zeros(SCHEMA[n].shape, np.float32) for n in SCHEMA.names})
+
+    async def main() -> None:
+        MemoryMailbox.forget("poster-sparse")
+        plan = FaultPlan().fail("create", "payloads/*", nth=2)  # round 1's upload fails
+        ex = Exchange(FaultyMailbox(MemoryMailbox("poster-sparse"), plan))
+        failed: queue.SimpleQueue[int] = queue.SimpleQueue()
+        events: list[Any] = []
+        poster = Poster(ex, Adapter(), alg, "a", ((*SCHEMA.names,),), clock=ex.clock,
+                        on_event=events.append, hold_own=False, closed=lambda: -1,
+                        host=None, wake=asyncio.Event(), failed=failed, poll_interval=0.01)
+        await poster.post(job(0))
+        kept = {n: v.copy() for n, v in poster.residuals.residual(0).items()}
+        assert kept and all(v.any() for v in kept.values())
+        await poster.post(job(1))
+        assert failed.get_nowait() == 1
+        after = poster.residuals.residual(0)
+        assert all(np.array_equal(after[n], kept[n]) for n in kept)
+        MemoryMailbox.forget("poster-sparse")
+
+    asyncio.run(main())
