@@ -108,7 +108,11 @@ class DiLoCo:
     η = `outer_lr` and β = `outer_momentum` of the Nesterov outer step; `merge` and
     `partition`; `global_batch_size` split over live learners; `delta_dtype` (None: the
     model's own precision — BF16 deltas from a fragment held in BF16, else F32; "F32"
-    forces full precision) and `commit_dtype` (None: full theta) transfer formats;
+    forces full precision; "TOPK_F8", the sparse format of `wire.sparse`, keeps
+    `delta_density` (None: 1/32) of every chunk of 4096 elements, and each learner keeps
+    what it did not send as error feedback, `learner.feedback`) and `commit_dtype`
+    (None: full theta) transfer formats; `delta_density` is written to the JSON only
+    when set;
     `flush_on_close` (the default) publishes what a closing learner trained since its
     last contribution as final contributions, so a run that ends commits every step it
     trained;
