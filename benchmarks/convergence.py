@@ -81,6 +81,7 @@ class Settings:
     val_blocks: int = 256
     text_budget: int = 6_000_000
     seed: int = 0
+    topk_density: float = 1 / 32  # the topk arm's delta_density
 
 
 PRESETS: dict[str, Settings] = {
@@ -107,6 +108,7 @@ ARMS: tuple[Arm, ...] = (
     Arm("streaming", "Streaming DiLoCo (P=3 strided, τ=2, α=0.5)", "learner"),
     Arm("decoupled", "Decoupled defaults (P=3, RDA, quorum 1, grace)", "learner"),
     Arm("f4", "standard DiLoCo, F4 deltas + F4 commits, zstd", "learner"),
+    Arm("topk", "standard DiLoCo, TOPK_F8 deltas (--topk-density, error feedback)", "learner"),
     Arm("localsgd", "Accelerate LocalSGD (gloo, average every H)", "localsgd"),
 )
 
@@ -133,6 +135,8 @@ def algorithm(arm: str, s: Settings) -> Any:
         return DiLoCo(**standard)
     if arm == "f4":
         return DiLoCo(**standard, delta_dtype="F4", commit_dtype="F4")
+    if arm == "topk":
+        return DiLoCo(**standard, delta_dtype="TOPK_F8", delta_density=s.topk_density)
     if arm == "streaming":
         # Streaming DiLoCo overlaps a fragment's sync with training, then takes the merged
         # fragment: a learner may train one round's gap past its unmerged publish.
@@ -523,6 +527,12 @@ def table(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
         ok = rel <= 0.005 and fewer >= 7
         goals.append(f"F4 within +0.5% of F32 loss at >= 7x fewer bytes: {rel:+.2%} at "
                      f"{fewer:.1f}x fewer ({'met' if ok else 'NOT met'})")
+    if "diloco" in by and "topk" in by:
+        d, t = by["diloco"]["curve"][-1], by["topk"]["curve"][-1]
+        rel, fewer = t[2] / d[2] - 1.0, d[1] / max(t[1], 1.0)
+        ok = rel <= 0.005 and fewer >= 30
+        goals.append(f"TOPK_F8 within +0.5% of F32 loss at >= 30x fewer bytes: {rel:+.2%} at "
+                     f"{fewer:.1f}x fewer ({'met' if ok else 'NOT met'})")
     return "\n".join(lines), goals
 
 
@@ -577,7 +587,8 @@ def main(argv: list[str] | None = None) -> None:
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="S=60, H=20 (minutes)")
     size.add_argument("--smoke", action="store_true", help="tiny sizes for CI (seconds)")
-    ap.add_argument("--arms", default=",".join(a.name for a in ARMS))
+    # topk (issue #29) is opt-in: name it in --arms.
+    ap.add_argument("--arms", default=",".join(a.name for a in ARMS if a.name != "topk"))
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per learner")
     ap.add_argument("--n-layer", type=int, default=None, help="GPT-2 layers (default 2)")
     ap.add_argument("--n-embd", type=int, default=None, help="GPT-2 width (default 128)")
@@ -588,13 +599,16 @@ def main(argv: list[str] | None = None) -> None:
                     help="fraction of each arm's steps warming up (default 0)")
     ap.add_argument("--warm-start", type=int, default=None,
                     help="steps of a shared single-learner pretraining before the arms")
+    ap.add_argument("--topk-density", type=float, default=None,
+                    help="the topk arm's delta_density (default 1/32)")
     ap.add_argument("--results", default=str(RESULTS), help="markdown file to append to")
     ap.add_argument("--plot", default=None, help="PNG path (default benchmarks/convergence"
                     "[-quick].png)")
     args = ap.parse_args(argv)
     preset = "smoke" if args.smoke else "quick" if args.quick else "full"
     s = PRESETS[preset]
-    for field in ("steps", "n_layer", "n_embd", "lr", "schedule", "warmup", "warm_start"):
+    for field in ("steps", "n_layer", "n_embd", "lr", "schedule", "warmup", "warm_start",
+                  "topk_density"):
         if getattr(args, field) is not None:
             s = dataclasses.replace(s, **{field: getattr(args, field)})
     sized = (s.n_layer, s.n_embd) != (PRESETS[preset].n_layer, PRESETS[preset].n_embd)

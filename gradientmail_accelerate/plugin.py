@@ -104,6 +104,7 @@ _DILOCO_KINDS = {
     "rebase": "bool?",
     "checkpoint_every": "int",
     "keep_rounds": "int?",
+    "delta_density": "float?",
 }
 _YAML_KEYS = (*_PLUGIN_KINDS, "diloco")
 _TRUE = ("1", "true", "yes", "on")

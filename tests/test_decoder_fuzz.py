@@ -129,7 +129,7 @@ HOSTILE = [
     ),
     pytest.param(
         blob_of({"a": entry("F64", [1], 0, 8)}, bytes(8)),
-        "tensor 'a' has dtype 'F64'; allowed: F32, F16, BF16, F8_E4M3, F8_E8M0, F4",
+        "tensor 'a' has dtype 'F64'; allowed: F32, F16, BF16, F8_E4M3, F8_E8M0, F4, U16",
         id="dtype-f64",
     ),
     pytest.param(

@@ -265,6 +265,9 @@ class Algorithm(Protocol):
     def delta_dtype(self) -> str | None: ...
 
     @property
+    def delta_density(self) -> float | None: ...
+
+    @property
     def commit_dtype(self) -> str | None: ...
 
     @property

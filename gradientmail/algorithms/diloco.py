@@ -58,6 +58,7 @@ from gradientmail.wire.estimates import Estimates
 from gradientmail.wire.records import Participant
 from gradientmail.wire.serialization import Schema, validate
 from gradientmail.wire.sharded_pieces import RowPieces
+from gradientmail.wire.sparse import SPARSE_FORMATS, check_density
 from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = [
@@ -107,7 +108,11 @@ class DiLoCo:
     η = `outer_lr` and β = `outer_momentum` of the Nesterov outer step; `merge` and
     `partition`; `global_batch_size` split over live learners; `delta_dtype` (None: the
     model's own precision — BF16 deltas from a fragment held in BF16, else F32; "F32"
-    forces full precision) and `commit_dtype` (None: full theta) transfer formats;
+    forces full precision; "TOPK_F8", the sparse format of `wire.sparse`, keeps
+    `delta_density` (None: 1/32) of every chunk of 4096 elements, and each learner keeps
+    what it did not send as error feedback, `learner.feedback`) and `commit_dtype`
+    (None: full theta) transfer formats; `delta_density` is written to the JSON only
+    when set;
     `flush_on_close` (the default) publishes what a closing learner trained since its
     last contribution as final contributions, so a run that ends commits every step it
     trained;
@@ -175,7 +180,8 @@ class DiLoCo:
     global_batch_size: int | None = _setting(
         None, "a batch size split over the live learners; None: each keeps its own")
     delta_dtype: str | None = _setting(
-        None, "the format of contributions: F32, BF16, F8_E4M3, F4; "
+        None, "the format of contributions: F32, BF16, F8_E4M3, F4, TOPK_F8 (the top "
+        "delta_density of every 4096 elements, with error feedback); "
         "None: the model's precision")
     commit_dtype: str | None = _setting(
         None, "the format of commits: BF16, F8_E4M3, F4; None: full theta")
@@ -193,6 +199,9 @@ class DiLoCo:
     keep_rounds: int | None = _setting(
         None, "keep the newest K rounds' contributions so verify can re-derive them; "
         "None: swept after each commit")
+    delta_density: float | None = _setting(
+        None, "the share of each chunk a TOPK_F8 delta carries, in (0, 1]; "
+        "None: 1/32")
 
     def __post_init__(self) -> None:
         _int("sync_every", self.sync_every, 1)
@@ -230,7 +239,8 @@ class DiLoCo:
         for name in ("delta_dtype", "commit_dtype"):
             v = getattr(self, name)
             # Deltas may be forced to F32 (their default is the model's own precision).
-            allowed = ("F32", *_FORMATS) if name == "delta_dtype" else _FORMATS
+            allowed = ("F32", *_FORMATS, *SPARSE_FORMATS) if name == "delta_dtype" \
+                else _FORMATS
             if v is not None and v not in allowed:
                 raise ConfigError(
                     f"{name}={v!r} is not a transfer format; use None, "
@@ -249,6 +259,13 @@ class DiLoCo:
             object.__setattr__(self, "outlier_factor", k)
         _int("checkpoint_every", self.checkpoint_every, 1)
         _int("keep_rounds", self.keep_rounds, 1, optional=True)
+        if self.delta_density is not None:
+            if self.delta_dtype not in SPARSE_FORMATS:
+                raise ConfigError(
+                    f"delta_density={self.delta_density!r} is set but delta_dtype="
+                    f"{self.delta_dtype!r} is dense; use delta_dtype='TOPK_F8' or leave "
+                    "delta_density None")
+            object.__setattr__(self, "delta_density", check_density(self.delta_density))
         if self.rebase is not None and not isinstance(self.rebase, bool):
             raise ConfigError(f"rebase={self.rebase!r} must be True, False or None (automatic)")
         if self.rebase and mixing > 0:
@@ -422,14 +439,15 @@ _JSON_KINDS = {
     "mixing": "number", "quorum_size": "int", "outer_lr": "number", "outer_momentum": "number",
     "global_batch_size": "int?", "delta_dtype": "str?", "commit_dtype": "str?",
     "flush_on_close": "bool", "outlier_factor": "number", "rebase": "bool",
-    "checkpoint_every": "int", "keep_rounds": "int",
+    "checkpoint_every": "int", "keep_rounds": "int", "delta_density": "number",
 }
 # Fields added after format version 1 was pinned: absent means None, and None is written
 # by leaving them out, so older records stay valid and unchanged. (`rebase` is never None
 # once built: it is left out when it equals `_default_rebase`. `checkpoint_every` is
 # left out when 1, which is what its absence means: runs created before replication.
-# `keep_rounds` is written only when set, so runs that sweep keep their records.)
-_OMITTED_WHEN_NONE = frozenset({"outlier_factor", "rebase", "keep_rounds"})
+# `keep_rounds` and `delta_density` are written only when set, so runs without them
+# keep their records.)
+_OMITTED_WHEN_NONE = frozenset({"outlier_factor", "rebase", "keep_rounds", "delta_density"})
 _JSON_WORDS = {"int": "an integer", "number": "a number", "str": "a string", "bool": "a bool"}
 
 

@@ -23,6 +23,7 @@ from gradientmail.algorithms.partition import ByBytes, Partition, Strided
 from gradientmail.errors import ConfigError
 
 __all__ = [
+    "COMMIT_DTYPES",
     "DELTA_DTYPES",
     "DILOCO_KEYS",
     "MERGES",
@@ -36,7 +37,8 @@ __all__ = [
 #: The words of `merge`, `partition` and the transfer formats.
 MERGES = ("rda", "mean")
 PARTITIONS = ("bytes", "strided")
-DELTA_DTYPES = ("F32", "BF16", "F8_E4M3", "F4")
+DELTA_DTYPES = ("F32", "BF16", "F8_E4M3", "F4", "TOPK_F8")
+COMMIT_DTYPES = ("BF16", "F8_E4M3", "F4")
 _DEFAULT_DIRECT = Rda().direct_pattern
 _DEFAULT_BLOCK = Strided().block_pattern
 # The keys of a flat `diloco:` mapping: DiLoCo's fields, with the options of its merge

@@ -18,7 +18,7 @@ from typing import Any
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.algorithms.merge import Rda
 from gradientmail.algorithms.partition import Strided
-from gradientmail.algorithms.words import DELTA_DTYPES, MERGES, PARTITIONS
+from gradientmail.algorithms.words import COMMIT_DTYPES, DELTA_DTYPES, MERGES, PARTITIONS
 from gradientmail.learner.options import COMPRESSIONS, LearnerOptions
 from gradientmail.traffic import Prices
 
@@ -75,7 +75,7 @@ def _type(name: str, annotation: Any) -> str:
         "merge": " \\| ".join(MERGES),
         "partition": " \\| ".join(PARTITIONS),
         "delta_dtype": " \\| ".join((*DELTA_DTYPES, "None")),
-        "commit_dtype": " \\| ".join((*DELTA_DTYPES[1:], "None")),
+        "commit_dtype": " \\| ".join((*COMMIT_DTYPES, "None")),
         "compression": " \\| ".join(COMPRESSIONS),
         "prices": "mapping of put_per_1000, get_per_1000, egress_per_gb",
     }

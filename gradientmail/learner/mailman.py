@@ -466,6 +466,8 @@ class Mailman:
         assert self._fetcher is not None
         batch = []
         for rec in records:
+            if self._poster is not None:
+                self._poster.recorded(rec)
             self.on_event(
                 RoundRecorded(
                     rec.round,

@@ -21,15 +21,20 @@ from gradientmail.algorithms.base import Algorithm
 from gradientmail.clock import Clock
 from gradientmail.errors import LocalProtocolError
 from gradientmail.events import EventSink, PublishCancelled, PublishFailed, SnapshotPublished
+from gradientmail.learner.feedback import Residuals
 from gradientmail.learner.messages import Outgoing, delta_format
 from gradientmail.learner.sharded import ranks_of
 from gradientmail.run.protocol import Exchange
 from gradientmail.syncer.hosted import Host
 from gradientmail.wire.quantization import quantize
-from gradientmail.wire.records import SnapshotRecord
+from gradientmail.wire.records import RoundRecord, SnapshotRecord
+from gradientmail.wire.sparse import SPARSE_FORMATS
 from gradientmail.wire.tensor_bytes import TensorBytes
 
-__all__ = ["Poster"]
+__all__ = ["DEFAULT_DENSITY", "Poster"]
+
+#: The share of each chunk a sparse delta carries when `delta_density` is None.
+DEFAULT_DENSITY = 1 / 32
 
 
 class Poster:
@@ -37,7 +42,8 @@ class Poster:
     the newest round whose commit the learner has (a job of a round closed already is
     cancelled), `host` the seam to the learner's embedded closer (None without one),
     `wake` wakes the receive loop, and `failed` takes the rounds whose publish is known not to
-    have landed (the training thread retracts them)."""
+    have landed (the training thread retracts them). With a sparse `delta_dtype` it
+    keeps each fragment's error feedback (`residuals`), which `recorded` settles."""
 
     def __init__(
         self,
@@ -69,6 +75,12 @@ class Poster:
         self._wake = wake
         self._failed_rounds = failed
         self._poll_interval = poll_interval
+        self.residuals = Residuals(learner)
+
+    def recorded(self, record: RoundRecord) -> None:
+        """The commit of `record.round` arrived: a sparse payload of it that the round
+        left out gives its residual back (`Residuals.recorded`)."""
+        self.residuals.recorded(record.round, tuple(p.learner for p in record.participants))
 
     async def post(self, job: Outgoing) -> None:
         """Publish `job`; a failure is reported (and settled), never raised."""
@@ -97,6 +109,7 @@ class Poster:
             return
         self._on_event(PublishFailed(self._learner, job.round, repr(exc)))
         if outcome == "absent":
+            self.residuals.failed(job.round)
             # Known not written: the round may be published again, the steps go out later.
             # ("closed": the commit's participants say whether it was merged; the training
             # thread learns it from there.)
@@ -149,6 +162,10 @@ class Poster:
         draft = job.draft(ex, self._learner, self._adapter.schema.digest(), fmt)
         ranks = ranks_of(self._adapter)
         if ranks is not None:
+            if fmt in SPARSE_FORMATS:
+                raise LocalProtocolError(
+                    f"delta_dtype={fmt!r} is not supported by a sharded learner yet; "
+                    "use F32, BF16, F8_E4M3 or F4")
             # Every rank uploads its own rows: no rank holds the whole delta, so nothing
             # is offered to the embedded closer from memory.
             parts = await ranks.upload(ex, job.round, self._learner, job.anchor,
@@ -171,6 +188,11 @@ class Poster:
         self._published(job, record, t0, tensors)
 
     def _encode(self, job: Outgoing, fmt: str) -> dict[str, TensorBytes]:
+        if fmt in SPARSE_FORMATS:
+            density = self._algorithm.delta_density
+            return self.residuals.encode(
+                job.round, job.fragment, self._adapter.delta(job.anchor, job.snapshot),
+                DEFAULT_DENSITY if density is None else density)
         quantized = getattr(self._adapter, "delta_quantized", None)
         if fmt != "F32" and quantized is not None:
             entries: dict[str, TensorBytes] = quantized(job.anchor, job.snapshot, fmt)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gradientmail.errors import LocalProtocolError
+from gradientmail.errors import LocalProtocolError, SchemaMismatch
 from gradientmail.wire import compression as codec
 from gradientmail.wire.records import SnapshotRecord
 from gradientmail.wire.serialization import Schema, validate
 from gradientmail.wire.sharded_blocks import digest_room
+from gradientmail.wire.sparse import SPARSE_FORMATS, densify
 from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["check_delta", "delta_bound", "payload_bound"]
@@ -19,13 +20,28 @@ def check_delta(tensors: dict[str, TensorBytes], snapshot: SnapshotRecord, schem
                 names: Iterable[str]) -> dict[str, TensorBytes]:
     """`tensors`, checked to hold exactly `names` in the record's `delta_format` (plus
     `<name>.scale` entries of quantized formats); `SchemaMismatch` naming every missing,
-    extra or mis-shaped tensor."""
+    extra or mis-shaped tensor. A sparse delta (`wire.sparse`) comes back decoded: dense
+    F32 tensors of the schema's shapes (`CorruptPayload` for entries that break the
+    format), so that a round merges it as it merges any F32 delta."""
     names = list(names)
+    if snapshot.delta_format in SPARSE_FORMATS:
+        return _densified(tensors, schema, names)
     wanted = set(names)
     scales = {f"{n}.scale" for n in names}
     main = {n: t for n, t in tensors.items() if n in wanted or n not in scales}
     validate(schema, main, names, dtype=snapshot.delta_format)
     return tensors
+
+
+def _densified(tensors: dict[str, TensorBytes], schema: Schema,
+               names: list[str]) -> dict[str, TensorBytes]:
+    want = {f"{n}{s}" for n in names for s in ("", ".index", ".count", ".scale")}
+    missing, extra = sorted(want - set(tensors)), sorted(set(tensors) - want)
+    if missing or extra:
+        raise SchemaMismatch(
+            f"sparse delta does not match schema {schema.digest()[:12]}: missing {missing}, "
+            f"extra {extra}")
+    return {n: densify(tensors, n, schema[n].shape) for n in names}
 
 
 def delta_bound(schema: Schema, names: Iterable[str]) -> int:

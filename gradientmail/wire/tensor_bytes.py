@@ -31,7 +31,8 @@ __all__ = [
 #: Dtypes a schema (a model's parameters) may hold.
 STORAGE_DTYPES: tuple[str, ...] = ("F32", "F16", "BF16")
 #: Every dtype a payload may hold, with its width in bits.
-_BITS: dict[str, int] = {"F32": 32, "F16": 16, "BF16": 16, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4}
+_BITS: dict[str, int] = {"F32": 32, "F16": 16, "BF16": 16, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4,
+                        "U16": 16}
 DTYPES: tuple[str, ...] = tuple(_BITS)
 
 _A = TypeVar("_A", bound=np.generic)
@@ -42,6 +43,8 @@ _NUMPY: dict[str, Any] = {
     "BF16": np.dtype(ml_dtypes.bfloat16),
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+    # The offsets of a sparse payload within their chunk (`wire.sparse`).
+    "U16": np.dtype("<u2"),
 }
 
 

@@ -1,0 +1,94 @@
+"""Error feedback for sparse deltas: what a learner's payloads did not carry, kept per
+fragment and added to that fragment's next delta.
+
+With a sparse `delta_dtype` (`wire.sparse`), the poster encodes `delta + residual` and
+keeps `delta + residual − densify(sent)` as the fragment's new residual, so that over
+rounds the values sent plus the residual left add up to the deltas trained. A payload that
+is not merged (its upload failed, or the commit of its round left it out) carried nothing:
+its steps go out again in the fragment's next delta (the anchor did not move for them), so
+the residual returns to what it was before that payload. The residual is a quantity of
+delta space, independent of θ, so a commit's rebase leaves it as it is.
+
+Held in host memory as float32, one array per tensor of each fragment sent so far. Not
+saved anywhere: a learner that restarts joins afresh and starts with no residual (its
+untrained-away residual is lost, as its unsent training is).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+
+import numpy as np
+import numpy.typing as npt
+
+from gradientmail.wire.sparse import densify, sparsify
+from gradientmail.wire.tensor_bytes import TensorBytes, handed_over
+
+__all__ = ["Residuals"]
+
+_Arrays = dict[str, npt.NDArray[np.float32]]
+
+
+class Residuals:
+    """Each fragment's residual, and for each round in flight the residual it replaced.
+
+    `encode` runs in the poster's worker thread while `failed` and `recorded` run on the
+    communication thread's loop: a lock keeps each call whole."""
+
+    def __init__(self, learner: str) -> None:
+        self._learner = learner
+        self._kept: dict[int, _Arrays] = {}
+        # round -> (fragment, the residual before its payload, the one after)
+        self._pending: dict[int, tuple[int, _Arrays | None, _Arrays]] = {}
+        self._lock = threading.Lock()
+
+    def residual(self, fragment: int) -> Mapping[str, npt.NDArray[np.float32]]:
+        """`fragment`'s residual by tensor name (empty before its first sparse payload)."""
+        with self._lock:
+            return dict(self._kept.get(fragment, {}))
+
+    def encode(self, round_: int, fragment: int, delta: Mapping[str, TensorBytes],
+               density: float) -> dict[str, TensorBytes]:
+        """The sparse entries of `delta` plus the fragment's residual; the rest becomes the
+        fragment's residual, the one before kept until round `round_` is settled."""
+        with self._lock:
+            before = self._kept.get(fragment)
+            out: dict[str, TensorBytes] = {}
+            after: _Arrays = {}
+            for name, tensor in delta.items():
+                x = tensor.to_numpy().reshape(-1).astype(np.float32)
+                if before is not None and name in before:
+                    x += before[name]
+                entries = sparsify(name, TensorBytes("F32", tensor.shape, handed_over(x)),
+                                   density)
+                sent = densify(entries, name, tensor.shape).to_numpy().reshape(-1)
+                after[name] = x - sent
+                out.update(entries)
+            self._kept[fragment] = after
+            self._pending[round_] = (fragment, before, after)
+            return out
+
+    def failed(self, round_: int) -> None:
+        """Round `round_`'s payload was not merged: its fragment's residual returns to the
+        one before it (unless a later payload of the fragment replaced it since)."""
+        with self._lock:
+            entry = self._pending.pop(round_, None)
+            if entry is None:
+                return
+            fragment, before, after = entry
+            if self._kept.get(fragment) is not after:
+                return
+            if before is None:
+                del self._kept[fragment]
+            else:
+                self._kept[fragment] = before
+
+    def recorded(self, round_: int, participants: tuple[str, ...]) -> None:
+        """Round `round_` was committed with `participants`: the payload stands if this
+        learner is one, else it was dropped (`failed`)."""
+        if self._learner in participants:
+            with self._lock:
+                self._pending.pop(round_, None)
+        else:
+            self.failed(round_)
