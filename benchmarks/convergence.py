@@ -521,18 +521,13 @@ def table(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
         ok = ratio <= 1.0 and fewer >= 100
         goals.append(f"DiLoCo <= 1.00x DDP-equivalent loss at >= 100x fewer bytes: "
                      f"{ratio:.3f}x at {fewer:.1f}x fewer ({'met' if ok else 'NOT met'})")
-    if "diloco" in by and "f4" in by:
-        d, f = by["diloco"]["curve"][-1], by["f4"]["curve"][-1]
-        rel, fewer = f[2] / d[2] - 1.0, d[1] / max(f[1], 1.0)
-        ok = rel <= 0.005 and fewer >= 7
-        goals.append(f"F4 within +0.5% of F32 loss at >= 7x fewer bytes: {rel:+.2%} at "
-                     f"{fewer:.1f}x fewer ({'met' if ok else 'NOT met'})")
-    if "diloco" in by and "topk" in by:
-        d, t = by["diloco"]["curve"][-1], by["topk"]["curve"][-1]
-        rel, fewer = t[2] / d[2] - 1.0, d[1] / max(t[1], 1.0)
-        ok = rel <= 0.005 and fewer >= 30
-        goals.append(f"TOPK_F8 within +0.5% of F32 loss at >= 30x fewer bytes: {rel:+.2%} at "
-                     f"{fewer:.1f}x fewer ({'met' if ok else 'NOT met'})")
+    for arm, label, least in (("f4", "F4", 7), ("topk", "TOPK_F8", 30)):
+        if "diloco" in by and arm in by:
+            d, c = by["diloco"]["curve"][-1], by[arm]["curve"][-1]
+            rel, fewer = c[2] / d[2] - 1.0, d[1] / max(c[1], 1.0)
+            ok = rel <= 0.005 and fewer >= least
+            goals.append(f"{label} within +0.5% of F32 loss at >= {least}x fewer bytes: "
+                         f"{rel:+.2%} at {fewer:.1f}x fewer ({'met' if ok else 'NOT met'})")
     return "\n".join(lines), goals
 
 
