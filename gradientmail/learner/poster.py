@@ -162,10 +162,7 @@ class Poster:
         draft = job.draft(ex, self._learner, self._adapter.schema.digest(), fmt)
         ranks = ranks_of(self._adapter)
         if ranks is not None:
-            if fmt in SPARSE_FORMATS:
-                raise LocalProtocolError(
-                    f"delta_dtype={fmt!r} is not supported by a sharded learner yet; "
-                    "use F32, BF16, F8_E4M3 or F4")
+            # (Sparse deltas are refused for a sharded learner when it is built.)
             # Every rank uploads its own rows: no rank holds the whole delta, so nothing
             # is offered to the embedded closer from memory.
             parts = await ranks.upload(ex, job.round, self._learner, job.anchor,
