@@ -12,7 +12,7 @@ and counts only that learner's requests, through a CountingMailbox:
   lease period, one LIST of the next round's contributions every `BACKUP_EVERY` polls
   unless its closer already watches that round, the step of each commit (GET; theta
   where the run uploads it with every commit);
-- its lease loop as `Mailman._lease_loop` runs it: a beat (PUT + free DELETE) and a LIST of
+- its lease loop as `LeaseKeeper.run` runs it: a beat (PUT + free DELETE) and a LIST of
   the standalone closers' leases (`closers/`) per lease period, one GET of the roll call
   (`rollcall.json`) every `READ_EVERY` polls, and a beat for each call it answers
   (`gradientmail.run.rollcall.reply`);
@@ -139,11 +139,11 @@ async def simulate(learners: int, seconds: float, step: float = 1.0, poll: float
                                    delta_format="F32", step_seconds=step)
         # The others' closer takes the rounds the observed learner is not preferred for,
         # as soon as their last contribution completes the set: the learner that made it
-        # closes at once (its own closer, `Syncer.offer`), before the observed one looks.
+        # closes at once (its own closer, `Host.offer`), before the observed one looks.
         if preferred_closer(r_open, live) != ME:
             await theirs.poll(live=live)
         # The observed learner: one receive-loop iteration, as Learner._receive_loop, and
-        # its lease loop's (Mailman._lease_loop).
+        # its lease loop's (LeaseKeeper.run).
         if t >= next_beat:
             await me.beat(ME)
             await me.observe_leases(closers, CLOSERS)

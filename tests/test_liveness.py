@@ -33,7 +33,7 @@ from gradientmail.testing import FakeClock
 
 class Peer:
     """A learner as far as liveness goes: its lease, and its lease loop's answer to a
-    roll call (what `Mailman._lease_loop` does when it reads the call)."""
+    roll call (what `LeaseKeeper.run` does when it reads the call)."""
 
     def __init__(self, mailbox: Mailbox, learner: str) -> None:
         self.ex = Exchange(mailbox)

@@ -332,7 +332,7 @@ def test_a_malformed_entry_is_refused(entry: str, problem: str) -> None:
         BlockIndex.parse(entry, spans, key=KEY)
 
 
-def test_a_row_replica_refuses_a_corrupted_range_and_reads_it_again() -> None:
+def test_a_sharded_replica_refuses_a_corrupted_range_and_reads_it_again() -> None:
     async def main() -> None:
         name = "blocks-replica"
         ex = Exchange(MemoryMailbox(name), clock=FakeClock(100.0))

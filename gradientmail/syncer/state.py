@@ -204,7 +204,7 @@ def listed(
 ) -> Listing:
     """What a listing that found `publishers` at `now` makes of the open round.
 
-    An offer (`Syncer.offer`) by `me` counts as seen, as if uploaded, unless `me` is
+    An offer (`Host.offer`) by `me` counts as seen, as if uploaded, unless `me` is
     listed already: an earlier run of this learner id contributed, and a round takes one
     contribution a learner. The next listing is `watch_polls` polls on, a hair early so
     that a poll loop's jitter does not push it one poll further.
