@@ -6,6 +6,7 @@ everything at closing time commits; and it writes commits in the run's codec."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from test_syncer import Run, algorithm, fingerprint
 
@@ -39,6 +40,16 @@ def fresh(name: str) -> MemoryMailbox:
     return MemoryMailbox(name)
 
 
+async def started(name: str, *contributors: str, **run: Any) -> Run:
+    """A run of one fragment awaiting all three of `LIVE` on a fresh mailbox `name`, in
+    which `contributors` published to round 0."""
+    r = Run(fresh(name), algorithm(fragments=1, quorum_size=3), **run)
+    await r.create()
+    for learner in contributors:
+        await r.contribute(0, learner)
+    return r
+
+
 async def settle(s: Syncer) -> None:
     """Let the closer's background downloads finish (each is a few awaits on memory)."""
     for _ in range(50):
@@ -47,14 +58,9 @@ async def settle(s: Syncer) -> None:
 
 def test_a_standalone_closer_reads_only_the_last_delta_when_it_closes() -> None:
     async def main() -> None:
-        early, late = fresh("prefetch-early"), fresh("prefetch-late")
-        runs = [Run(early, algorithm(fragments=1, quorum_size=3)),
-                Run(late, algorithm(fragments=1, quorum_size=3))]
-        for r in runs:
-            await r.create()
-            await r.contribute(0, "a")
-            await r.contribute(0, "b")
-        logged = Logged(early)
+        runs = [await started("prefetch-early", "a", "b"),
+                await started("prefetch-late", "a", "b")]
+        logged = Logged(runs[0].mailbox)
         s = runs[0].syncer(mailbox=logged)
         assert not await s.poll(live=LIVE)
         await settle(s)
@@ -77,12 +83,8 @@ def test_a_standalone_closer_reads_only_the_last_delta_when_it_closes() -> None:
 
 def test_a_download_that_failed_early_is_made_again_when_the_round_closes() -> None:
     async def main() -> None:
-        box = fresh("prefetch-fails")
-        r = Run(box, algorithm(fragments=1, quorum_size=3))
-        await r.create()
-        await r.contribute(0, "a")
-        await r.contribute(0, "b")
-        logged = Logged(box, FaultPlan().fail("get", "payloads/*/b.*", times=1))
+        r = await started("prefetch-fails", "a", "b")
+        logged = Logged(r.mailbox, FaultPlan().fail("get", "payloads/*/b.*", times=1))
         s = r.syncer(mailbox=logged)
         assert not await s.poll(live=LIVE)
         await settle(s)
@@ -120,12 +122,8 @@ def test_downloads_of_a_round_that_closed_are_dropped() -> None:
 
 def test_an_embedded_closer_does_not_download_ahead() -> None:
     async def main() -> None:
-        box = fresh("prefetch-embedded")
-        r = Run(box, algorithm(fragments=1, quorum_size=3))
-        await r.create()
-        await r.contribute(0, "b")
-        await r.contribute(0, "c")
-        logged = Logged(box)
+        r = await started("prefetch-embedded", "b", "c")
+        logged = Logged(r.mailbox)
         # The round's preferred closer: it lists the round and sees b and c.
         assert preferred_closer(0, LIVE) == "a"
         s = r.syncer("a", mailbox=logged, embedded=True)
@@ -189,14 +187,10 @@ def test_a_closer_that_sees_the_last_contribution_claims_without_listing_again()
     claim itself: no catch-up, lease, contribution or claim listing in between."""
 
     async def main() -> list[tuple[str, str]]:
-        box = fresh("sighting")
-        r = Run(box, algorithm(fragments=1, quorum_size=3), clock=MonotonicClock())
-        await r.create()
+        r = await started("sighting", "a", "b", clock=MonotonicClock())
         for learner in sorted(LIVE):
             await r.ex.beat(learner)
-        await r.contribute(0, "a")
-        await r.contribute(0, "b")
-        logged = Requests(box)
+        logged = Requests(r.mailbox)
         s = Syncer.open(logged, closer_id="sync-1",
                         settings=CloserSettings(poll_interval=5.0, lease_timeout=60.0))
         stop = asyncio.Event()

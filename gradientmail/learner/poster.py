@@ -28,13 +28,10 @@ from gradientmail.run.protocol import Exchange
 from gradientmail.syncer.hosted import Host
 from gradientmail.wire.quantization import quantize
 from gradientmail.wire.records import RoundRecord, SnapshotRecord
-from gradientmail.wire.sparse import SPARSE_FORMATS
+from gradientmail.wire.sparse import DEFAULT_DENSITY, SPARSE_FORMATS
 from gradientmail.wire.tensor_bytes import TensorBytes
 
-__all__ = ["DEFAULT_DENSITY", "Poster"]
-
-#: The share of each chunk a sparse delta carries when `delta_density` is None.
-DEFAULT_DENSITY = 1 / 32
+__all__ = ["Poster"]
 
 
 class Poster:

@@ -103,7 +103,8 @@ class Host:
     def close(self) -> None:
         """No closer polls any more: decline every pending offer, and every later one."""
         self._closed = True
-        self.decline_offers()
+        for offer in self.take_offers().values():
+            offer.decline()
 
     def publishers_seen(self, round_: int) -> frozenset[str] | None:
         """The contributors of `round_` the closer listed at its last poll (None: it is
@@ -118,10 +119,6 @@ class Host:
         merge)."""
         offers, self._offers = self._offers, {}
         return offers
-
-    def decline_offers(self) -> None:
-        for offer in self.take_offers().values():
-            offer.decline()
 
     def take_noted(self, round_: int) -> dict[str, float]:
         """When each contribution to `round_` noted since the last call came in."""

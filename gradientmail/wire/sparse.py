@@ -42,6 +42,7 @@ from gradientmail.wire.tensor_bytes import STORAGE_DTYPES, TensorBytes, handed_o
 
 __all__ = [
     "CHUNK",
+    "DEFAULT_DENSITY",
     "SPARSE_FORMATS",
     "check_density",
     "chunk_k",
@@ -54,6 +55,8 @@ __all__ = [
 SPARSE_FORMATS: tuple[str, ...] = ("TOPK_F8",)
 #: Elements per chunk: offsets fit a U16, and a chunk's values are a few hundred bytes.
 CHUNK = 4096
+#: The share of each chunk a sparse delta carries when a run's `delta_density` is None.
+DEFAULT_DENSITY = 1 / 32
 
 _F32 = np.float32
 _F32_MAX = float(np.finfo(np.float32).max)
