@@ -21,6 +21,7 @@ from gradientmail.learner.mailman import Mailman
 from gradientmail.learner.messages import Observed, Outgoing
 from gradientmail.learner.options import LearnerOptions
 from gradientmail.mailbox import Mailbox, MemoryMailbox
+from gradientmail.mailbox.wrappers import FaultPlan, FaultyMailbox
 from gradientmail.run.join import JoinResult
 from gradientmail.run.protocol import Exchange
 from gradientmail.testing import FakeClock
@@ -153,3 +154,31 @@ def test_an_outgoing_is_the_records_description() -> None:
         payload=PayloadRef("payloads/0000000003/w0", 0, "0" * 64), step_seconds=0.25)
     assert job.landed_as(draft)
     assert not job.landed_as(dataclasses.replace(draft, steps=11))  # an earlier run's
+
+
+def test_a_commits_download_starts_before_the_look_for_the_next_record() -> None:
+    """Catching up, the mailman looks for the next record while the commit it found
+    downloads, not before: a barrier's learners wait for that download."""
+    clock, mailbox = FakeClock(), MemoryMailbox()
+    reads: list[str] = []
+
+    class Logged(FaultyMailbox):
+        async def get(self, key: str) -> bytes | None:
+            reads.append(key)
+            return await super().get(key)
+
+    rec = Stamped(clock)
+    with clock.busy(), mailmen(clock, mailbox, "solo", rec=rec, sync=True) as [
+            (m, joined, adapter)]:
+        m.post(outgoing(0, joined, adapter))
+        clock.get(m.commits, 60)
+        with mailmen(clock, Logged(mailbox, FaultPlan()), "reader", rec=rec) as [
+                (reader, _, _)]:
+            # It joined at round 0's commit; the next one is round 1's.
+            m.post(outgoing(1, joined, adapter, steps=8))
+            commit = clock.get(reader.commits, 60)
+    assert commit.record.round == 1
+    # Round 1's record, then its step (version 2 of fragment 0), then the look at round 2.
+    found = max(i for i, k in enumerate(reads) if k == "rounds/0000000001.json")
+    assert reads[found + 1:found + 3] == ["steps/0/0000000002-000000.safetensors",
+                                 "rounds/0000000002.json"], reads

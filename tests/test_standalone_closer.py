@@ -184,7 +184,8 @@ class Requests(FaultyMailbox):
 
 def test_a_closer_that_sees_the_last_contribution_claims_without_listing_again() -> None:
     """The look between polls that finds the last awaited contribution is followed by the
-    claim itself: no catch-up, lease, contribution or claim listing in between."""
+    claim itself: no catch-up, lease, contribution or claim listing in between; and the
+    round closes on the records its downloads read, without listing or reading them again."""
 
     async def main() -> list[tuple[str, str]]:
         r = await started("sighting", "a", "b", clock=MonotonicClock())
@@ -214,3 +215,32 @@ def test_a_closer_that_sees_the_last_contribution_claims_without_listing_again()
     assert seen < claim
     between = [op for op in log[seen + 1:claim] if op[0] == "list" or op[1].startswith("rounds/")]
     assert between == [], between
+    commit = log.index(("create", "rounds/0000000000.json"))
+    closing = [op for op in log[claim + 1:commit] if op[1].startswith("snapshots/")]
+    assert closing == [], closing
+
+
+def test_a_sighted_round_lists_its_records_unless_every_one_was_read_in_its_place() -> None:
+    """The records a sighted close takes from the downloads: every one seen, in order;
+    None (so the closer lists the round, and drops a bad record with its reason) when one
+    was not downloaded, or reads another learner's record than its key's."""
+
+    async def main() -> None:
+        r = await started("prefetch-records", "a", "b")
+        manifest = await r.ex.read_manifest()
+        assert manifest is not None
+        p = Prefetcher(r.ex)
+        p.open(0, manifest.schema, manifest.plan[0])
+        p.start("b")
+        p.start("a")
+        assert [s.learner for s in await p.records(["a", "b"]) or []] == ["a", "b"]
+        assert await p.records(["a", "b", "c"]) is None
+        # d's key holds a's record (copied there by a peer, say).
+        a_record = await r.mailbox.get("snapshots/0000000000/a.json")
+        assert a_record is not None
+        await r.mailbox.put("snapshots/0000000000/d.json", a_record)
+        p.start("d")
+        assert await p.records(["a", "d"]) is None
+        p.close()
+
+    asyncio.run(main())

@@ -462,32 +462,58 @@ class Mailman:
         ex = self._exchange
         assert ex is not None
         cursor = self._cursor
-        records = await ex.rounds_after(cursor)
         assert self._fetcher is not None
+        records: list[RoundRecord] = []
         batch = []
-        for rec in records:
-            if self._poster is not None:
-                self._poster.recorded(rec)
-            self.on_event(
-                RoundRecorded(
-                    rec.round,
-                    rec.fragment,
-                    rec.version,
-                    tuple(p.learner for p in rec.participants),
-                    rec.mean_cosine,
-                    rec.closer,
-                )
-            )
-            commit = await self._fetch(rec)
+        rec = await ex.read_round(cursor + 1)
+        while rec is not None:
+            records.append(rec)
+            # The look for the next record goes out with this one's download, not before
+            # it: a barrier's learners wait for the download, and a GET more in front of
+            # it cost each of them a round trip a round.
+            following = asyncio.create_task(ex.read_round(rec.round + 1))
+            try:
+                commit = await self._take(rec)
+            except asyncio.CancelledError:
+                following.cancel()
+                raise
+            except Exception:
+                await self._give_up(following)
+                raise
             if commit is None:
+                await self._give_up(following)
                 # Swept under us: a newer commit of this fragment exists; start over from
                 # the newest record.
                 await self._skip_to(await ex.newest_round(cursor), cursor)
                 return records
             batch.append(commit)
+            try:
+                rec = await following
+            except Exception:
+                self._queue(batch, records[-1].round)  # what is in hand, then the failed poll
+                raise
         if records:
             self._queue(batch, records[-1].round)
         return records
+
+    async def _give_up(self, look: asyncio.Task[RoundRecord | None]) -> None:
+        """Let a look ahead whose record is no longer wanted end; a failure of it is
+        reported like any failed poll (a record that did not read is reported once)."""
+        try:
+            await look
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.on_event(PollFailed(self.learner_id, repr(exc)))
+
+    async def _take(self, rec: RoundRecord) -> Commit | None:
+        """Report `rec` (to the poster, and as `RoundRecorded`) and fetch its commit."""
+        if self._poster is not None:
+            self._poster.recorded(rec)
+        self.on_event(RoundRecorded(rec.round, rec.fragment, rec.version,
+                                    tuple(p.learner for p in rec.participants),
+                                    rec.mean_cosine, rec.closer))
+        return await self._fetch(rec)
 
     async def _skip_to(self, newest: int, cursor: int) -> None:
         ex = self._exchange
@@ -551,3 +577,4 @@ class Mailman:
                 # worth, per rank of a sharded learner) is freed before the next is taken.
                 del job
                 self._see(finished=self.observed.finished + 1)
+

@@ -92,7 +92,24 @@ from gradientmail.wire.tensor_bytes import TensorBytes
 #: Contribution records a closer reads at once (`Exchange.contributions`).
 READS_AT_ONCE = 16
 
-__all__ = ["READS_AT_ONCE", "Exchange"]
+__all__ = ["READS_AT_ONCE", "Exchange", "contribution_key", "misfiled"]
+
+
+def contribution_key(round_: int, learner: str) -> str:
+    """The key (under the run's prefix) of `learner`'s contribution record in `round_`."""
+    return f"{round_dir('snapshots/', round_)}{learner}.json"
+
+
+def misfiled(record: SnapshotRecord, key: str, round_: int, learner: str) -> str | None:
+    """Why the contribution record read at `key` (learner `learner`'s in `round_`) must not
+    be merged — it names another learner, round or payload key than its own key — or None."""
+    problem = delta_keys_problem(record, round_, learner,
+                                 [codec.extension(c) for c in CODECS])
+    if record.learner == learner and record.round == round_ and problem is None:
+        return None
+    says, wants = ("", "") if problem is None else (f", {problem[0]}", f", {problem[1]}")
+    return (f"record {key!r} says learner {record.learner!r}, round {record.round}{says}; "
+            f"its key says learner {learner!r}, round {round_}{wants}")
 
 
 class Exchange:
@@ -306,7 +323,7 @@ class Exchange:
                                      "made of parts goes out by put_part and publish_parts")
         round_, learner, stem = draft.round, draft.learner, draft.payload.key
         ref = await self.store.put_payload(stem, tensors, create=True)
-        key = f"{round_dir('snapshots/', round_)}{learner}.json"
+        key = contribution_key(round_, learner)
         if ref is None and await self.mailbox.get(self.prefix + key) is None:
             # Our own payload without its record: an earlier publish of this round failed
             # between the two writes. No record references those bytes, so replace them.
@@ -351,7 +368,7 @@ class Exchange:
         if problem is not None:
             raise LocalProtocolError(f"cannot publish {draft.learner!r}'s parts: "
                                      f"{problem[0]}; need {problem[1]}")
-        key = f"{round_dir('snapshots/', draft.round)}{draft.learner}.json"
+        key = contribution_key(draft.round, draft.learner)
         if await self.store.write_record(key, record):
             return record
         raise AlreadyContributed(
@@ -362,7 +379,7 @@ class Exchange:
         """`learner`'s record for `round_`, or None when it has not contributed (one GET)."""
         check_learner_id(learner)
         return await self.store.read_record(
-            f"{round_dir('snapshots/', round_)}{learner}.json", SnapshotRecord
+            contribution_key(round_, learner), SnapshotRecord
         )
 
     async def publishers(self, round_: int) -> frozenset[str]:
@@ -414,16 +431,9 @@ class Exchange:
             record = got
             if record is None:
                 continue
-            exts = [codec.extension(c) for c in CODECS]
-            problem = delta_keys_problem(record, round_, learner, exts)
-            if record.learner != learner or record.round != round_ or problem is not None:
-                says, wants = ("", "") if problem is None else (f", {problem[0]}",
-                                                               f", {problem[1]}")
-                rejected.append(Rejected(
-                    key, learner,
-                    f"record {key!r} says learner {record.learner!r}, round {record.round}"
-                    f"{says}; its key says learner {learner!r}, round {round_}{wants}",
-                ))
+            problem = misfiled(record, key, round_, learner)
+            if problem is not None:
+                rejected.append(Rejected(key, learner, problem))
                 continue
             records.append(record)
         return Contributions(tuple(records), tuple(rejected))

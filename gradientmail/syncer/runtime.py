@@ -45,6 +45,7 @@ from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
 from gradientmail.run.bounds import check_delta
 from gradientmail.run.cadence import poll_delay
+from gradientmail.run.keyspace import Contributions
 from gradientmail.run.lease import LeaseTracker
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import Replica, theta_digest
@@ -448,7 +449,7 @@ class Syncer:
             await self._catch_up()
             return False
         return await self._close(r, attempt, watch, decision.quorum_time, grace,
-                                 decision.awaited, offer)
+                                 decision.awaited, offer, sighted)
 
     async def _observe_leases(self) -> frozenset[str]:
         return await self.exchange.observe_leases(self._tracker)
@@ -524,16 +525,19 @@ class Syncer:
     async def _close(
         self, r: int, attempt: int, watch: RoundWatch, t_quorum: float | None,
         window: float, expected: frozenset[str], offer: Offer | None = None,
+        sighted: bool = False,
     ) -> bool:
         """Close round `r` under claim `attempt`: screen and merge its contributions,
-        write the payloads, build the record (`merging.round_record`) and commit it."""
+        write the payloads, build the record (`merging.round_record`) and commit it.
+        `sighted`: the round was completed between polls (`_claim`)."""
         ex, manifest, alg = self.exchange, self._manifest, self._alg()
         assert manifest is not None
         t_claim = self.clock.now()
         fragment = self._sch().fragment_of(r)
         state = await self._fragment_state(fragment)
         dropped: list[Dropped] = []
-        snaps, contributions = await self._gather(r, attempt, fragment, state, offer, dropped)
+        snaps, contributions = await self._gather(r, attempt, fragment, state, offer, dropped,
+                                                  sighted)
         merge = await asyncio.to_thread(merge_round, alg, state, contributions,
                                         manifest.schema, self.backend)
         keys = {s.learner: s.payload_key for s in snaps}
@@ -565,15 +569,24 @@ class Syncer:
         return True
 
     async def _gather(self, r: int, attempt: int, fragment: int, state: FragmentState,
-                      offer: Offer | None,
-                      dropped: list[Dropped]) -> tuple[list[SnapshotRecord], list[Contribution]]:
+                      offer: Offer | None, dropped: list[Dropped],
+                      sighted: bool = False) -> tuple[list[SnapshotRecord], list[Contribution]]:
         """Round `r`'s contribution records (the offered one in place of any listed for
         this closer) and the contributions among them that screening keeps; each other
-        one is dropped into `dropped` with its reason."""
+        one is dropped into `dropped` with its reason. A `sighted` round of a standalone
+        closer takes the records its downloads read (every one it saw), not a listing."""
         manifest = self._manifest
         assert manifest is not None
         schema, names = manifest.schema, manifest.plan[fragment]
-        found = await self.exchange.contributions(r)
+        prefetched = None
+        if sighted and self._prefetch is not None:
+            # Every contribution the round awaited is in and was read as it arrived: a
+            # LIST and M GETs again would cost ~25 ms (100 Mbit/s, M = 4) with every
+            # learner of the barrier waiting. One that came after the look is left to
+            # a later round, as one that comes after a listing is.
+            prefetched = await self._prefetch.records(sorted(self._open.first_seen))
+        found = await self.exchange.contributions(r) if prefetched is None else \
+            Contributions(tuple(prefetched), ())
         snaps = [s for s in found.records if offer is None or s.learner != self.closer_id]
         if offer is not None:
             snaps.append(offer.draft)

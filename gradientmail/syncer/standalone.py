@@ -17,13 +17,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from gradientmail.clock import Clock
 from gradientmail.errors import GradientmailError, RemoteProtocolError
 from gradientmail.events import EventSink, PollFailed
 from gradientmail.run.lease import CLOSERS
-from gradientmail.run.protocol import Exchange
+from gradientmail.run.protocol import Exchange, contribution_key, misfiled
 from gradientmail.wire.records import SnapshotRecord
 from gradientmail.wire.serialization import Schema
 from gradientmail.wire.sharded_pieces import DeltaTensor
@@ -182,6 +182,30 @@ class Prefetcher:
             if snap is None:
                 return None
         return snap, await self._ex.fetch_delta(snap, schema, names)
+
+    async def records(self, learners: Iterable[str]) -> list[SnapshotRecord] | None:
+        """The contribution records of `learners` to the open round, as their downloads
+        read them (waiting for those in flight), in the order given; None unless every one
+        was read here and is filed where it belongs (`misfiled`): then the closer lists the
+        round, as it does when it was not sighted."""
+        out = []
+        for learner in learners:
+            task = self._tasks.get(learner)
+            if task is None:
+                return None
+            try:
+                got = await asyncio.shield(task)
+            except asyncio.CancelledError:
+                if task.cancelled():
+                    return None
+                raise
+            except (GradientmailError, OSError):
+                return None
+            if got is None or misfiled(got[0], contribution_key(self._round, learner),
+                                       self._round, learner) is not None:
+                return None
+            out.append(got[0])
+        return out
 
     async def take(self, snap: SnapshotRecord) -> tuple[bool, dict[str, DeltaTensor] | None]:
         """(True, `snap`'s delta) when it was downloaded here (waiting for it while in
