@@ -606,14 +606,21 @@ class Syncer:
         ex, alg, state = self.exchange, self._alg(), result.state
         names = self._manifest.plan[fragment] if self._manifest is not None else ()
         fmt = alg.commit_dtype
-        # The new theta's digest, which a step and an update carry: hashed once, off the loop.
-        digest = "" if result.step is None and (result.update is None or fmt is None) else \
-            await asyncio.to_thread(theta_digest, state.theta, names)
+        # The new theta's digest, which a step and an update carry: hashed once, off the
+        # loop, while the step is encoded and uploaded (every learner waits for it).
+        hashing = None if result.step is None and (result.update is None or fmt is None) \
+            else asyncio.ensure_future(asyncio.to_thread(theta_digest, state.theta, names))
         refs = CommitRefs()
-        if result.step is not None and result.step_format is not None:
-            ref = await ex.put_step(fragment, state.version, result.step, attempt=attempt)
+        try:
+            step = None if result.step is None or result.step_format is None else \
+                await ex.put_step(fragment, state.version, result.step, attempt=attempt)
+            digest = "" if hashing is None else await hashing
+        finally:
+            if hashing is not None and not hashing.done():
+                hashing.cancel()
+        if step is not None and result.step_format is not None:
             refs = dataclasses.replace(
-                refs, step=StepRef(ref, result.step_format, result.rule, digest))
+                refs, step=StepRef(step, result.step_format, result.rule, digest))
         if refs.step is None or alg.checkpoint_at(state.version):
             refs = dataclasses.replace(
                 refs,
