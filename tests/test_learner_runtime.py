@@ -756,6 +756,14 @@ def test_a_blocked_learner_looks_for_its_commit_sooner_backing_off() -> None:
                                                                         0.01, 0.01]
 
 
+def test_a_standalone_closer_looks_for_the_last_contributions_at_one_pace() -> None:
+    from gradientmail.run.cadence import probe_delay
+
+    # One closer a run, not one per learner: every 20 ms on a billed store, never doubling.
+    assert probe_delay(1.0) == 0.02 and probe_delay(0.01) == 0.01
+    assert probe_delay(1.0, metered=False) == 0.002
+
+
 def test_mailboxes_say_whether_their_requests_are_billed(tmp_path: Any) -> None:
     from gradientmail.mailbox import LocalMailbox, S3Mailbox
 

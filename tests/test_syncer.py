@@ -34,7 +34,7 @@ from gradientmail.events import (
 )
 from gradientmail.mailbox import Mailbox, MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox, FaultPlan, FaultyMailbox
-from gradientmail.run.cadence import FREE_WAITING_CAP, WAITING_CAP
+from gradientmail.run.cadence import probe_delay
 from gradientmail.run.keyspace import round_key
 from gradientmail.run.lease import LeaseTracker
 from gradientmail.run.protocol import Exchange
@@ -1209,10 +1209,10 @@ def test_a_standalone_syncer_looks_for_one_missing_learner_at_a_time(
         before = counting.snapshot()
         await clock.sleep(5.0)  # no poll in between: looks only
         gets = counting.snapshot().get - before.get
-        # A look every WAITING_CAP (FREE_WAITING_CAP on a free store) for 5 s, one GET
-        # each, where a GET per missing learner and look would be three times as many.
-        cap = WAITING_CAP if counting.metered else FREE_WAITING_CAP
-        assert 0.9 * 5 / cap <= gets <= 1.1 * 5 / cap, (gets, cap)
+        # A look every probe_delay (20 ms; 2 ms on a free store) for 5 s, one GET each,
+        # where a GET per missing learner and look would be three times as many.
+        every = probe_delay(10.0, counting.metered)
+        assert 0.9 * 5 / every <= gets <= 1.1 * 5 / every, (gets, every)
         arrived = clock.now()
         for who in "bcd":
             await r.contribute(0, who)

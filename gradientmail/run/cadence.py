@@ -1,13 +1,15 @@
 """How often a party looks at the store while someone waits on what it looks for.
 
 A learner whose training thread waits for a commit (a barrier) looks for the next record
-every `poll_delay`, not every poll interval; so does a standalone closer for the
-contributions its open round still awaits. Pure: tested with plain numbers.
+every `poll_delay`, not every poll interval; a standalone closer looks for the
+contributions its open round still awaits every `probe_delay`. Pure: tested with plain
+numbers.
 """
 
 from __future__ import annotations
 
-__all__ = ["FREE_WAITING_CAP", "FREE_WAITING_POLL", "WAITING_CAP", "WAITING_POLL", "poll_delay"]
+__all__ = ["FREE_WAITING_CAP", "FREE_WAITING_POLL", "WAITING_CAP", "WAITING_POLL", "poll_delay",
+           "probe_delay"]
 
 #: Seconds between looks while someone waits (a learner's training thread blocked on a
 #: commit: a barrier, or `overlap_steps`; a standalone closer's round awaiting its last
@@ -36,3 +38,13 @@ def poll_delay(poll_interval: float, blocked_polls: int, metered: bool = True) -
     first, cap = (WAITING_POLL, WAITING_CAP) if metered else (FREE_WAITING_POLL,
                                                               FREE_WAITING_CAP)
     return min(poll_interval, cap, first * (1 << min(blocked_polls - 1, 30)))
+
+
+def probe_delay(poll_interval: float, metered: bool = True) -> float:
+    """The sleep between a standalone closer's looks for its open round's awaited
+    contributions: WAITING_POLL throughout (FREE_WAITING_POLL unmetered), never doubling as
+    a learner's wait does. There is one such closer a run, not one per learner: 50 GETs a
+    second while a round awaits its last contributions cost $0.072 per hour of waiting on
+    S3, and the round's claim comes ~15 ms sooner on average than at WAITING_CAP, with
+    every learner of a barrier waiting."""
+    return min(poll_interval, WAITING_POLL if metered else FREE_WAITING_POLL)

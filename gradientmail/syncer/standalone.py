@@ -7,7 +7,7 @@ Why both: between sites, a learner's link is the slowest hop a round crosses, an
 learner that closes a round pulls every other contribution down through it (20 Mbit/s, two
 learners: a standard round's barrier 5.4 s against 2.0 s for torchft's allreduce on the
 same links). A closer next to the bucket takes that off every learner's link; looking
-for the last arrivals every 20-50 ms (a GET each) closes a round within moments of them,
+for the last arrivals every 20 ms (a GET each) closes a round within moments of them,
 not a poll interval later; and it downloads each contribution's delta as soon as it sees
 the record (`Prefetcher`), so closing waits for the last one only.
 """
