@@ -146,11 +146,12 @@ def test_checkpoint_round_trip_of_the_wrapper_state(tmp_path: Path) -> None:
         accelerator.save_state(str(ckpt))
         saved = diloco.state_dict()
     assert saved == {
-        "version": 1,
+        "version": 2,
         "learner_id": "first-run",
         "optimizer_steps": 6,
         "tokens": 180,
         "rounds_seen": 0,
+        "error_feedback": {"version": 1, "residuals": {}, "in_flight": {}},
     }
 
     # A resumed job: a new wrapper without a learner id loads the checkpoint before start.
@@ -179,7 +180,7 @@ def test_bad_states_are_refused_with_the_reason(tmp_path: Path) -> None:
     ):
         diloco.load_state_dict({"x": 1})
     state = {**diloco.state_dict(), "version": 9}
-    with pytest.raises(ConfigError, match="wrapper state version 9 is not 1; the checkpoint was"):
+    with pytest.raises(ConfigError, match="wrapper state version 9 is not 2; the checkpoint was"):
         diloco.load_state_dict(state)
     # A learner id named by the plugin wins over the checkpoint's.
     diloco.load_state_dict({**diloco.state_dict(), "learner_id": "other", "optimizer_steps": 5})

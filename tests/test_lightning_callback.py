@@ -39,6 +39,8 @@ from gradientmail_lightning.callback import (
 )
 
 FAST: dict[str, Any] = {"poll_interval": 0.01, "lease_every": 2.0, "lease_timeout": 6.0}
+#: A learner's error feedback without sparse deltas: nothing kept.
+NO_FEEDBACK = {"version": 1, "residuals": {}, "in_flight": {}}
 STANDARD = DiLoCo.standard(3, 1)
 
 
@@ -79,7 +81,8 @@ def test_accumulation_counts_real_steps_and_tokens(tmp_path: Path) -> None:
     t = trainer(max_steps=6, accumulate_grad_batches=2, callbacks=[cb])
     t.fit(ToyModule(), toy_loader(batch_size=4))
     assert t.global_step == 6
-    assert cb.state_dict() == {"learner_id": "acc-0", "local_step": 6, "rounds_seen": 1}
+    assert cb.state_dict() == {"learner_id": "acc-0", "local_step": 6, "rounds_seen": 1,
+                               "error_feedback": NO_FEEDBACK}
     recs = records(box)
     assert [r.round for r in recs] == [0, 1]
     for r in recs:
@@ -204,6 +207,7 @@ def test_crash_then_resume_from_checkpoint_rejoins_as_the_same_learner(tmp_path:
         "learner_id": "crashy-7",
         "local_step": 4,
         "rounds_seen": 0,
+        "error_feedback": NO_FEEDBACK,
     }
     # One step past round 0's commit, so the checkpoint's weights are not the run's.
     saved = torch.cat([t.reshape(-1) for t in ckpt["state_dict"].values()])
@@ -224,7 +228,8 @@ def test_crash_then_resume_from_checkpoint_rejoins_as_the_same_learner(tmp_path:
     t2.fit(model, toy_loader(), ckpt_path=ckpts / "epoch=0-step=4.ckpt")
     assert t2.global_step == 10
     # A restart is a join: local steps count from it, rounds continue the run's.
-    assert resumed.state_dict() == {"learner_id": "crashy-7", "local_step": 6, "rounds_seen": 2}
+    assert resumed.state_dict() == {"learner_id": "crashy-7", "local_step": 6, "rounds_seen": 2,
+                                    "error_feedback": NO_FEEDBACK}
     after = records(box)
     assert [r.round for r in after] == [0, 1, 2]
     assert [p.learner for r in after for p in r.participants] == ["crashy-7"] * 3
@@ -249,10 +254,13 @@ def test_fixed_state_key_and_state_round_trip() -> None:
     a = DiLoCoCallback("unused", STANDARD, "x-1")
     b = DiLoCoCallback("elsewhere", DiLoCo.standard(5, 2), "y-2", log_every_n_steps=3)
     assert a.state_key == b.state_key == STATE_KEY == "DiLoCoCallback"
-    assert a.state_dict() == {"learner_id": "x-1", "local_step": 0, "rounds_seen": -1}
+    assert a.state_dict() == {"learner_id": "x-1", "local_step": 0, "rounds_seen": -1,
+                              "error_feedback": None}
     fresh = DiLoCoCallback("unused", STANDARD)
+    # A checkpoint from before error feedback is read (its learner starts with none).
     fresh.load_state_dict({"learner_id": "x-1", "local_step": 12, "rounds_seen": 3})
-    assert fresh.state_dict() == {"learner_id": "x-1", "local_step": 12, "rounds_seen": 3}
+    assert fresh.state_dict() == {"learner_id": "x-1", "local_step": 12, "rounds_seen": 3,
+                                  "error_feedback": None}
     with pytest.raises(ConfigError, match=r"keys \['learner_id'\], expected"):
         fresh.load_state_dict({"learner_id": "x-1"})
 
