@@ -264,7 +264,7 @@ def test_what_was_sent_plus_the_residual_is_what_was_trained() -> None:
         for n, s in shapes.items():
             trained[n] += d[n].to_numpy().reshape(-1)
             sent[n] += dense(e, n, s)
-        res.recorded(r, 0, ("a", "b"))
+        res.recorded(r, ("a", "b"))
     left = res.residual(0)
     for n in shapes:
         np.testing.assert_allclose(sent[n] + left[n], trained[n], rtol=0, atol=1e-8)
@@ -278,7 +278,7 @@ def test_a_payload_not_merged_gives_its_residual_back() -> None:
     res = Residuals("a")
     d0 = {"w": f32(rng.standard_normal(100))}
     res.encode(0, 0, d0, 0.02)
-    res.recorded(0, 0, ("a",))
+    res.recorded(0, ("a",))
     kept = {n: v.copy() for n, v in res.residual(0).items()}
     assert kept["w"].any()
     # Round 2 (fragment 0) fails to upload; round 4 is merged without this learner.
@@ -287,7 +287,7 @@ def test_a_payload_not_merged_gives_its_residual_back() -> None:
     res.failed(2)
     assert np.array_equal(res.residual(0)["w"], kept["w"])
     res.encode(4, 0, {"w": f32(rng.standard_normal(100))}, 0.02)
-    res.recorded(4, 0, ("b", "c"))
+    res.recorded(4, ("b", "c"))
     assert np.array_equal(res.residual(0)["w"], kept["w"])
     # Fragments keep their own residuals; settling an unknown round changes nothing.
     res.encode(5, 1, {"w": f32(rng.standard_normal(100))}, 0.02)

@@ -120,16 +120,25 @@ class Residuals:
         with self._lock:
             self._fail(round_)
 
-    def recorded(self, round_: int, fragment: int, participants: tuple[str, ...]) -> None:
-        """Round `round_` of `fragment` was committed with `participants`: the payload
-        stands if this learner is one, else it was dropped (`failed`). An earlier round of
-        the fragment still in flight (its record was swept before this learner read it)
-        is settled the same way, as the training thread's rebase treats its steps: kept
-        in the commit when the learner took part in this one, sent again when not."""
-        took_part = self._learner in participants
+    def recorded(self, round_: int, participants: tuple[str, ...]) -> None:
+        """Round `round_` was committed with `participants`: the payload stands if this
+        learner is one, else it was dropped (`failed`)."""
+        with self._lock:
+            if self._learner in participants:
+                self._pending.pop(round_, None)
+            else:
+                self._fail(round_)
+
+    def swept(self, fragment: int, through: int, took_part: bool) -> None:
+        """The records of `fragment`'s rounds up to `through` are gone before this learner
+        read them (a newer commit replaced them, and the sweep deleted them): its rounds
+        of the fragment still in flight up to there are settled as the training thread's
+        rebase treats their steps when it applies the fragment's commit `through`: in
+        that commit when the learner took part in it (`took_part`), sent again when
+        not."""
         with self._lock:
             for r in sorted(r for r, (f, _, _) in self._pending.items()
-                            if r == round_ or (r < round_ and f == fragment)):
+                            if f == fragment and r <= through):
                 if took_part:
                     del self._pending[r]
                 else:

@@ -323,18 +323,22 @@ class Mailman:
     async def _settle_restored(self, ex: Exchange, newest: int) -> None:
         """Settle the rounds a restored checkpoint had in flight that closed before this
         join (`_catch_up` brings the later ones): their records say whether they stood.
-        One the store does not answer for is settled by its fragment's next record
-        (`Residuals.recorded`)."""
-        for r in sorted(r for r in self.residuals.in_flight() if r <= newest):
+        One whose record is gone (swept), or that the store does not answer for, counts
+        as merged, as most are: the join overwrote the model, so no later commit of its
+        fragment tells otherwise."""
+        for r, fragment in sorted(self.residuals.in_flight().items()):
+            if r > newest:
+                continue
             try:
                 rec = await ex.read_round(r)
             except asyncio.CancelledError:
                 raise
             except Exception:
-                continue
+                rec = None
             if rec is not None:
-                self.residuals.recorded(rec.round, rec.fragment,
-                                        tuple(p.learner for p in rec.participants))
+                self.residuals.recorded(rec.round, tuple(p.learner for p in rec.participants))
+            else:
+                self.residuals.swept(fragment, r, took_part=True)
 
     def _begin_loops(self) -> None:
         loop = self._loop
@@ -518,6 +522,8 @@ class Mailman:
         for rec in sorted(latest.values(), key=lambda r: r.round):
             if rec.round <= cursor:
                 continue
+            if self._poster is not None:
+                self._poster.swept(rec)
             commit = await self._fetch(rec)
             if commit is None:
                 return

@@ -79,8 +79,15 @@ class Poster:
     def recorded(self, record: RoundRecord) -> None:
         """The commit of `record.round` arrived: a sparse payload of it that the round
         left out gives its residual back (`Residuals.recorded`)."""
-        self.residuals.recorded(record.round, record.fragment,
-                                tuple(p.learner for p in record.participants))
+        self.residuals.recorded(record.round, tuple(p.learner for p in record.participants))
+
+    def swept(self, record: RoundRecord) -> None:
+        """The records before `record` (the newest commit of its fragment, read instead of
+        them: they were swept) settle this learner's sparse payloads of that fragment
+        (`Residuals.swept`)."""
+        self.residuals.recorded(record.round, tuple(p.learner for p in record.participants))
+        self.residuals.swept(record.fragment, record.round,
+                             any(p.learner == self._learner for p in record.participants))
 
     async def post(self, job: Outgoing) -> None:
         """Publish `job`; a failure is reported (and settled), never raised."""
