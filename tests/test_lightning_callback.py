@@ -238,6 +238,55 @@ def test_crash_then_resume_from_checkpoint_rejoins_as_the_same_learner(tmp_path:
     torch.testing.assert_close(at_start.params, want, rtol=0, atol=0)
 
 
+def test_sparse_deltas_keep_their_residuals_across_a_checkpoint_and_resume(
+        tmp_path: Path) -> None:
+    box, ckpts = tmp_path / "run", tmp_path / "ckpt"
+    # One value of each tensor travels a round: most of each delta stays behind.
+    sparse = DiLoCo.standard(3, 1, delta_dtype="TOPK_F8", delta_density=1 / 4096)
+
+    class Crash(Callback):
+        def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+            if trainer.global_step == 5:
+                raise RuntimeError("boom at step 5")
+
+    cb = DiLoCoCallback(str(box), sparse, "sparse-1", **FAST)
+    saver = ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4, save_top_k=-1)
+    t1 = trainer(max_steps=30, callbacks=[cb, Crash(), saver], enable_checkpointing=True)
+    with pytest.raises(RuntimeError, match="boom at step 5"):
+        t1.fit(ToyModule(), toy_loader())
+    # Tensors and plain containers only: a weights-only load reads it.
+    ckpt = torch.load(ckpts / "epoch=0-step=4.ckpt", weights_only=True)
+    feedback = ckpt["callbacks"][STATE_KEY]["error_feedback"]
+    assert feedback["in_flight"] == {}  # round 0 was committed before the checkpoint
+    saved = feedback["residuals"][0]
+    names = [n for n, _ in ToyModule().named_parameters()]
+    assert sorted(saved) == sorted(names)
+    assert all(t.dtype == torch.float32 and t.count_nonzero() > 0 for t in saved.values())
+
+    resumed = DiLoCoCallback(str(box), sparse, None, **FAST)
+
+    class AtStart(Callback):
+        def __init__(self) -> None:
+            self.residuals: dict[str, torch.Tensor] = {}
+
+        def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+            assert resumed.learner is not None
+            state = resumed.learner.state_dict()["error_feedback"]
+            self.residuals = {n: t.clone() for n, t in state["residuals"][0].items()}
+
+    at_start = AtStart()
+    t2 = trainer(max_steps=10, callbacks=[resumed, at_start])
+    t2.fit(ToyModule(seed=1), toy_loader(), ckpt_path=ckpts / "epoch=0-step=4.ckpt")
+    # The learner that rejoined holds the checkpoint's residuals, bit for bit ...
+    assert sorted(at_start.residuals) == sorted(saved)
+    assert all(torch.equal(at_start.residuals[n], saved[n]) for n in saved)
+    # ... and its rounds since carried them on: its residuals are the rounds' now.
+    after = [r.round for r in records(box)]
+    assert after == [0, 1, 2]
+    final = resumed.state_dict()["error_feedback"]["residuals"][0]
+    assert any(not torch.equal(final[n], saved[n]) for n in saved)
+
+
 def test_a_learner_that_cannot_join_fails_fit_without_hanging(tmp_path: Path) -> None:
     box = tmp_path / "run"
     trainer(max_steps=3, callbacks=[DiLoCoCallback(str(box), STANDARD, "a-0", **FAST)]).fit(
