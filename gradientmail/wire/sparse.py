@@ -25,6 +25,11 @@ chunk or do not add up to the values given, offsets past their chunk, offsets no
 strictly ascending within a chunk (a duplicate or an unsorted one), scales that are not
 such powers of two, codes that decode to NaN. Its work and memory are bounded by the
 schema's n, never by what the payload claims.
+
+This module owns the format; encoders only compute. `sparsify_sent` also returns what
+the entries carry (positions and values, for a learner's error feedback), and the torch
+kernels of `gradientmail.wire.sparse_torch` compute the same codes, offsets and exponents
+on a tensor's device and hand them to `sparse_entries` (the layout) and `check_overflow`.
 """
 
 from __future__ import annotations
