@@ -115,6 +115,37 @@ def test_the_edge_case_a_later_payload_encoded_before_an_earlier_one_failed() ->
         np.testing.assert_allclose(host(v), 0, rtol=0, atol=1e-9)
 
 
+def test_a_failure_settled_while_a_later_payload_encodes(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    # The communication thread settles round 0 as failed while the worker thread encodes
+    # round 1 (the lock is not held while encoding): the outcome is the one of round 1
+    # encoded first and round 0 failing after it.
+    import gradientmail.learner.feedback as feedback
+
+    d0, d1 = deltas(12), deltas(13)
+    first = Residuals("a")
+    first.encode(0, 0, as_bytes(d0), DENSITY)
+    want = first.encode(1, 0, as_bytes(d1), DENSITY)
+    first.failed(0)
+
+    res = Residuals("a")
+    res.encode(0, 0, as_bytes(d0), DENSITY)
+    real = feedback._sparsify
+
+    def meanwhile(*args: Any) -> Any:
+        res.failed(0)  # would deadlock if encode held the lock here
+        return real(*args)
+
+    monkeypatch.setattr(feedback, "_sparsify", meanwhile)
+    assert res.encode(1, 0, as_bytes(d1), DENSITY) == want
+    assert res.in_flight() == {1: 0}
+    assert all(bitwise(res.residual(0)[n], first.residual(0)[n]) for n in SHAPES)
+    # Round 1 failing as well leaves (to rounding) nothing, as it does sequentially.
+    res.failed(1)
+    for v in res.residual(0).values():
+        np.testing.assert_allclose(host(v), 0, rtol=0, atol=1e-9)
+
+
 @pytest.mark.parametrize("outcomes", list(itertools.product((True, False), repeat=3)))
 def test_sent_plus_residual_is_trained_in_every_order(outcomes: tuple[bool, ...]) -> None:
     for order in itertools.permutations(range(3)):

@@ -64,10 +64,12 @@ class Residuals:
     """Each fragment's residual, and for each round in flight the residual it replaced
     and the one it left.
 
-    `encode` runs in the poster's worker thread while `failed` and `recorded` run on the
-    communication thread's loop and `state_dict` on the training thread: a lock keeps
-    each call whole. A residual array is never written once stored (every change makes
-    new arrays), so `residual` and `state_dict` hand out the arrays themselves."""
+    `encode` runs in the poster's worker thread (one at a time) while `failed` and
+    `recorded` run on the communication thread's loop and `state_dict` on the training
+    thread: a lock keeps each change whole, and `encode` holds it only to read and to
+    store, not while it encodes. A residual array is never written once stored (every
+    change makes new arrays), so `residual` and `state_dict` hand out the arrays
+    themselves."""
 
     def __init__(self, learner: str) -> None:
         self._learner = learner
@@ -100,18 +102,30 @@ class Residuals:
             if round_ in self._pending:
                 self._fail(round_)
             before = self._kept.get(fragment)
-            out: dict[str, TensorBytes] = {}
-            after: _Arrays = {}
-            for name, value in delta.items():
-                x = _flat(value)
-                if before is not None and name in before:
-                    x = carried(x, before[name])
-                entries, positions, sent = _sparsify(name, x, density)
-                after[name] = left(x, positions, sent)
-                out.update(entries)
+        # Encoded without the lock: `recorded` runs on the communication thread's loop,
+        # which must not wait for a fragment's encoding (a second or more on a CPU).
+        out: dict[str, TensorBytes] = {}
+        after: _Arrays = {}
+        for name, value in delta.items():
+            x = _flat(value)
+            if before is not None and name in before:
+                x = carried(x, before[name])
+            entries, positions, sent = _sparsify(name, x, density)
+            after[name] = left(x, positions, sent)
+            out.update(entries)
+        with self._lock:
+            now = self._kept.get(fragment)
+            if now is not before:
+                # An earlier payload of the fragment was settled meanwhile (a failure took
+                # its share out): this payload's share goes on top of what is kept now.
+                after = {n: a - before[n] if before is not None and n in before else a
+                         for n, a in after.items()}
+                if now is not None:
+                    after = {n: a + now[n] if n in now else a for n, a in after.items()}
+                before = now
             self._kept[fragment] = after
             self._pending[round_] = (fragment, before, after)
-            return out
+        return out
 
     def failed(self, round_: int) -> None:
         """Round `round_`'s payload was not merged: its share of its fragment's residual
