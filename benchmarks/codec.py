@@ -386,53 +386,6 @@ def gpu_rows(reps: int, fragments: int, device: str = "cuda") -> list[dict[str, 
             {n: TensorBytes.from_numpy(t.cpu().numpy()) for n, t in fragment.items()}, fmt)
         rows.append({"fmt": fmt, "params": numel, "tensors": len(fragment), "ms": ms,
                      "copy_ms": copy_ms, "gbps": 4 * numel / ms / 1e6, "same": same})
-    rows += gpu_sparse_rows(fragment, numel, timed)
-    return rows
-
-
-def gpu_sparse_rows(fragment: dict[str, Any], numel: int,
-                    timed: Callable[[Callable[[], Any]], float]) -> list[dict[str, Any]]:
-    """``TOPK_F8`` on the device at the default density: `sparsify_tensor` per tensor,
-    and a learner's whole error-feedback step (`Residuals.encode` on device tensors:
-    delta + residual, the encoding, the residual left there), each against numpy's bytes."""
-    import torch
-
-    from gradientmail.learner.feedback import Residuals
-    from gradientmail.wire.sparse import DEFAULT_DENSITY, sparse_nbytes, sparsify
-    from gradientmail.wire.sparse_torch import sparsify_tensor
-
-    def encode() -> dict[str, TensorBytes]:
-        out: dict[str, TensorBytes] = {}
-        for n, t in fragment.items():
-            out |= sparsify_tensor(n, t, DEFAULT_DENSITY)[0]
-        return out
-
-    host = {n: TensorBytes.from_numpy(t.cpu().numpy()) for n, t in fragment.items()}
-    want: dict[str, TensorBytes] = {}
-    for n, t in host.items():
-        want |= sparsify(n, t, DEFAULT_DENSITY)
-    res = Residuals("bench")
-    res.encode(0, 0, {n: t.clone() for n, t in fragment.items()}, DEFAULT_DENSITY)
-    res.recorded(0, ("bench",))
-
-    def feedback() -> dict[str, TensorBytes]:
-        out = res.encode(1, 0, {n: t.clone() for n, t in fragment.items()}, DEFAULT_DENSITY)
-        res.failed(1)
-        return out
-
-    on_host = Residuals("bench")  # the numpy path, for the bytes
-    on_host.encode(0, 0, host, DEFAULT_DENSITY)
-    on_host.recorded(0, ("bench",))
-    same_feedback = feedback() == on_host.encode(1, 0, host, DEFAULT_DENSITY)
-    nbytes = sum(sparse_nbytes(t.numel(), DEFAULT_DENSITY) for t in fragment.values())
-    staged = torch.empty(nbytes, dtype=torch.uint8, device=next(iter(fragment.values())).device)
-    copy_ms = timed(partial(pinned_copy, staged))
-    rows = []
-    for fmt, fn, same in (("TOPK_F8", encode, encode() == want),
-                          ("TOPK_F8 + feedback", feedback, same_feedback)):
-        ms = timed(fn)
-        rows.append({"fmt": fmt, "params": numel, "tensors": len(fragment), "ms": ms,
-                     "copy_ms": copy_ms, "gbps": 4 * numel / ms / 1e6, "same": same})
     return rows
 
 
