@@ -22,6 +22,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from gradientmail import events as ev  # noqa: E402
 from gradientmail.adapters.torch import TorchAdapter  # noqa: E402
 from gradientmail.algorithms.diloco import DiLoCo  # noqa: E402
 from gradientmail.errors import ConfigError  # noqa: E402
@@ -342,13 +343,38 @@ def test_a_learner_keeps_its_residuals_across_a_restart() -> None:
                for n in kept)
     again.close()
 
+    # A checkpoint whose round 0 was in flight: joining settles it from round 0's record,
+    # which names "solo" (it stands: the residual stays) and not "other" (it was dropped:
+    # the residual before it, none, comes back).
+    residual = saved["error_feedback"]["residuals"][0]
+    flying = {"error_feedback": {"version": 1, "residuals": {0: residual},
+                                 "in_flight": {0: {"fragment": 0, "before": None,
+                                                   "after": residual}}}}
+    for who, stands in (("solo", True), ("other", False)):
+        joined = Learner(TorchAdapter(model()), sparse_run(), mailbox, who, options=options)
+        joined.load_state_dict(flying)
+        assert joined.state_dict()["error_feedback"]["in_flight"] == {0: {
+            "fragment": 0, "before": None, "after": joined.state_dict()["error_feedback"][
+                "residuals"][0]}}
+        joined.start()
+        state = joined.state_dict()["error_feedback"]
+        joined.close()
+        assert state["in_flight"] == {}
+        if stands:
+            assert all(torch.equal(state["residuals"][0][n], residual[n]) for n in residual)
+        else:
+            assert state["residuals"] == {}
+
     # A checkpoint of another fragment plan is refused when the learner joins, and the
     # lease it took is released.
     other = {"error_feedback": {**saved["error_feedback"],
                                 "residuals": {3: saved["error_feedback"]["residuals"][0]}}}
-    late = Learner(TorchAdapter(model()), sparse_run(), mailbox, "solo", options=options)
+    seen: list[Any] = []
+    late = Learner(TorchAdapter(model()), sparse_run(), mailbox, "solo", options=options,
+                   on_event=seen.append)
     late.load_state_dict(other)
     with pytest.raises(ConfigError, match=r"residuals of fragment 3; this run has 1 fragments"):
         late.start()
+    assert [e.learner for e in seen if isinstance(e, ev.LeaseReleased)] == ["solo"]
     with pytest.raises(ConfigError, match=r"not a Learner state: keys \['x'\]"):
         Learner(TorchAdapter(model()), sparse_run(), mailbox, "x").load_state_dict({"x": 1})
