@@ -300,8 +300,8 @@ class DiLoCo:
     def state_dict(self) -> dict[str, Any]:
         """The wrapper's counters and learner id, the same on every rank, and the main
         process's error feedback (`Learner.state_dict()["error_feedback"]`: the residuals
-        of sparse deltas; None on the other processes, whose state `save_state` does not
-        write, and before a learner ran)."""
+        of sparse deltas, None while it holds none; None on the other processes, whose
+        state `save_state` does not write)."""
         learner = self._sync.learner
         return {
             "version": STATE_VERSION,
@@ -358,8 +358,7 @@ class DiLoCo:
             on_event=self._event,
             run_key=p.run_key,
         )
-        if self._feedback is not None:
-            learner.load_state_dict({"error_feedback": self._feedback})
+        learner.load_state_dict({"error_feedback": self._feedback})
         return learner
 
     def _event(self, event: Event) -> None:

@@ -266,8 +266,9 @@ class DiLoCoCallback(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         """The learner id, its local step, the rounds it had seen and its error feedback
-        (`Learner.state_dict()["error_feedback"]`, None before a learner ever ran): only
-        global rank 0's learner has residuals, and only rank 0's checkpoint is written."""
+        (`Learner.state_dict()["error_feedback"]`: None while it holds no residuals, and
+        before a learner ran); only global rank 0's learner has residuals, and only rank
+        0's checkpoint is written."""
         learner = self.learner
         return {
             "learner_id": learner.learner_id if learner is not None else self._resolved_id(),
@@ -431,8 +432,7 @@ class DiLoCoCallback(Callback):
             on_event=self._on_event,
             **self.learner_options,
         )
-        if self._feedback is not None:
-            learner.load_state_dict({"error_feedback": self._feedback})
+        learner.load_state_dict({"error_feedback": self._feedback})
         return learner
 
     def _batch_hook(self, trainer: Trainer) -> BatchSizeHook | None:

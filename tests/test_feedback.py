@@ -359,11 +359,11 @@ def test_a_learner_keeps_its_residuals_across_a_restart() -> None:
         joined.start()
         state = joined.state_dict()["error_feedback"]
         joined.close()
-        assert state["in_flight"] == {}
         if stands:
+            assert state["in_flight"] == {}
             assert all(torch.equal(state["residuals"][0][n], residual[n]) for n in residual)
         else:
-            assert state["residuals"] == {}
+            assert state is None  # nothing kept, nothing in flight
 
     # A checkpoint of another fragment plan is refused when the learner joins, and the
     # lease it took is released.

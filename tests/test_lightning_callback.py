@@ -40,7 +40,7 @@ from gradientmail_lightning.callback import (
 
 FAST: dict[str, Any] = {"poll_interval": 0.01, "lease_every": 2.0, "lease_timeout": 6.0}
 #: A learner's error feedback without sparse deltas: nothing kept.
-NO_FEEDBACK = {"version": 1, "residuals": {}, "in_flight": {}}
+NO_FEEDBACK = None
 STANDARD = DiLoCo.standard(3, 1)
 
 

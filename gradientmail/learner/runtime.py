@@ -303,12 +303,13 @@ class Learner:
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint must keep of this learner beyond the model and its optimizer:
         ``{"error_feedback": ...}``, the residuals of sparse deltas by fragment and tensor
-        name with the rounds still in flight (`Residuals.state_dict`; empty without a
-        sparse `delta_dtype`). The arrays are the learner's own (torch tensors on the
-        model's device), not copies: serialize them (`torch.save`) before the learner
-        encodes again, or copy them. The rest of a learner needs no saving: a restart
-        joins the run (from its newest commits) as the same learner id."""
-        return {"error_feedback": self._mailman.residuals.state_dict()}
+        name with the rounds still in flight (`Residuals.state_dict`), or None while it
+        holds none (no sparse `delta_dtype`, or no payload yet). The arrays are the
+        learner's own (torch tensors on the model's device), never written once stored,
+        not copies. The rest of a learner needs no saving: a restart joins the run (from
+        its newest commits) as the same learner id."""
+        state = self._mailman.residuals.state_dict()
+        return {"error_feedback": state if state["residuals"] or state["in_flight"] else None}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what `state_dict` returned, before `start()`: the residuals go to the
@@ -324,6 +325,8 @@ class Learner:
             got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
             raise ConfigError(f"not a Learner state: keys {got}, expected ['error_feedback']; "
                               "pass what Learner.state_dict() returned")
+        if state["error_feedback"] is None:
+            return
         to_device = getattr(self.adapter, "to_device", None)
         place: Callable[[str, Any], Any] = (
             to_device if to_device is not None
