@@ -129,3 +129,20 @@ def test_values_whose_code_overflows_are_refused_as_numpy_refuses_them(device: s
     x[CHUNK + 1] = 0
     assert sparsify_tensor("t", torch.from_numpy(x).to(device), 0.01)[0] == numpy_entries(
         x, 0.01)
+
+
+def test_random_values_from_a_few_magnitudes_give_numpys_bytes() -> None:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    from hypothesis.extra.numpy import arrays
+
+    values = st.sampled_from([0.0, -0.0, 0.5, -0.5, 1.0, -1.0, 1e-40, -3e-39, 448.0, 2.5e30])
+
+    @settings(max_examples=60, deadline=None)
+    @given(arrays(np.float32, st.integers(1, 2 * CHUNK + 9), elements=values),
+           st.sampled_from([1 / CHUNK, 3 / CHUNK, 0.3, 1.0]))
+    def check(x: np.ndarray, density: float) -> None:
+        got, _, _ = sparsify_tensor("t", torch.from_numpy(x.copy()), density)
+        assert got == numpy_entries(x, density)
+
+    check()

@@ -6,7 +6,9 @@ Copies of a fragment's bytes on the way out (F32, codec off; "+1 GPU" where a de
 one): the snapshot clone (training thread), anchor − θ (a new tensor), its device-to-host
 copy (GPU only; `from_torch` then holds that host memory as is), quantize (only with a
 delta_dtype: the codes; an adapter with `delta_quantized` quantizes on the GPU and copies
-only the codes to the host), `pack` (header and tensors joined into one blob), upload. The
+only the codes to the host; a sparse delta_dtype keeps anchor − θ on the device, where it
+becomes the fragment's residual once encoded, and only the payload's bytes come to the
+host: `learner.feedback`), `pack` (header and tensors joined into one blob), upload. The
 way in is `gradientmail.learner.fetcher`.
 """
 
