@@ -206,6 +206,67 @@ def quantizer_rows(tensors: dict[str, TensorBytes], reps: int) -> list[dict[str,
     return rows
 
 
+def sparse_rows(tensors: dict[str, TensorBytes], reps: int) -> list[dict[str, Any]]:
+    """The ``TOPK_F8`` encoder at the default density, one thread: numpy's `sparsify` and
+    the torch kernels of `sparse_torch` on the CPU, and a learner's error feedback
+    (`Residuals.encode`: delta + residual, the encoding, the residual left) on host bytes
+    and on CPU torch tensors (which numpy encodes through a view)."""
+    import torch
+
+    from gradientmail.learner.feedback import Residuals
+    from gradientmail.wire.sparse import DEFAULT_DENSITY, sparsify
+    from gradientmail.wire.sparse_torch import sparsify_tensor
+
+    src = sum(t.nbytes for t in tensors.values())
+    on_cpu = {n: torch.from_numpy(t.to_numpy().copy()) for n, t in tensors.items()}
+
+    def numpy_path() -> Any:
+        return [sparsify(n, t, DEFAULT_DENSITY) for n, t in tensors.items()]
+
+    def torch_path() -> Any:
+        return [sparsify_tensor(n, t, DEFAULT_DENSITY) for n, t in on_cpu.items()]
+
+    def feedback(torch_tensors: bool) -> Callable[[], Any]:
+        res = Residuals("bench")
+        res.encode(0, 0, {n: t.clone() for n, t in on_cpu.items()} if torch_tensors
+                   else tensors, DEFAULT_DENSITY)  # a residual to carry in
+        res.recorded(0, ("bench",))
+
+        def go() -> Any:
+            delta = ({n: t.clone() for n, t in on_cpu.items()} if torch_tensors
+                     else tensors)
+            out = res.encode(1, 0, delta, DEFAULT_DENSITY)
+            res.failed(1)  # back to round 0's residual: every repetition does the same
+            return out
+        return go
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = []
+        for path, fn in (("sparsify, numpy", numpy_path), ("sparsify, torch", torch_path),
+                         ("error feedback, host bytes", feedback(False)),
+                         ("error feedback, torch tensors", feedback(True))):
+            wall, cpu, _ = best_of(reps, fn)
+            rows.append({"path": path, "enc": src / wall / 1e6, "enc_cpu": src / cpu / 1e6})
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
+def sparse_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "TOPK_F8 at the default density (1/32), F32 source, one thread (MB/s of F32 input; "
+        "the error-feedback rows include delta + residual and the residual left, and for "
+        "torch tensors a clone of the delta):",
+        "",
+        "| path | encode MB/s | (cpu) |",
+        "|---|---:|---:|",
+    ]
+    lines += [f"| {r['path']} | {r['enc']:.0f} | {r['enc_cpu']:.0f} |" for r in rows]
+    return "\n".join(lines)
+
+
 def table(codec: list[dict[str, Any]], quant: list[dict[str, Any]], params: int) -> str:
     lines = [
         f"GPT-2-shaped tensors, {params / 1e6:.1f}M parameters drawn N(0, 0.02). MB/s are "
@@ -393,13 +454,15 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()[0]
     codec: list[dict[str, Any]] = []
     quant: list[dict[str, Any]] = []
+    sparse: list[dict[str, Any]] = []
     for dtype in ("F32", "BF16"):
         tensors = draw(shapes, dtype)
         codec += codec_rows(tensors, dtype, reps)
         if dtype == "F32":
             quant = quantizer_rows(tensors, reps)
+            sparse = sparse_rows(tensors, reps)
         del tensors
-    body = table(codec, quant, params)
+    body = table(codec, quant, params) + "\n\n" + sparse_table(sparse)
     load = statistics.mean([load_before, os.getloadavg()[0]])
     command = "python benchmarks/codec.py" + (" --quick" if args.quick else "")
     section = (

@@ -60,8 +60,11 @@ from gradientmail_accelerate.plugin import DiLoCoPlugin
 __all__ = ["STATE_VERSION", "DiLoCo", "count_tokens"]
 
 #: The version of the wrapper's checkpoint state (`state_dict`).
-STATE_VERSION = 1
-_STATE_KEYS = frozenset({"version", "learner_id", "optimizer_steps", "tokens", "rounds_seen"})
+STATE_VERSION = 2
+_STATE_KEYS = frozenset({"version", "learner_id", "optimizer_steps", "tokens", "rounds_seen",
+                         "error_feedback"})
+# Version 1 (before error feedback) is read too: its learner starts with no residuals.
+_STATE_KEYS_V1 = _STATE_KEYS - {"error_feedback"}
 _SUPPORTED = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_XPU", "MULTI_MLU", "MULTI_HPU",
               "FSDP")
 
@@ -132,6 +135,7 @@ class DiLoCo:
         self._closed = False
         self._pending_tokens = 0
         self._losses = LossMean()
+        self._feedback: dict[str, Any] | None = None  # a checkpoint's, for the learner
         accelerator.register_for_checkpointing(self)
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -294,25 +298,34 @@ class DiLoCo:
     # -- checkpointing ------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapper's counters and learner id: tiny, plain, the same on every rank."""
+        """The wrapper's counters and learner id, the same on every rank, and the main
+        process's error feedback (`Learner.state_dict()["error_feedback"]`: the residuals
+        of sparse deltas, None while it holds none; None on the other processes, whose
+        state `save_state` does not write)."""
+        learner = self._sync.learner
         return {
             "version": STATE_VERSION,
             "learner_id": self._sync.learner_id,
             "optimizer_steps": self._sync.steps,
             "tokens": self._sync.tokens,
             "rounds_seen": self._sync.rounds_seen,
+            "error_feedback": (learner.state_dict()["error_feedback"] if learner is not None
+                               else self._feedback),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the counters; before `start()`, also the learner id (unless the plugin
-        names one), so a resumed launch rejoins as the same learner."""
-        if not isinstance(state, Mapping) or set(state) != _STATE_KEYS:
+        names one), so a resumed launch rejoins as the same learner, and its error
+        feedback, which the learner `start()` builds takes (`Learner.load_state_dict`,
+        checked against the model and the run there). Reads version 1 states too."""
+        keys = set(state) if isinstance(state, Mapping) else None
+        if keys not in (_STATE_KEYS, _STATE_KEYS_V1):
             got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
             raise ConfigError(
                 f"not a gradientmail_accelerate.DiLoCo state: keys {got}, expected "
                 f"{sorted(_STATE_KEYS)}"
             )
-        if state["version"] != STATE_VERSION:
+        if state["version"] != (STATE_VERSION if keys == _STATE_KEYS else 1):
             raise ConfigError(
                 f"wrapper state version {state['version']!r} is not {STATE_VERSION}; the "
                 "checkpoint was written by another gradientmail version"
@@ -325,16 +338,18 @@ class DiLoCo:
                 "weights over the run's newest commits; load checkpoints before start()",
                 stacklevel=2,
             )
-        elif self.plugin.learner_id is None and state["learner_id"] is not None:
-            self._sync.learner_id = str(state["learner_id"])
-            self._sync.rounds_seen = int(state["rounds_seen"])
+        else:
+            self._feedback = state.get("error_feedback")
+            if self.plugin.learner_id is None and state["learner_id"] is not None:
+                self._sync.learner_id = str(state["learner_id"])
+                self._sync.rounds_seen = int(state["rounds_seen"])
 
     # -- internals ----------------------------------------------------------------------
 
     def _build_learner(self) -> Learner:
         p = self.plugin
         sharded_ranks = self._sync.sharded_ranks
-        return Learner(
+        learner = Learner(
             TorchAdapter(self.module) if sharded_ranks is None else sharded_ranks.learner_adapter(),
             p.resolved_algorithm,
             p.mailbox,
@@ -343,6 +358,8 @@ class DiLoCo:
             on_event=self._event,
             run_key=p.run_key,
         )
+        learner.load_state_dict({"error_feedback": self._feedback})
+        return learner
 
     def _event(self, event: Event) -> None:
         self._metrics.feed(event)

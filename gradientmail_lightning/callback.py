@@ -18,8 +18,10 @@ Hooks map to the learner's calls and nothing else:
 - `on_train_end` (the model is still on its device): close, or flush with
   `algorithm.flush_on_close`. `on_exception` and `teardown` close within a bound and
   never hang on a collective.
-- `state_dict`: the learner id, its local step and the rounds it had seen, under the
-  fixed key "DiLoCoCallback"; a run resumed from a checkpoint rejoins as that learner.
+- `state_dict`: the learner id, its local step, the rounds it had seen and its error
+  feedback (`Learner.state_dict`: the residuals of sparse deltas), under the fixed key
+  "DiLoCoCallback"; a run resumed from a checkpoint rejoins as that learner, with those
+  residuals.
 
 Metrics (`gradientmail.integration.METRICS`, the same names as for Accelerate) go to the
 Trainer's loggers every `log_every_n_steps` real steps, and the few in `PROGRESS_BAR` to
@@ -246,6 +248,9 @@ class DiLoCoCallback(Callback):
         self._losses = LossMean()  # rank 0's micro-batch losses since the last step
         self._last_local_step = 0
         self._last_rounds_seen = -1
+        # The error feedback a checkpoint restored (or the last learner left), for the
+        # next learner built.
+        self._feedback: dict[str, Any] | None = None
         self._counting = self._all_count = True  # this rank's / every rank's tokens count
 
     @property
@@ -260,24 +265,36 @@ class DiLoCoCallback(Callback):
         return STATE_KEY
 
     def state_dict(self) -> dict[str, Any]:
+        """The learner id, its local step, the rounds it had seen and its error feedback
+        (`Learner.state_dict()["error_feedback"]`: None while it holds no residuals, and
+        before a learner ran); only global rank 0's learner has residuals, and only rank
+        0's checkpoint is written."""
         learner = self.learner
         return {
             "learner_id": learner.learner_id if learner is not None else self._resolved_id(),
             "local_step": learner.local_step if learner is not None else self._last_local_step,
             "rounds_seen": learner.rounds_seen if learner is not None else self._last_rounds_seen,
+            "error_feedback": (learner.state_dict()["error_feedback"] if learner is not None
+                               else self._feedback),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned (a checkpoint of a version before error
+        feedback lacks it: the learner then starts with no residuals). The residuals go
+        to the learner built at train start (`Learner.load_state_dict`, which checks them
+        against the model and the run)."""
         expected = {"learner_id", "local_step", "rounds_seen"}
-        if set(state_dict) != expected:
+        if set(state_dict) not in (expected, expected | {"error_feedback"}):
             raise ConfigError(
                 f"the checkpoint's {STATE_KEY} state has keys {sorted(state_dict)}, "
-                f"expected {sorted(expected)}; was it written by another version?"
+                f"expected {sorted(expected | {'error_feedback'})}; was it written by "
+                "another version?"
             )
         restored = state_dict["learner_id"]
         self._known_id = str(restored) if restored is not None else None
         self._last_local_step = int(state_dict["local_step"])
         self._last_rounds_seen = int(state_dict["rounds_seen"])
+        self._feedback = state_dict.get("error_feedback")
 
     def _resolved_id(self) -> str | None:
         # An explicit id wins; otherwise a resumed (or refitted) run keeps its identity.
@@ -406,7 +423,7 @@ class DiLoCoCallback(Callback):
 
     def _make_learner(self, pl_module: LightningModule,
                       sharded_ranks: ShardedRanks | None) -> Learner:
-        return Learner(
+        learner = Learner(
             TorchAdapter(pl_module) if sharded_ranks is None else sharded_ranks.learner_adapter(),
             self.algorithm,
             self.mailbox,
@@ -415,6 +432,8 @@ class DiLoCoCallback(Callback):
             on_event=self._on_event,
             **self.learner_options,
         )
+        learner.load_state_dict({"error_feedback": self._feedback})
+        return learner
 
     def _batch_hook(self, trainer: Trainer) -> BatchSizeHook | None:
         if self.on_batch_size is not None:
@@ -442,6 +461,7 @@ class DiLoCoCallback(Callback):
         self._last_local_step = learner.local_step
         self._last_rounds_seen = learner.rounds_seen
         self._known_id = learner.learner_id
+        self._feedback = learner.state_dict()["error_feedback"]
 
     def _abandon(self) -> None:
         sync, self._ranks = self._ranks, None

@@ -161,11 +161,12 @@ def test_a_two_process_launch_is_one_learner_alongside_a_one_process_launch(
         rank0["state"]
         == rank1["state"]
         == {
-            "version": 1,
+            "version": 2,
             "learner_id": "dp",
             "optimizer_steps": STEPS,
             "tokens": STEPS * 2 * 2 * 30,
             "rounds_seen": last,
+            "error_feedback": None,
         }
     )
 

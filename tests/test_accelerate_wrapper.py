@@ -146,11 +146,12 @@ def test_checkpoint_round_trip_of_the_wrapper_state(tmp_path: Path) -> None:
         accelerator.save_state(str(ckpt))
         saved = diloco.state_dict()
     assert saved == {
-        "version": 1,
+        "version": 2,
         "learner_id": "first-run",
         "optimizer_steps": 6,
         "tokens": 180,
         "rounds_seen": 0,
+        "error_feedback": None,  # no sparse deltas: nothing kept
     }
 
     # A resumed job: a new wrapper without a learner id loads the checkpoint before start.
@@ -171,6 +172,32 @@ def test_checkpoint_round_trip_of_the_wrapper_state(tmp_path: Path) -> None:
     assert any(isinstance(e, LeaseReleased) and e.learner == "first-run" for e in seen)
 
 
+def test_sparse_deltas_keep_their_residuals_across_save_state_and_load_state(
+        tmp_path: Path) -> None:
+    box, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    sparse = Config.standard(sync_every=4, learners=1, delta_dtype="TOPK_F8",
+                             delta_density=1 / 4096)
+    accelerator, model, opt = setup(width=64)
+    with DiLoCo(accelerator, model, opt, plugin(box, learner_id="sparse", algorithm=sparse)
+                ) as diloco:
+        train(accelerator, model, opt, diloco, micro_batches=4, count=True)
+        accelerator.save_state(str(ckpt))
+        assert diloco.learner is not None
+        saved = {n: t.clone() for n, t in
+                 diloco.learner.state_dict()["error_feedback"]["residuals"][0].items()}
+    assert len(saved) == 4 and all(t.count_nonzero() > 0 for t in saved.values())
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator, model, opt = setup(width=64)
+    again = DiLoCo(accelerator, model, opt, plugin(box, algorithm=sparse))
+    accelerator.load_state(str(ckpt))
+    with again:
+        assert again.learner is not None and again.learner.learner_id == "sparse"
+        state = again.learner.state_dict()["error_feedback"]
+        assert sorted(state["residuals"][0]) == sorted(saved)
+        assert all(torch.equal(state["residuals"][0][n], saved[n]) for n in saved)
+
+
 def test_bad_states_are_refused_with_the_reason(tmp_path: Path) -> None:
     accelerator, model, opt = setup()
     diloco = DiLoCo(accelerator, model, opt, plugin(tmp_path / "run", learner_id="pinned"))
@@ -179,7 +206,7 @@ def test_bad_states_are_refused_with_the_reason(tmp_path: Path) -> None:
     ):
         diloco.load_state_dict({"x": 1})
     state = {**diloco.state_dict(), "version": 9}
-    with pytest.raises(ConfigError, match="wrapper state version 9 is not 1; the checkpoint was"):
+    with pytest.raises(ConfigError, match="wrapper state version 9 is not 2; the checkpoint was"):
         diloco.load_state_dict(state)
     # A learner id named by the plugin wins over the checkpoint's.
     diloco.load_state_dict({**diloco.state_dict(), "learner_id": "other", "optimizer_steps": 5})

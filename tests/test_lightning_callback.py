@@ -39,6 +39,8 @@ from gradientmail_lightning.callback import (
 )
 
 FAST: dict[str, Any] = {"poll_interval": 0.01, "lease_every": 2.0, "lease_timeout": 6.0}
+#: A learner's error feedback without sparse deltas: nothing kept.
+NO_FEEDBACK = None
 STANDARD = DiLoCo.standard(3, 1)
 
 
@@ -79,7 +81,8 @@ def test_accumulation_counts_real_steps_and_tokens(tmp_path: Path) -> None:
     t = trainer(max_steps=6, accumulate_grad_batches=2, callbacks=[cb])
     t.fit(ToyModule(), toy_loader(batch_size=4))
     assert t.global_step == 6
-    assert cb.state_dict() == {"learner_id": "acc-0", "local_step": 6, "rounds_seen": 1}
+    assert cb.state_dict() == {"learner_id": "acc-0", "local_step": 6, "rounds_seen": 1,
+                               "error_feedback": NO_FEEDBACK}
     recs = records(box)
     assert [r.round for r in recs] == [0, 1]
     for r in recs:
@@ -204,6 +207,7 @@ def test_crash_then_resume_from_checkpoint_rejoins_as_the_same_learner(tmp_path:
         "learner_id": "crashy-7",
         "local_step": 4,
         "rounds_seen": 0,
+        "error_feedback": NO_FEEDBACK,
     }
     # One step past round 0's commit, so the checkpoint's weights are not the run's.
     saved = torch.cat([t.reshape(-1) for t in ckpt["state_dict"].values()])
@@ -224,13 +228,63 @@ def test_crash_then_resume_from_checkpoint_rejoins_as_the_same_learner(tmp_path:
     t2.fit(model, toy_loader(), ckpt_path=ckpts / "epoch=0-step=4.ckpt")
     assert t2.global_step == 10
     # A restart is a join: local steps count from it, rounds continue the run's.
-    assert resumed.state_dict() == {"learner_id": "crashy-7", "local_step": 6, "rounds_seen": 2}
+    assert resumed.state_dict() == {"learner_id": "crashy-7", "local_step": 6, "rounds_seen": 2,
+                                    "error_feedback": NO_FEEDBACK}
     after = records(box)
     assert [r.round for r in after] == [0, 1, 2]
     assert [p.learner for r in after for p in r.participants] == ["crashy-7"] * 3
     # Joining aligned the restored model with the run's newest commit (round 0).
     assert at_start.params is not None
     torch.testing.assert_close(at_start.params, want, rtol=0, atol=0)
+
+
+def test_sparse_deltas_keep_their_residuals_across_a_checkpoint_and_resume(
+        tmp_path: Path) -> None:
+    box, ckpts = tmp_path / "run", tmp_path / "ckpt"
+    # One value of each tensor travels a round: most of each delta stays behind.
+    sparse = DiLoCo.standard(3, 1, delta_dtype="TOPK_F8", delta_density=1 / 4096)
+
+    class Crash(Callback):
+        def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+            if trainer.global_step == 5:
+                raise RuntimeError("boom at step 5")
+
+    cb = DiLoCoCallback(str(box), sparse, "sparse-1", **FAST)
+    saver = ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4, save_top_k=-1)
+    t1 = trainer(max_steps=30, callbacks=[cb, Crash(), saver], enable_checkpointing=True)
+    with pytest.raises(RuntimeError, match="boom at step 5"):
+        t1.fit(ToyModule(), toy_loader())
+    # Tensors and plain containers only: a weights-only load reads it.
+    ckpt = torch.load(ckpts / "epoch=0-step=4.ckpt", weights_only=True)
+    feedback = ckpt["callbacks"][STATE_KEY]["error_feedback"]
+    assert feedback["in_flight"] == {}  # round 0 was committed before the checkpoint
+    saved = feedback["residuals"][0]
+    names = [n for n, _ in ToyModule().named_parameters()]
+    assert sorted(saved) == sorted(names)
+    assert all(t.dtype == torch.float32 and t.count_nonzero() > 0 for t in saved.values())
+
+    resumed = DiLoCoCallback(str(box), sparse, None, **FAST)
+
+    class AtStart(Callback):
+        def __init__(self) -> None:
+            self.residuals: dict[str, torch.Tensor] = {}
+
+        def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+            assert resumed.learner is not None
+            state = resumed.learner.state_dict()["error_feedback"]
+            self.residuals = {n: t.clone() for n, t in state["residuals"][0].items()}
+
+    at_start = AtStart()
+    t2 = trainer(max_steps=10, callbacks=[resumed, at_start])
+    t2.fit(ToyModule(seed=1), toy_loader(), ckpt_path=ckpts / "epoch=0-step=4.ckpt")
+    # The learner that rejoined holds the checkpoint's residuals, bit for bit ...
+    assert sorted(at_start.residuals) == sorted(saved)
+    assert all(torch.equal(at_start.residuals[n], saved[n]) for n in saved)
+    # ... and its rounds since carried them on: its residuals are the rounds' now.
+    after = [r.round for r in records(box)]
+    assert after == [0, 1, 2]
+    final = resumed.state_dict()["error_feedback"]["residuals"][0]
+    assert any(not torch.equal(final[n], saved[n]) for n in saved)
 
 
 def test_a_learner_that_cannot_join_fails_fit_without_hanging(tmp_path: Path) -> None:
@@ -249,10 +303,13 @@ def test_fixed_state_key_and_state_round_trip() -> None:
     a = DiLoCoCallback("unused", STANDARD, "x-1")
     b = DiLoCoCallback("elsewhere", DiLoCo.standard(5, 2), "y-2", log_every_n_steps=3)
     assert a.state_key == b.state_key == STATE_KEY == "DiLoCoCallback"
-    assert a.state_dict() == {"learner_id": "x-1", "local_step": 0, "rounds_seen": -1}
+    assert a.state_dict() == {"learner_id": "x-1", "local_step": 0, "rounds_seen": -1,
+                              "error_feedback": None}
     fresh = DiLoCoCallback("unused", STANDARD)
+    # A checkpoint from before error feedback is read (its learner starts with none).
     fresh.load_state_dict({"learner_id": "x-1", "local_step": 12, "rounds_seen": 3})
-    assert fresh.state_dict() == {"learner_id": "x-1", "local_step": 12, "rounds_seen": 3}
+    assert fresh.state_dict() == {"learner_id": "x-1", "local_step": 12, "rounds_seen": 3,
+                                  "error_feedback": None}
     with pytest.raises(ConfigError, match=r"keys \['learner_id'\], expected"):
         fresh.load_state_dict({"learner_id": "x-1"})
 

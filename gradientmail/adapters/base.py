@@ -24,7 +24,10 @@ class Adapter(Protocol):
     `Rda.direct_names`); without it, only `Rda.direct_pattern` picks them. It may also have
     `delta_quantized(anchor, snapshot, fmt)`: `delta` already quantized to transfer format
     `fmt` (the entries `wire.quantization.quantize` gives), which the learner then uses
-    instead of quantizing the host bytes itself (`TorchAdapter` quantizes on a GPU)."""
+    instead of quantizing the host bytes itself (`TorchAdapter` quantizes on a GPU). And
+    `delta_tensors(anchor, snapshot)` with `to_device(name, array)`: `delta` as float32
+    torch tensors on the model's device, where the error feedback of sparse deltas then
+    keeps its residuals (`learner.feedback`), and an array moved there."""
 
     @property
     def schema(self) -> Schema: ...

@@ -165,6 +165,23 @@ class TorchAdapter:
         }
 
     @torch.no_grad()
+    def delta_tensors(
+        self, anchor: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """anchor − snapshot per name, float32 on the parameters' device: new tensors the
+        caller owns and may write (the error feedback of sparse deltas works on them
+        there, `learner.feedback`, and brings only the payload's bytes to the host)."""
+        return {n: anchor[n].to(torch.float32) - snapshot[n].to(torch.float32)
+                for n in snapshot}
+
+    def to_device(self, name: str, value: Any) -> torch.Tensor:
+        """`value` (a torch tensor or numpy array, e.g. from a checkpoint) as a new flat
+        float32 tensor on parameter `name`'s device."""
+        t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+        device = self._params[name].device
+        return t.detach().reshape(-1).to(device=device, dtype=torch.float32, copy=True)
+
+    @torch.no_grad()
     def delta_quantized(
         self, anchor: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor], fmt: str
     ) -> dict[str, TensorBytes]:

@@ -1,40 +1,75 @@
 """Error feedback for sparse deltas: what a learner's payloads did not carry, kept per
 fragment and added to that fragment's next delta.
 
-With a sparse `delta_dtype` (`wire.sparse`), the poster encodes `delta + residual` and
-keeps `delta + residual − densify(sent)` as the fragment's new residual, so that over
-rounds the values sent plus the residual left add up to the deltas trained. A payload that
-is not merged (its upload failed, or the commit of its round left it out) carried nothing:
-its steps go out again in the fragment's next delta (the anchor did not move for them), so
-the residual returns to what it was before that payload. The residual is a quantity of
-delta space, independent of θ, so a commit's rebase leaves it as it is.
+With a sparse `delta_dtype` (`wire.sparse`), the poster encodes x = delta + residual
+(`carried`) and keeps x − sent (`left`) as the fragment's new residual, so that over
+rounds the values sent plus the residual left add up to the deltas trained. The
+arithmetic is those two functions and nothing else.
 
-Held in host memory as float32, one array per tensor of each fragment sent so far. Not
-saved anywhere: a learner that restarts joins afresh and starts with no residual (its
-untrained-away residual is lost, as its unsent training is).
+A payload that is not merged (its upload failed, or the commit of its round left it
+out) carried nothing: its steps go out again in the fragment's next delta (the anchor
+did not move for them), so its own share of the residual, after − before, is taken back
+out (`failed`). Taking back a share, rather than restoring the residual from before the
+payload, is what keeps the sum right whatever the order: when a later payload of the
+fragment was encoded before this one failed, the later payload's share stays and this
+one's goes, and the residual is the one the fragment would have had without this payload.
+
+The residual is a quantity of delta space, independent of θ: a commit's rebase leaves it
+as it is, and so does a learner that rejoins the run at a newer commit with the residual
+of a checkpoint (`load_state_dict`). Where the delta comes from a torch adapter
+(`TorchAdapter.delta_tensors`), the residuals are float32 tensors on the parameters'
+device, the arithmetic and the encoding (`wire.sparse_torch`) run there, and only the
+payload's bytes cross to the host; from any other adapter (host bytes), they are float32
+numpy arrays and `wire.sparse` encodes them.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
-import numpy.typing as npt
 
-from gradientmail.wire.sparse import densify, sparsify
-from gradientmail.wire.tensor_bytes import TensorBytes, handed_over
+from gradientmail.errors import ConfigError
+from gradientmail.wire.sparse import sparsify_sent
+from gradientmail.wire.tensor_bytes import TensorBytes
 
-__all__ = ["Residuals"]
+__all__ = ["STATE_VERSION", "Residuals", "carried", "left"]
 
-_Arrays = dict[str, npt.NDArray[np.float32]]
+#: The version of `Residuals.state_dict`'s layout.
+STATE_VERSION = 1
+
+# A residual: a flat float32 numpy array, or a flat float32 torch tensor on the device.
+_Arrays = dict[str, Any]
+_A = TypeVar("_A")
+
+
+def carried(delta: _A, residual: _A) -> _A:
+    """What a payload encodes: `delta` plus the `residual` carried in, added into `delta`
+    (a flat float32 array the caller owns) and returned. A decayed feedback (e ← β·e + Δ)
+    changes this line and no other."""
+    delta += residual  # type: ignore[operator]
+    return delta
+
+
+def left(x: _A, positions: Any, sent: Any) -> _A:
+    """What stays behind: `x` minus what the payload carries (`sent`, the values it
+    decodes to at the flat `positions`), subtracted in `x` and returned."""
+    x[positions] -= sent  # type: ignore[index]
+    return x
 
 
 class Residuals:
-    """Each fragment's residual, and for each round in flight the residual it replaced.
+    """Each fragment's residual, and for each round in flight the residual it replaced
+    and the one it left.
 
-    `encode` runs in the poster's worker thread while `failed` and `recorded` run on the
-    communication thread's loop: a lock keeps each call whole."""
+    `encode` runs in the poster's worker thread (one at a time) while `failed` and
+    `recorded` run on the communication thread's loop and `state_dict` on the training
+    thread: a lock keeps each change whole, and `encode` holds it only to read and to
+    store, not while it encodes. A residual array is never written once stored (every
+    change makes new arrays), so `residual` and `state_dict` hand out the arrays
+    themselves."""
 
     def __init__(self, learner: str) -> None:
         self._learner = learner
@@ -43,52 +78,238 @@ class Residuals:
         self._pending: dict[int, tuple[int, _Arrays | None, _Arrays]] = {}
         self._lock = threading.Lock()
 
-    def residual(self, fragment: int) -> Mapping[str, npt.NDArray[np.float32]]:
-        """`fragment`'s residual by tensor name (empty before its first sparse payload)."""
+    def residual(self, fragment: int) -> Mapping[str, Any]:
+        """`fragment`'s residual by tensor name, flat float32 (empty before its first
+        sparse payload): numpy arrays, or torch tensors on the parameters' device."""
         with self._lock:
             return dict(self._kept.get(fragment, {}))
 
-    def encode(self, round_: int, fragment: int, delta: Mapping[str, TensorBytes],
+    def in_flight(self) -> dict[int, int]:
+        """The rounds whose payload is not settled yet, with their fragments."""
+        with self._lock:
+            return {r: f for r, (f, _, _) in self._pending.items()}
+
+    def encode(self, round_: int, fragment: int, delta: Mapping[str, Any],
                density: float) -> dict[str, TensorBytes]:
         """The sparse entries of `delta` plus the fragment's residual; the rest becomes the
-        fragment's residual, the one before kept until round `round_` is settled."""
+        fragment's residual, the one before kept until round `round_` is settled.
+
+        `delta` maps names to F32 `TensorBytes` (host), or to float32 torch tensors that
+        `encode` may write (new ones: `TorchAdapter.delta_tensors`), which it encodes on
+        their device. A round encoded again (after its earlier attempt failed to upload)
+        first settles the earlier attempt as failed."""
         with self._lock:
+            if round_ in self._pending:
+                self._fail(round_)
             before = self._kept.get(fragment)
-            out: dict[str, TensorBytes] = {}
-            after: _Arrays = {}
-            for name, tensor in delta.items():
-                x = tensor.to_numpy().reshape(-1).astype(np.float32)
-                if before is not None and name in before:
-                    x += before[name]
-                entries = sparsify(name, TensorBytes("F32", tensor.shape, handed_over(x)),
-                                   density)
-                sent = densify(entries, name, tensor.shape).to_numpy().reshape(-1)
-                after[name] = x - sent
-                out.update(entries)
+        # Encoded without the lock: `recorded` runs on the communication thread's loop,
+        # which must not wait for a fragment's encoding (a second or more on a CPU).
+        out: dict[str, TensorBytes] = {}
+        after: _Arrays = {}
+        for name, value in delta.items():
+            x = _flat(value)
+            if before is not None and name in before:
+                x = carried(x, before[name])
+            entries, positions, sent = _sparsify(name, x, density)
+            after[name] = left(x, positions, sent)
+            out.update(entries)
+        with self._lock:
+            now = self._kept.get(fragment)
+            if now is not before:
+                # An earlier payload of the fragment was settled meanwhile (a failure took
+                # its share out): this payload's share goes on top of what is kept now.
+                after = {n: a - before[n] if before is not None and n in before else a
+                         for n, a in after.items()}
+                if now is not None:
+                    after = {n: a + now[n] if n in now else a for n, a in after.items()}
+                before = now
             self._kept[fragment] = after
             self._pending[round_] = (fragment, before, after)
-            return out
+        return out
 
     def failed(self, round_: int) -> None:
-        """Round `round_`'s payload was not merged: its fragment's residual returns to the
-        one before it (unless a later payload of the fragment replaced it since)."""
+        """Round `round_`'s payload was not merged: its share of its fragment's residual
+        (the residual after it minus the one before it) is taken back out. Unknown or
+        settled rounds change nothing."""
         with self._lock:
-            entry = self._pending.pop(round_, None)
-            if entry is None:
-                return
-            fragment, before, after = entry
-            if self._kept.get(fragment) is not after:
-                return
-            if before is None:
-                del self._kept[fragment]
-            else:
-                self._kept[fragment] = before
+            self._fail(round_)
 
     def recorded(self, round_: int, participants: tuple[str, ...]) -> None:
         """Round `round_` was committed with `participants`: the payload stands if this
         learner is one, else it was dropped (`failed`)."""
-        if self._learner in participants:
-            with self._lock:
+        with self._lock:
+            if self._learner in participants:
                 self._pending.pop(round_, None)
-        else:
-            self.failed(round_)
+            else:
+                self._fail(round_)
+
+    def swept(self, fragment: int, through: int, took_part: bool) -> None:
+        """The records of `fragment`'s rounds up to `through` are gone before this learner
+        read them (a newer commit replaced them, and the sweep deleted them): its rounds
+        of the fragment still in flight up to there are settled as the training thread's
+        rebase treats their steps when it applies the fragment's commit `through`: in
+        that commit when the learner took part in it (`took_part`), sent again when
+        not."""
+        with self._lock:
+            for r in sorted(r for r, (f, _, _) in self._pending.items()
+                            if f == fragment and r <= through):
+                if took_part:
+                    del self._pending[r]
+                else:
+                    self._fail(r)
+
+    def _fail(self, round_: int) -> None:
+        entry = self._pending.pop(round_, None)
+        if entry is None:
+            return
+        fragment, before, after = entry
+        kept = self._kept.get(fragment)
+        if kept is after:  # the newest payload of its fragment: exactly the one before
+            if before is None:
+                del self._kept[fragment]
+            else:
+                self._kept[fragment] = before
+            return
+        assert kept is not None  # a later payload of the fragment kept its residual
+        # A later payload was encoded since (from this one's residual): take this one's
+        # share back out of the newest residual.
+        self._kept[fragment] = {
+            n: v - after[n] + before[n] if before is not None and n in before
+            else v - after[n]
+            for n, v in kept.items()
+        }
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What survives a checkpoint, as plain containers of the residual arrays
+        themselves (torch tensors on their device, or numpy arrays; not copied, never
+        written): ``{"version": 1, "residuals": {fragment: {name: array}},
+        "in_flight": {round: {"fragment": f, "before": {name: array} | None,
+        "after": {name: array}}}}``. A round in flight is settled after a resume by its
+        record (`recorded`), as it would have been without the restart."""
+        with self._lock:
+            return {
+                "version": STATE_VERSION,
+                "residuals": {f: dict(arrays) for f, arrays in self._kept.items()},
+                "in_flight": {
+                    r: {"fragment": f, "before": None if b is None else dict(b),
+                        "after": dict(a)}
+                    for r, (f, b, a) in self._pending.items()
+                },
+            }
+
+    def load_state_dict(self, state: Mapping[str, Any], sizes: Mapping[str, int],
+                        place: Callable[[str, Any], Any]) -> None:
+        """Replace the residuals with those of `state` (from `state_dict`), each checked
+        against `sizes` (elements by tensor name: the model's) and moved where this
+        learner keeps them by `place(name, array)`. `ConfigError` naming the mismatch and
+        the fix; nothing is replaced then.
+
+        Valid in a learner that rejoined the run at a newer commit than the one it
+        checkpointed at: a residual is a quantity of delta space, not of θ (what it holds
+        was trained and not yet sent, whatever the commits since)."""
+        if not isinstance(state, Mapping) or set(state) != {"version", "residuals",
+                                                            "in_flight"}:
+            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ConfigError(
+                f"not a Residuals state: keys {got}, expected ['in_flight', 'residuals', "
+                "'version']; pass what Residuals.state_dict() (Learner.state_dict()"
+                "['error_feedback']) returned")
+        if state["version"] != STATE_VERSION:
+            raise ConfigError(
+                f"error feedback state version {state['version']!r} is not "
+                f"{STATE_VERSION}: written by another gradientmail version; resume with "
+                "that version, or start without the checkpoint's error feedback")
+
+        # Arrays saved once and referenced twice (a residual and the `after` of the round
+        # that left it) come back as one object: placed once, so kept once.
+        placed: dict[int, Any] = {}
+
+        def arrays(where: str, values: Any) -> _Arrays:
+            if not isinstance(values, Mapping):
+                raise ConfigError(f"{where} is {type(values).__name__}, not a mapping of "
+                                  "tensor names to arrays")
+            out: _Arrays = {}
+            for name, value in values.items():
+                if name not in sizes:
+                    raise ConfigError(
+                        f"{where} has a residual for {name!r}, which is not a synced "
+                        "parameter of this model; resume with the model the checkpoint "
+                        "was written with, or start without its error feedback")
+                got = int(np.prod(getattr(value, "shape", (-1,))))
+                if got != sizes[name]:
+                    raise ConfigError(
+                        f"{where}: the residual of {name!r} has {got} elements, the "
+                        f"parameter {sizes[name]}; resume with the model the checkpoint "
+                        "was written with, or start without its error feedback")
+                if id(value) not in placed:
+                    placed[id(value)] = place(name, value)
+                out[name] = placed[id(value)]
+            return out
+
+        kept = {int(f): arrays(f"the residuals of fragment {f}", v)
+                for f, v in state["residuals"].items()}
+        pending: dict[int, tuple[int, _Arrays | None, _Arrays]] = {}
+        for r, entry in state["in_flight"].items():
+            if not isinstance(entry, Mapping) or set(entry) != {"fragment", "before", "after"}:
+                raise ConfigError(f"round {r} in flight: expected keys ['after', 'before', "
+                                  "'fragment']")
+            f = int(entry["fragment"])
+            after = arrays(f"round {r}'s residual", entry["after"])
+            # The newest payload's `after` is its fragment's residual: the same mapping,
+            # so that its failure restores `before` exactly (`_fail`).
+            mine = kept.get(f)
+            if mine is not None and mine.keys() == after.keys() \
+                    and all(mine[n] is after[n] for n in after):
+                after = mine
+            before = (None if entry["before"] is None
+                      else arrays(f"round {r}'s residual before", entry["before"]))
+            pending[int(r)] = (f, before, after)
+        with self._lock:
+            self._kept, self._pending = kept, pending
+
+    def check_fragments(self, plan: tuple[tuple[str, ...], ...]) -> None:
+        """`ConfigError` unless every residual belongs to the fragment it is kept for in
+        `plan` (the run's fragments, known once joined)."""
+        with self._lock:
+            for f, arrays in sorted(self._kept.items()):
+                if not 0 <= f < len(plan):
+                    raise ConfigError(
+                        f"the checkpoint holds residuals of fragment {f}; this run has "
+                        f"{len(plan)} fragments. Resume into the run (and fragments=) the "
+                        "checkpoint was written for, or start without its error feedback")
+                extra = sorted(set(arrays) - set(plan[f]))
+                if extra:
+                    raise ConfigError(
+                        f"the checkpoint holds residuals of {extra} in fragment {f}, which "
+                        f"this run puts elsewhere; resume into the run the checkpoint was "
+                        "written for, or start without its error feedback")
+
+
+def _flat(value: Any) -> Any:
+    """A delta as a flat float32 array the residual arithmetic may write."""
+    if isinstance(value, TensorBytes):
+        return value.to_numpy().reshape(-1).astype(np.float32)  # a copy
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise ConfigError(f"a delta is TensorBytes or a torch tensor, not {type(value).__name__}")
+    return value.detach().reshape(-1).to(torch.float32)
+
+
+def _sparsify(name: str, x: Any, density: float) -> tuple[dict[str, TensorBytes], Any, Any]:
+    """`sparsify_sent` of the flat float32 `x`, on its device (a torch tensor on a GPU)
+    or the host (numpy, also for a torch tensor on the CPU: a view, no copy)."""
+    if isinstance(x, np.ndarray):
+        view = x.view()
+        view.flags.writeable = False  # read by the entries' builder only
+        return sparsify_sent(name, TensorBytes("F32", (x.size,), view), density)
+    if x.device.type == "cpu":  # numpy's encoder beats torch's on a CPU (benchmarks/codec.py)
+        import torch
+
+        entries, positions, sent = _sparsify(name, x.numpy(), density)
+        return entries, torch.from_numpy(positions), torch.from_numpy(sent)
+    from gradientmail.wire.sparse_torch import sparsify_tensor
+
+    return sparsify_tensor(name, x, density)

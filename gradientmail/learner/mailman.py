@@ -32,6 +32,7 @@ from gradientmail.events import (
     ReleaseFailed,
     RoundRecorded,
 )
+from gradientmail.learner.feedback import Residuals
 from gradientmail.learner.fetcher import CommitFetcher
 from gradientmail.learner.hosting import hosted_closer
 from gradientmail.learner.lease_keeper import LeaseKeeper
@@ -154,6 +155,8 @@ class Mailman:
         self._plan: tuple[tuple[str, ...], ...] = ()
         self._fetcher: CommitFetcher | None = None  # the way in
         self._poster: Poster | None = None  # the way out
+        #: The error feedback of sparse deltas (the poster's), which a checkpoint holds.
+        self.residuals = Residuals(learner_id)
         # The newest round whose commit is queued: the one receive cursor (what `_publish`
         # and `_settle` ask of "has this round closed"; `observed.received` shows it).
         self._cursor = -1
@@ -302,7 +305,7 @@ class Mailman:
             ex, self.adapter, self.algorithm, self.learner_id, result.plan, clock=self.clock,
             on_event=self.on_event, hold_own=self.options.hold_own, closed=lambda: self._cursor,
             host=self._host, wake=self._wake, failed=self._failed,
-            poll_interval=self.poll_interval,
+            poll_interval=self.poll_interval, residuals=self.residuals,
         )
         self._leases = LeaseKeeper(
             ex, self.learner_id, self._tracker, clock=self.clock, lease_every=self.lease_every,
@@ -310,11 +313,32 @@ class Mailman:
             on_drop=lambda now: self._see(live=self._tracker.live(now)))
         self._cursor = result.rounds_seen
         self._see(received=result.rounds_seen)
+        await self._settle_restored(ex, result.rounds_seen)
         self._begin_loops()
         joined.set_result(result)
         assert self._stop is not None
         await self.clock.idle(self._stop.wait())
         await self._shutdown()
+
+    async def _settle_restored(self, ex: Exchange, newest: int) -> None:
+        """Settle the rounds a restored checkpoint had in flight that closed before this
+        join (`_catch_up` brings the later ones): their records say whether they stood.
+        One whose record is gone (swept), or that the store does not answer for, counts
+        as merged, as most are: the join overwrote the model, so no later commit of its
+        fragment tells otherwise."""
+        for r, fragment in sorted(self.residuals.in_flight().items()):
+            if r > newest:
+                continue
+            try:
+                rec = await ex.read_round(r)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                rec = None
+            if rec is not None:
+                self.residuals.recorded(rec.round, tuple(p.learner for p in rec.participants))
+            else:
+                self.residuals.swept(fragment, r, took_part=True)
 
     def _begin_loops(self) -> None:
         loop = self._loop
@@ -524,6 +548,8 @@ class Mailman:
         for rec in sorted(latest.values(), key=lambda r: r.round):
             if rec.round <= cursor:
                 continue
+            if self._poster is not None:
+                self._poster.swept(rec)
             commit = await self._fetch(rec)
             if commit is None:
                 return

@@ -6,7 +6,9 @@ Copies of a fragment's bytes on the way out (F32, codec off; "+1 GPU" where a de
 one): the snapshot clone (training thread), anchor − θ (a new tensor), its device-to-host
 copy (GPU only; `from_torch` then holds that host memory as is), quantize (only with a
 delta_dtype: the codes; an adapter with `delta_quantized` quantizes on the GPU and copies
-only the codes to the host), `pack` (header and tensors joined into one blob), upload. The
+only the codes to the host; a sparse delta_dtype keeps anchor − θ on the device, where it
+becomes the fragment's residual once encoded, and only the payload's bytes come to the
+host: `learner.feedback`), `pack` (header and tensors joined into one blob), upload. The
 way in is `gradientmail.learner.fetcher`.
 """
 
@@ -40,7 +42,8 @@ class Poster:
     cancelled), `host` the seam to the learner's embedded closer (None without one),
     `wake` wakes the receive loop, and `failed` takes the rounds whose publish is known not to
     have landed (the training thread retracts them). With a sparse `delta_dtype` it
-    keeps each fragment's error feedback (`residuals`), which `recorded` settles."""
+    keeps each fragment's error feedback in `residuals` (the learner's, which its
+    checkpoints hold; a new one by default), which `recorded` settles."""
 
     def __init__(
         self,
@@ -58,6 +61,7 @@ class Poster:
         wake: asyncio.Event,
         failed: queue.SimpleQueue[int],
         poll_interval: float = 1.0,
+        residuals: Residuals | None = None,
     ) -> None:
         self._ex = exchange
         self._adapter = adapter
@@ -72,12 +76,20 @@ class Poster:
         self._wake = wake
         self._failed_rounds = failed
         self._poll_interval = poll_interval
-        self.residuals = Residuals(learner)
+        self.residuals = residuals if residuals is not None else Residuals(learner)
 
     def recorded(self, record: RoundRecord) -> None:
         """The commit of `record.round` arrived: a sparse payload of it that the round
         left out gives its residual back (`Residuals.recorded`)."""
         self.residuals.recorded(record.round, tuple(p.learner for p in record.participants))
+
+    def swept(self, record: RoundRecord) -> None:
+        """The records before `record` (the newest commit of its fragment, read instead of
+        them: they were swept) settle this learner's sparse payloads of that fragment
+        (`Residuals.swept`)."""
+        self.residuals.recorded(record.round, tuple(p.learner for p in record.participants))
+        self.residuals.swept(record.fragment, record.round,
+                             any(p.learner == self._learner for p in record.participants))
 
     async def post(self, job: Outgoing) -> None:
         """Publish `job`; a failure is reported (and settled), never raised."""
@@ -184,9 +196,12 @@ class Poster:
     def _encode(self, job: Outgoing, fmt: str) -> dict[str, TensorBytes]:
         if fmt in SPARSE_FORMATS:
             density = self._algorithm.delta_density
-            return self.residuals.encode(
-                job.round, job.fragment, self._adapter.delta(job.anchor, job.snapshot),
-                DEFAULT_DENSITY if density is None else density)
+            # On the model's device where the adapter offers it: the residuals live there.
+            on_device = getattr(self._adapter, "delta_tensors", None)
+            delta = (on_device(job.anchor, job.snapshot) if on_device is not None
+                     else self._adapter.delta(job.anchor, job.snapshot))
+            return self.residuals.encode(job.round, job.fragment, delta,
+                                         DEFAULT_DENSITY if density is None else density)
         quantized = getattr(self._adapter, "delta_quantized", None)
         if fmt != "F32" and quantized is not None:
             entries: dict[str, TensorBytes] = quantized(job.anchor, job.snapshot, fmt)

@@ -16,8 +16,10 @@ import queue
 import re
 import socket
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
+
+import numpy as np
 
 from gradientmail.adapters.base import Adapter
 from gradientmail.algorithms.base import Algorithm
@@ -283,6 +285,11 @@ class Learner:
             raise ConfigError(f"learner {self.learner_id!r} was started already")
         self._started_at = self.clock.now()
         result = self.clock.result(self._mailman.start(), None)
+        try:
+            self._mailman.residuals.check_fragments(result.plan)
+        except ConfigError:
+            self._mailman.stop(self.lease_timeout)
+            raise
         self._plan = result.plan
         self._schedule = self.algorithm.schedule_for(len(result.plan))
         self._anchors = [None] * len(result.plan)
@@ -292,6 +299,41 @@ class Learner:
             self._anchors[p] = values
             versions.append(version)
         self._set_state(ls.initial_state(len(result.plan), versions, result.rounds_seen))
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must keep of this learner beyond the model and its optimizer:
+        ``{"error_feedback": ...}``, the residuals of sparse deltas by fragment and tensor
+        name with the rounds still in flight (`Residuals.state_dict`), or None while it
+        holds none (no sparse `delta_dtype`, or no payload yet). The arrays are the
+        learner's own (torch tensors on the model's device), never written once stored,
+        not copies. The rest of a learner needs no saving: a restart joins the run (from
+        its newest commits) as the same learner id."""
+        state = self._mailman.residuals.state_dict()
+        return {"error_feedback": state if state["residuals"] or state["in_flight"] else None}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what `state_dict` returned, before `start()`: the residuals go to the
+        model's device (the adapter's `to_device`; float32 numpy arrays for an adapter
+        without it). Checked against the model now and against the run's fragments when
+        `start()` joins; `ConfigError` naming the mismatch and the fix. Valid when the run
+        has moved on since the checkpoint: the residuals are quantities of delta space."""
+        if self._mailman.started:
+            raise ConfigError(
+                f"learner {self.learner_id!r} was started already; call load_state_dict() "
+                "before start() (a running learner's residuals are in use)")
+        if not isinstance(state, Mapping) or set(state) != {"error_feedback"}:
+            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ConfigError(f"not a Learner state: keys {got}, expected ['error_feedback']; "
+                              "pass what Learner.state_dict() returned")
+        if state["error_feedback"] is None:
+            return
+        to_device = getattr(self.adapter, "to_device", None)
+        place: Callable[[str, Any], Any] = (
+            to_device if to_device is not None
+            else lambda _, v: np.array(v, dtype=np.float32).reshape(-1))
+        self._mailman.residuals.load_state_dict(
+            state["error_feedback"], {s.name: s.numel for s in self.adapter.schema.params},
+            place)
 
     def step(self, samples: int = 0, loss: float | None = None) -> tuple[int, ...]:
         """Account for one optimizer step over `samples` tokens (or samples), whose

@@ -32,7 +32,7 @@ from gradientmail.wire.quantization import (
 )
 from gradientmail.wire.tensor_bytes import TensorBytes, handed_over
 
-__all__ = ["quantize_bytes", "quantize_tensor", "quantize_tensors"]
+__all__ = ["host_bytes", "quantize_bytes", "quantize_tensor", "quantize_tensors"]
 
 _F32_MAX = float(np.finfo(np.float32).max)
 # Elements per op on the CPU: ATen's grain size, below which an op runs in the calling
@@ -141,6 +141,12 @@ def _batch(items: list[tuple[str, torch.Tensor]], fmt: str) -> dict[str, TensorB
             entries[name] = TensorBytes("F4", shape, codes_h[start : start + (n + 1) // 2])
             entries[scale_name(name)] = TensorBytes("F8_E8M0", (e8.size,), e8)
     return entries
+
+
+def host_bytes(t: torch.Tensor) -> npt.NDArray[np.uint8]:
+    """A device buffer of bytes as a read-only host array, the host waiting for it (the
+    way every encoder on a device brings its output over: `_host`)."""
+    return _host(t)
 
 
 def _host(t: torch.Tensor) -> npt.NDArray[np.uint8]:

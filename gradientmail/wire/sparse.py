@@ -25,6 +25,11 @@ chunk or do not add up to the values given, offsets past their chunk, offsets no
 strictly ascending within a chunk (a duplicate or an unsorted one), scales that are not
 such powers of two, codes that decode to NaN. Its work and memory are bounded by the
 schema's n, never by what the payload claims.
+
+This module owns the format; encoders only compute. `sparsify_sent` also returns what
+the entries carry (positions and values, for a learner's error feedback), and the torch
+kernels of `gradientmail.wire.sparse_torch` compute the same codes, offsets and exponents
+on a tensor's device and hand them to `sparse_entries` (the layout) and `check_overflow`.
 """
 
 from __future__ import annotations
@@ -45,10 +50,14 @@ __all__ = [
     "DEFAULT_DENSITY",
     "SPARSE_FORMATS",
     "check_density",
+    "check_overflow",
+    "chunk_counts",
     "chunk_k",
     "densify",
+    "sparse_entries",
     "sparse_nbytes",
     "sparsify",
+    "sparsify_sent",
 ]
 
 #: Sparse transfer formats (a record's `delta_format`).
@@ -90,6 +99,14 @@ def sparsify(name: str, tensor: TensorBytes, density: float) -> dict[str, Tensor
     """The ``TOPK_F8`` entries carrying the top k = `chunk_k(density)` of each chunk of
     `tensor` (F32, F16 or BF16). `NonFiniteError` for NaN or infinite input, or values so
     near float32's maximum that their code would overflow it."""
+    return sparsify_sent(name, tensor, density)[0]
+
+
+def sparsify_sent(name: str, tensor: TensorBytes, density: float) -> tuple[
+        dict[str, TensorBytes], npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+    """`sparsify`'s entries, with what they carry: the flat positions kept (ascending)
+    and the float32 values `densify` gives them there (what a learner's error feedback
+    subtracts, without decoding the entries again)."""
     if not isinstance(tensor, TensorBytes) or tensor.dtype not in STORAGE_DTYPES:
         raise ConfigError(f"tensor {name!r}: can only sparsify {', '.join(STORAGE_DTYPES)} "
                           "TensorBytes")
@@ -101,14 +118,12 @@ def sparsify(name: str, tensor: TensorBytes, density: float) -> dict[str, Tensor
     n = x.size
     full = n // CHUNK
     flat: list[npt.NDArray[np.int64]] = []
-    counts = np.zeros(-(-n // CHUNK), np.uint16)
+    counts = chunk_counts(n, k)
     if full:
         flat.append(_top(np.abs(x[: full * CHUNK]).reshape(full, CHUNK), min(k, CHUNK)))
-        counts[:full] = min(k, CHUNK)
     if n % CHUNK:
         last = np.abs(x[full * CHUNK :]).reshape(1, -1)
         flat.append(_top(last, min(k, last.shape[1])) + full * CHUNK)
-        counts[full] = min(k, last.shape[1])
     pos = np.concatenate(flat) if flat else np.zeros(0, np.int64)
     chunk = pos // CHUNK
     values = x[pos]
@@ -118,18 +133,46 @@ def sparsify(name: str, tensor: TensorBytes, density: float) -> dict[str, Tensor
     kexp = e.astype(np.int32) - 9 + (mant > 0.875).astype(np.int32)  # 448 = 0.875 · 2^9
     kexp[amax == 0] = 0
     kexp = np.clip(kexp, *_K_RANGE).astype(np.int32)
+    check_overflow(name, amax, kexp)
     scaled = values * np.ldexp(np.ones(chunk.size, _F32), -kexp[chunk]).astype(_F32)
     codes = scaled.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
-    back = _F8_VALUES[codes].astype(np.float64) * np.ldexp(1.0, kexp[chunk])
-    if back.size and float(np.abs(back).max()) > _F32_MAX:
+    entries = sparse_entries(name, codes, (pos % CHUNK).astype("<u2"), counts, kexp)
+    sent = _F8_VALUES[codes] * np.ldexp(np.ones(chunk.size, _F32), kexp[chunk]).astype(_F32)
+    return entries, pos, sent
+
+
+def chunk_counts(numel: int, k: int) -> npt.NDArray[np.uint16]:
+    """The values each chunk of a tensor of `numel` elements keeps: min(k, its length)."""
+    m = -(-numel // CHUNK)
+    lengths = np.minimum(CHUNK, numel - np.arange(m, dtype=np.int64) * CHUNK)
+    return np.minimum(k, lengths).astype("<u2")
+
+
+def check_overflow(name: str, amax: npt.NDArray[np.float32],
+                   kexp: npt.NDArray[np.int32]) -> None:
+    """`NonFiniteError` when a chunk's largest |value| `amax`, coded at its exponent
+    `kexp`, decodes past float32's maximum (the largest code of each chunk is its
+    absmax's: the F8 cast is monotone)."""
+    top = (amax * np.ldexp(np.ones(amax.size, _F32), -kexp).astype(_F32)).astype(
+        ml_dtypes.float8_e4m3fn)
+    if amax.size and float(np.abs(np.ldexp(top.astype(np.float64), kexp)).max()) > _F32_MAX:
         raise overflow_error(name, "TOPK_F8")
-    scale = np.ldexp(np.ones(counts.size, _F32), kexp).astype(_F32)
+
+
+def sparse_entries(name: str, codes: npt.NDArray[np.uint8], offsets: npt.NDArray[np.uint16],
+                   counts: npt.NDArray[np.uint16], kexp: npt.NDArray[np.int32]
+                   ) -> dict[str, TensorBytes]:
+    """The ``TOPK_F8`` entries of `name` from what an encoder computed: the F8_E4M3 codes
+    and the offsets within their chunks (nnz each, chunk by chunk), the values each chunk
+    keeps and its exponent k (m each). The one place the layout is written."""
+    scale = np.ldexp(np.ones(kexp.size, _F32), kexp.astype(np.int32)).astype("<f4")
     return {
-        name: TensorBytes("F8_E4M3", (pos.size,), handed_over(np.ascontiguousarray(codes))),
-        f"{name}.index": TensorBytes("U16", (pos.size,),
-                                     handed_over((pos % CHUNK).astype("<u2"))),
-        f"{name}.count": TensorBytes("U16", (counts.size,), handed_over(counts.astype("<u2"))),
-        f"{name}.scale": TensorBytes("F32", (counts.size,), handed_over(scale)),
+        name: TensorBytes("F8_E4M3", (codes.size,), handed_over(np.ascontiguousarray(codes))),
+        f"{name}.index": TensorBytes("U16", (offsets.size,),
+                                     handed_over(np.ascontiguousarray(offsets, "<u2"))),
+        f"{name}.count": TensorBytes("U16", (counts.size,),
+                                     handed_over(np.ascontiguousarray(counts, "<u2"))),
+        f"{name}.scale": TensorBytes("F32", (kexp.size,), handed_over(scale)),
     }
 
 
