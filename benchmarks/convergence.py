@@ -15,6 +15,11 @@ fixed held-out files and seeds, the same tokens for every arm:
   every learner in every round;
 - `decoupled`: the library's defaults (RDA merge, quorum 1, grace window) with P = 3;
 - `f4`: standard DiLoCo with F4 deltas and F4 commit updates, zstd;
+- `topk` / `dtopk` (opt-in): standard DiLoCo / the Decoupled defaults with sparse deltas
+  (`--sparse-dtype`, TOPK_F8 unless named) and error feedback, one arm per density of
+  `--topk-density` (named by 1/density: `topk32`, `dtopk100`), with the outer step and
+  feedback decay of `--sparse-outer-lr`, `--sparse-outer-momentum` and `--feedback-decay`
+  (unset: the library's defaults);
 - `localsgd`: Accelerate's `LocalSGD` (parameter averaging every H steps) as M processes
   on torch.distributed gloo.
 
@@ -81,7 +86,12 @@ class Settings:
     val_blocks: int = 256
     text_budget: int = 6_000_000
     seed: int = 0
-    topk_density: float = 1 / 32  # the topk arm's delta_density
+    topk_densities: tuple[float, ...] = (1 / 32,)  # one topk / dtopk arm each
+    sparse_dtype: str = "TOPK_F8"
+    # The sparse arms' outer step and error-feedback decay (None: DiLoCo's defaults).
+    sparse_outer_lr: float | None = None
+    sparse_outer_momentum: float | None = None
+    feedback_decay: float | None = None
 
 
 PRESETS: dict[str, Settings] = {
@@ -99,6 +109,7 @@ class Arm:
     name: str
     label: str
     kind: str  # "alone", "learner" or "localsgd"
+    density: float | None = None  # a sparse arm's delta_density (set by `sparse_arms`)
 
 
 ARMS: tuple[Arm, ...] = (
@@ -108,7 +119,8 @@ ARMS: tuple[Arm, ...] = (
     Arm("streaming", "Streaming DiLoCo (P=3 strided, τ=2, α=0.5)", "learner"),
     Arm("decoupled", "Decoupled defaults (P=3, RDA, quorum 1, grace)", "learner"),
     Arm("f4", "standard DiLoCo, F4 deltas + F4 commits, zstd", "learner"),
-    Arm("topk", "standard DiLoCo, TOPK_F8 deltas (--topk-density, error feedback)", "learner"),
+    Arm("topk", "standard DiLoCo, sparse deltas", "learner"),
+    Arm("dtopk", "Decoupled defaults, sparse deltas", "learner"),
     Arm("localsgd", "Accelerate LocalSGD (gloo, average every H)", "localsgd"),
 )
 
@@ -122,7 +134,30 @@ class Job:
     port: int = 0
 
 
-def algorithm(arm: str, s: Settings) -> Any:
+SPARSE = ("topk", "dtopk")  # the templates `sparse_arms` expands, one arm per density
+
+
+def sparse_arms(template: Arm, s: Settings) -> list[Arm]:
+    """The arms of a sparse template, one per density of `s.topk_densities`, named by
+    1/density (`topk32`)."""
+    out = []
+    for d in s.topk_densities:
+        inv = 1 / d
+        tag = f"{inv:.0f}" if abs(inv - round(inv)) < 1e-6 else f"{inv:.3g}"
+        outer = ""
+        if s.sparse_outer_lr is not None or s.sparse_outer_momentum is not None:
+            outer = (f", outer lr {s.sparse_outer_lr if s.sparse_outer_lr is not None else 0.7:g}"
+                     f" / momentum "
+                     f"{s.sparse_outer_momentum if s.sparse_outer_momentum is not None else 0.9:g}")
+        decay = f", EF decay {s.feedback_decay:g}" if s.feedback_decay is not None else ""
+        label = (f"{template.label.removesuffix(', sparse deltas')}, {s.sparse_dtype} density "
+                 f"1/{tag}{outer}{decay}")
+        out.append(dataclasses.replace(template, name=f"{template.name}{tag}", label=label,
+                                       density=d))
+    return out
+
+
+def algorithm(arm: str | Arm, s: Settings) -> Any:
     """The DiLoCo configuration of a learner arm."""
     from gradientmail.algorithms.diloco import DiLoCo
     from gradientmail.algorithms.merge import WeightedMean
@@ -131,12 +166,21 @@ def algorithm(arm: str, s: Settings) -> Any:
     standard: dict[str, Any] = {"sync_every": s.sync_every, "fragments": 1, "in_flight": 1,
                                 "overlap_steps": 0, "merge": WeightedMean(),
                                 "quorum_size": s.learners}
+    if isinstance(arm, Arm) and arm.density is not None:
+        sparse: dict[str, Any] = {"delta_dtype": s.sparse_dtype, "delta_density": arm.density,
+                                  "feedback_decay": s.feedback_decay}
+        if s.sparse_outer_lr is not None:
+            sparse["outer_lr"] = s.sparse_outer_lr
+        if s.sparse_outer_momentum is not None:
+            sparse["outer_momentum"] = s.sparse_outer_momentum
+        if arm.name.startswith("dtopk"):
+            return DiLoCo(sync_every=s.sync_every, fragments=s.fragments, **sparse)
+        return DiLoCo(**standard, **sparse)
+    arm = arm.name if isinstance(arm, Arm) else arm
     if arm == "diloco":
         return DiLoCo(**standard)
     if arm == "f4":
         return DiLoCo(**standard, delta_dtype="F4", commit_dtype="F4")
-    if arm == "topk":
-        return DiLoCo(**standard, delta_dtype="TOPK_F8", delta_density=s.topk_density)
     if arm == "streaming":
         # Streaming DiLoCo overlaps a fragment's sync with training, then takes the merged
         # fragment: a learner may train one round's gap past its unmerged publish.
@@ -232,7 +276,7 @@ def _worker(job: Job) -> None:
 
         learner = Learner(
             TorchAdapter(model),
-            algorithm(arm.name, s),
+            algorithm(arm, s),
             str(wd / arm.name),
             f"learner-{job.rank}",
             on_event=on_event,
@@ -521,13 +565,17 @@ def table(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
         ok = ratio <= 1.0 and fewer >= 100
         goals.append(f"DiLoCo <= 1.00x DDP-equivalent loss at >= 100x fewer bytes: "
                      f"{ratio:.3f}x at {fewer:.1f}x fewer ({'met' if ok else 'NOT met'})")
-    for arm, label, least in (("f4", "F4", 7), ("topk", "TOPK_F8", 30)):
-        if "diloco" in by and arm in by:
-            d, c = by["diloco"]["curve"][-1], by[arm]["curve"][-1]
+    compared = [("f4", "diloco", "F4", 7)] + [
+        (r["arm"], "decoupled" if r["arm"].startswith("dtopk") else "diloco", r["arm"], 30)
+        for r in rows if r["arm"].startswith(SPARSE)]
+    for arm, base, label, least in compared:
+        if base in by and arm in by:
+            d, c = by[base]["curve"][-1], by[arm]["curve"][-1]
             rel, fewer = c[2] / d[2] - 1.0, d[1] / max(c[1], 1.0)
             ok = rel <= 0.005 and fewer >= least
-            goals.append(f"{label} within +0.5% of F32 loss at >= {least}x fewer bytes: "
-                         f"{rel:+.2%} at {fewer:.1f}x fewer ({'met' if ok else 'NOT met'})")
+            goals.append(f"{label} within +0.5% of {base}'s F32 loss at >= {least}x fewer "
+                         f"bytes: {rel:+.2%} at {fewer:.1f}x fewer "
+                         f"({'met' if ok else 'NOT met'})")
     return "\n".join(lines), goals
 
 
@@ -545,7 +593,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     except ImportError:
         return False
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    color = {arm.name: f"C{i}" for i, arm in enumerate(ARMS)}  # the same in both panels
+    color = {r["arm"]: f"C{i % 10}" for i, r in enumerate(rows)}  # the same in both panels
     for r in rows:
         toks = [c[0] for c in r["curve"]]
         losses = [c[2] for c in r["curve"]]
@@ -577,13 +625,26 @@ def image_link(png: Path, results: Path) -> str:
         return str(png)
 
 
+def _densities(text: str) -> tuple[float, ...]:
+    """`--topk-density`: a comma list of fractions (1/32) or decimals (0.01)."""
+    out = []
+    for part in text.split(","):
+        num, _, den = part.strip().partition("/")
+        try:
+            out.append(float(num) / float(den) if den else float(num))
+        except (ValueError, ZeroDivisionError):
+            raise argparse.ArgumentTypeError(
+                f"{part!r} is not a density; write 1/32 or 0.03125") from None
+    return tuple(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="S=60, H=20 (minutes)")
     size.add_argument("--smoke", action="store_true", help="tiny sizes for CI (seconds)")
-    # topk (issue #29) is opt-in: name it in --arms.
-    ap.add_argument("--arms", default=",".join(a.name for a in ARMS if a.name != "topk"))
+    # The sparse arms (issue #29) are opt-in: name them in --arms.
+    ap.add_argument("--arms", default=",".join(a.name for a in ARMS if a.name not in SPARSE))
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per learner")
     ap.add_argument("--n-layer", type=int, default=None, help="GPT-2 layers (default 2)")
     ap.add_argument("--n-embd", type=int, default=None, help="GPT-2 width (default 128)")
@@ -594,21 +655,38 @@ def main(argv: list[str] | None = None) -> None:
                     help="fraction of each arm's steps warming up (default 0)")
     ap.add_argument("--warm-start", type=int, default=None,
                     help="steps of a shared single-learner pretraining before the arms")
-    ap.add_argument("--topk-density", type=float, default=None,
-                    help="the topk arm's delta_density (default 1/32)")
+    ap.add_argument("--sync-every", type=int, default=None,
+                    help="H, for every arm (default 50; quick 20)")
+    ap.add_argument("--topk-density", type=_densities, default=None,
+                    help="the sparse arms' delta_density, a comma list (1/32,1/100,0.005): "
+                    "one arm each (default 1/32)")
+    ap.add_argument("--sparse-dtype", default=None, help="the sparse arms' delta_dtype "
+                    "(default TOPK_F8)")
+    ap.add_argument("--sparse-outer-lr", type=float, default=None,
+                    help="the sparse arms' outer_lr (default DiLoCo's 0.7)")
+    ap.add_argument("--sparse-outer-momentum", type=float, default=None,
+                    help="the sparse arms' outer_momentum (default DiLoCo's 0.9)")
+    ap.add_argument("--feedback-decay", type=float, default=None,
+                    help="the sparse arms' feedback_decay (default None: no decay)")
     ap.add_argument("--results", default=str(RESULTS), help="markdown file to append to")
     ap.add_argument("--plot", default=None, help="PNG path (default benchmarks/convergence"
                     "[-quick].png)")
     args = ap.parse_args(argv)
     preset = "smoke" if args.smoke else "quick" if args.quick else "full"
     s = PRESETS[preset]
-    for field in ("steps", "n_layer", "n_embd", "lr", "schedule", "warmup", "warm_start",
-                  "topk_density"):
-        if getattr(args, field) is not None:
-            s = dataclasses.replace(s, **{field: getattr(args, field)})
+    for flag, field in (("steps", "steps"), ("n_layer", "n_layer"), ("n_embd", "n_embd"),
+                        ("lr", "lr"), ("schedule", "schedule"), ("warmup", "warmup"),
+                        ("warm_start", "warm_start"), ("sync_every", "sync_every"),
+                        ("topk_density", "topk_densities"), ("sparse_dtype", "sparse_dtype"),
+                        ("sparse_outer_lr", "sparse_outer_lr"),
+                        ("sparse_outer_momentum", "sparse_outer_momentum"),
+                        ("feedback_decay", "feedback_decay")):
+        if getattr(args, flag) is not None:
+            s = dataclasses.replace(s, **{field: getattr(args, flag)})
     sized = (s.n_layer, s.n_embd) != (PRESETS[preset].n_layer, PRESETS[preset].n_embd)
     names = args.arms.split(",")
-    arms = [a for a in ARMS if a.name in names]
+    arms = [b for a in ARMS if a.name in names
+            for b in (sparse_arms(a, s) if a.name in SPARSE else [a])]
     unknown = set(names) - {a.name for a in ARMS}
     if unknown:
         raise SystemExit(f"--arms: unknown {sorted(unknown)}; choose from "

@@ -268,6 +268,9 @@ class Algorithm(Protocol):
     def delta_density(self) -> float | None: ...
 
     @property
+    def feedback_decay(self) -> float | None: ...
+
+    @property
     def commit_dtype(self) -> str | None: ...
 
     @property

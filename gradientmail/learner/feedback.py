@@ -1,9 +1,11 @@
 """Error feedback for sparse deltas: what a learner's payloads did not carry, kept per
 fragment and added to that fragment's next delta.
 
-With a sparse `delta_dtype` (`wire.sparse`), the poster encodes `delta + residual` and
-keeps `delta + residual − densify(sent)` as the fragment's new residual, so that over
-rounds the values sent plus the residual left add up to the deltas trained. A payload that
+With a sparse `delta_dtype` (`wire.sparse`), the poster encodes `delta + β·residual` and
+keeps `delta + β·residual − densify(sent)` as the fragment's new residual, β the run's
+`feedback_decay` (None: 1). With β = 1, over rounds the values sent plus the residual left
+add up to the deltas trained; β < 1 (SparseLoCo's 0.95) lets what was left out for many
+rounds fade instead of piling up into a stale step. A payload that
 is not merged (its upload failed, or the commit of its round left it out) carried nothing:
 its steps go out again in the fragment's next delta (the anchor did not move for them), so
 the residual returns to what it was before that payload. The residual is a quantity of
@@ -49,9 +51,11 @@ class Residuals:
             return dict(self._kept.get(fragment, {}))
 
     def encode(self, round_: int, fragment: int, delta: Mapping[str, TensorBytes],
-               density: float) -> dict[str, TensorBytes]:
-        """The sparse entries of `delta` plus the fragment's residual; the rest becomes the
-        fragment's residual, the one before kept until round `round_` is settled."""
+               density: float, decay: float = 1.0,
+               fmt: str = "TOPK_F8") -> dict[str, TensorBytes]:
+        """The sparse entries (`fmt`) of `delta` plus `decay` × the fragment's residual;
+        the rest becomes the fragment's residual, the one before kept until round `round_`
+        is settled."""
         with self._lock:
             before = self._kept.get(fragment)
             out: dict[str, TensorBytes] = {}
@@ -59,10 +63,10 @@ class Residuals:
             for name, tensor in delta.items():
                 x = tensor.to_numpy().reshape(-1).astype(np.float32)
                 if before is not None and name in before:
-                    x += before[name]
+                    x += before[name] if decay == 1.0 else np.float32(decay) * before[name]
                 entries = sparsify(name, TensorBytes("F32", tensor.shape, handed_over(x)),
-                                   density)
-                sent = densify(entries, name, tensor.shape).to_numpy().reshape(-1)
+                                   density, fmt)
+                sent = densify(entries, name, tensor.shape, fmt).to_numpy().reshape(-1)
                 after[name] = x - sent
                 out.update(entries)
             self._kept[fragment] = after

@@ -183,10 +183,11 @@ class Poster:
 
     def _encode(self, job: Outgoing, fmt: str) -> dict[str, TensorBytes]:
         if fmt in SPARSE_FORMATS:
-            density = self._algorithm.delta_density
+            density, decay = self._algorithm.delta_density, self._algorithm.feedback_decay
             return self.residuals.encode(
                 job.round, job.fragment, self._adapter.delta(job.anchor, job.snapshot),
-                DEFAULT_DENSITY if density is None else density)
+                DEFAULT_DENSITY if density is None else density,
+                1.0 if decay is None else decay, fmt)
         quantized = getattr(self._adapter, "delta_quantized", None)
         if fmt != "F32" and quantized is not None:
             entries: dict[str, TensorBytes] = quantized(job.anchor, job.snapshot, fmt)
