@@ -54,7 +54,7 @@ def test_tensorbytes_checks_length_against_dtype_and_shape() -> None:
 
 
 def test_nbytes_of_every_dtype() -> None:
-    assert [nbytes_of(d, (5,)) for d in DTYPES] == [20, 10, 10, 5, 5, 3, 10, 5]
+    assert [nbytes_of(d, (5,)) for d in DTYPES] == [20, 10, 10, 5, 5, 3, 10, 5, 20]
 
 
 @pytest.mark.parametrize(
@@ -68,6 +68,7 @@ def test_nbytes_of_every_dtype() -> None:
         ("F4", ml_dtypes.float4_e2m1fn),
         ("U16", np.uint16),
         ("U8", np.uint8),
+        ("U32", np.uint32),
     ],
 )
 def test_numpy_round_trip(dtype: str, np_dtype: Any) -> None:
@@ -278,6 +279,7 @@ _LIBRARY_DTYPE = {
     "F4": "float4_e2m1fn_x2",
     "U16": "uint16",
     "U8": "uint8",
+    "U32": "uint32",
 }
 
 

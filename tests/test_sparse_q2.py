@@ -103,12 +103,13 @@ def test_q2_takes_fewer_bytes_than_f8_at_the_same_density() -> None:
 
 def test_unknown_formats_and_misplaced_settings_are_refused() -> None:
     with pytest.raises(ConfigError, match="'TOPK_F4' is not a sparse format; use one of "
-                                          "TOPK_F8, TOPK_Q2"):
+                                          "TOPK_F8, TOPK_Q2, SIGN1"):
         sparsify("t", f32([1.0]), 1.0, "TOPK_F4")
     with pytest.raises(ConfigError, match="'F4' is not a sparse format"):
         densify({}, "t", (1,), "F4")
     assert DiLoCo(delta_dtype=Q2, delta_density=0.01).delta_dtype == Q2
-    with pytest.raises(ConfigError, match="use a sparse delta_dtype \\('TOPK_F8', 'TOPK_Q2'\\)"):
+    with pytest.raises(ConfigError,
+                       match="use a sparse delta_dtype \\('TOPK_F8', 'TOPK_Q2', 'SIGN1'\\)"):
         DiLoCo(delta_dtype="F4", delta_density=0.1)
 
 

@@ -65,7 +65,7 @@ class Residuals:
                 if before is not None and name in before:
                     x += before[name] if decay == 1.0 else np.float32(decay) * before[name]
                 entries = sparsify(name, TensorBytes("F32", tensor.shape, handed_over(x)),
-                                   density, fmt)
+                                   density, fmt, seed=round_)
                 sent = densify(entries, name, tensor.shape, fmt).to_numpy().reshape(-1)
                 after[name] = x - sent
                 out.update(entries)

@@ -10,7 +10,7 @@ from gradientmail.wire import compression as codec
 from gradientmail.wire.records import SnapshotRecord
 from gradientmail.wire.serialization import Schema, validate
 from gradientmail.wire.sharded_blocks import digest_room
-from gradientmail.wire.sparse import SPARSE_FORMATS, densify
+from gradientmail.wire.sparse import SPARSE_FORMATS, densify, entry_names
 from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["check_delta", "delta_bound", "payload_bound"]
@@ -35,7 +35,7 @@ def check_delta(tensors: dict[str, TensorBytes], snapshot: SnapshotRecord, schem
 
 def _densified(tensors: dict[str, TensorBytes], schema: Schema, names: list[str],
                fmt: str) -> dict[str, TensorBytes]:
-    want = {f"{n}{s}" for n in names for s in ("", ".index", ".count", ".scale")}
+    want = {e for n in names for e in entry_names(n, fmt)}
     missing, extra = sorted(want - set(tensors)), sorted(set(tensors) - want)
     if missing or extra:
         raise SchemaMismatch(

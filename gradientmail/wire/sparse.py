@@ -55,6 +55,7 @@ import numpy as np
 import numpy.typing as npt
 
 from gradientmail.errors import ConfigError, CorruptPayload
+from gradientmail.wire import signs
 from gradientmail.wire.quantization import non_finite_error, overflow_error
 from gradientmail.wire.tensor_bytes import STORAGE_DTYPES, TensorBytes, handed_over
 
@@ -66,12 +67,13 @@ __all__ = [
     "check_density",
     "chunk_k",
     "densify",
+    "entry_names",
     "sparse_nbytes",
     "sparsify",
 ]
 
 #: Sparse transfer formats (a record's `delta_format`).
-SPARSE_FORMATS: tuple[str, ...] = ("TOPK_F8", "TOPK_Q2")
+SPARSE_FORMATS: tuple[str, ...] = ("TOPK_F8", "TOPK_Q2", "SIGN1")
 #: Elements per chunk: offsets fit a U16, and a chunk's values are a few hundred bytes.
 CHUNK = 4096
 #: The share of each chunk a sparse delta carries when a run's `delta_density` is None.
@@ -108,9 +110,18 @@ def chunk_k(density: float) -> int:
     return max(1, round(check_density(density) * CHUNK))
 
 
-def sparse_nbytes(numel: int, density: float, fmt: str = "TOPK_F8") -> int:
+def entry_names(name: str, fmt: str) -> tuple[str, ...]:
+    """The entries that carry tensor `name` in the sparse format `fmt`."""
+    suffixes = ("", ".scale", ".select") if _format(fmt) == "SIGN1" else ("", *(
+        f".{s}" for s in _SUFFIXES))
+    return tuple(f"{name}{s}" for s in suffixes)
+
+
+def sparse_nbytes(numel: int, density: float, fmt: str = "TOPK_F8", seed: int = 0) -> int:
     """Exact data bytes of a tensor of `numel` elements sparsified in `fmt` (entries'
-    headers aside)."""
+    headers aside; `seed`: SIGN1's)."""
+    if _format(fmt) == "SIGN1":
+        return signs.nbytes(numel, check_density(density), seed)
     k, m = chunk_k(density), -(-numel // CHUNK)
     nnz = sum(min(k, min(CHUNK, numel - c * CHUNK)) for c in range(m))
     if _format(fmt) == "TOPK_Q2":
@@ -125,11 +136,12 @@ def _format(fmt: str) -> str:
     return fmt
 
 
-def sparsify(name: str, tensor: TensorBytes, density: float,
-             fmt: str = "TOPK_F8") -> dict[str, TensorBytes]:
+def sparsify(name: str, tensor: TensorBytes, density: float, fmt: str = "TOPK_F8",
+             seed: int = 0) -> dict[str, TensorBytes]:
     """The `fmt` entries carrying the top k = `chunk_k(density)` of each chunk of
-    `tensor` (F32, F16 or BF16). `NonFiniteError` for NaN or infinite input, or (F8)
-    values so near float32's maximum that their code would overflow it."""
+    `tensor` (F32, F16 or BF16), or for SIGN1 the signs of the elements `seed` selects
+    (`wire.signs`). `NonFiniteError` for NaN or infinite input, or (F8) values so near
+    float32's maximum that their code would overflow it."""
     if not isinstance(tensor, TensorBytes) or tensor.dtype not in STORAGE_DTYPES:
         raise ConfigError(f"tensor {name!r}: can only sparsify {', '.join(STORAGE_DTYPES)} "
                           "TensorBytes")
@@ -139,6 +151,8 @@ def sparsify(name: str, tensor: TensorBytes, density: float,
     if not np.isfinite(x).all():
         bad = np.flatnonzero(~np.isfinite(x))
         raise non_finite_error(name, int(bad.size), int(bad[0]), fmt)
+    if fmt == "SIGN1":
+        return signs.encode(name, x, density, seed)
     n = x.size
     full = n // CHUNK
     flat: list[npt.NDArray[np.int64]] = []
@@ -262,6 +276,8 @@ def densify(entries: Mapping[str, TensorBytes], name: str, shape: tuple[int, ...
     where = f"{key}: " if key else ""
     q2 = _format(fmt) == "TOPK_Q2"
     n = math.prod(shape)
+    if fmt == "SIGN1":
+        return TensorBytes("F32", shape, handed_over(signs.decode(entries, name, n, where)))
     m = -(-n // CHUNK)
     codes = _entry(entries, name, "U8" if q2 else "F8_E4M3", where)
     index, count, scale = (_entry(entries, f"{name}.{s}", d, where)
