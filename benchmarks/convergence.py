@@ -92,6 +92,7 @@ class Settings:
     sparse_outer_lr: float | None = None
     sparse_outer_momentum: float | None = None
     feedback_decay: float | None = None
+    feedback_momentum: float | None = None
 
 
 PRESETS: dict[str, Settings] = {
@@ -150,6 +151,8 @@ def sparse_arms(template: Arm, s: Settings) -> list[Arm]:
                      f" / momentum "
                      f"{s.sparse_outer_momentum if s.sparse_outer_momentum is not None else 0.9:g}")
         decay = f", EF decay {s.feedback_decay:g}" if s.feedback_decay is not None else ""
+        if s.feedback_momentum is not None:
+            decay += f", learner momentum {s.feedback_momentum:g}"
         label = (f"{template.label.removesuffix(', sparse deltas')}, {s.sparse_dtype} density "
                  f"1/{tag}{outer}{decay}")
         out.append(dataclasses.replace(template, name=f"{template.name}{tag}", label=label,
@@ -168,7 +171,8 @@ def algorithm(arm: str | Arm, s: Settings) -> Any:
                                 "quorum_size": s.learners}
     if isinstance(arm, Arm) and arm.density is not None:
         sparse: dict[str, Any] = {"delta_dtype": s.sparse_dtype, "delta_density": arm.density,
-                                  "feedback_decay": s.feedback_decay}
+                                  "feedback_decay": s.feedback_decay,
+                                  "feedback_momentum": s.feedback_momentum}
         if s.sparse_outer_lr is not None:
             sparse["outer_lr"] = s.sparse_outer_lr
         if s.sparse_outer_momentum is not None:
@@ -668,6 +672,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="the sparse arms' outer_momentum (default DiLoCo's 0.9)")
     ap.add_argument("--feedback-decay", type=float, default=None,
                     help="the sparse arms' feedback_decay (default None: no decay)")
+    ap.add_argument("--feedback-momentum", type=float, default=None,
+                    help="the sparse arms' feedback_momentum (default None: off; needs "
+                    "--sparse-outer-momentum 0)")
     ap.add_argument("--results", default=str(RESULTS), help="markdown file to append to")
     ap.add_argument("--plot", default=None, help="PNG path (default benchmarks/convergence"
                     "[-quick].png)")
@@ -680,7 +687,8 @@ def main(argv: list[str] | None = None) -> None:
                         ("topk_density", "topk_densities"), ("sparse_dtype", "sparse_dtype"),
                         ("sparse_outer_lr", "sparse_outer_lr"),
                         ("sparse_outer_momentum", "sparse_outer_momentum"),
-                        ("feedback_decay", "feedback_decay")):
+                        ("feedback_decay", "feedback_decay"),
+                        ("feedback_momentum", "feedback_momentum")):
         if getattr(args, flag) is not None:
             s = dataclasses.replace(s, **{field: getattr(args, flag)})
     sized = (s.n_layer, s.n_embd) != (PRESETS[preset].n_layer, PRESETS[preset].n_embd)

@@ -106,6 +106,7 @@ _DILOCO_KINDS = {
     "keep_rounds": "int?",
     "delta_density": "float?",
     "feedback_decay": "float?",
+    "feedback_momentum": "float?",
 }
 _YAML_KEYS = (*_PLUGIN_KINDS, "diloco")
 _TRUE = ("1", "true", "yes", "on")

@@ -331,3 +331,57 @@ def test_a_poster_encodes_with_the_runs_format_and_decay() -> None:
         x = -snaps[1][n].reshape(-1).astype(np.float64) + 0.25 * first[n]
         sent = x - second[n]
         assert list(np.flatnonzero(np.abs(sent) > 1e-6)) == [int(np.argmax(np.abs(x)))]
+
+
+# -- error feedback with the learner's momentum -------------------------------------------------
+
+
+def test_the_momentum_setting_is_checked_and_recorded_only_when_set() -> None:
+    assert "feedback_momentum" not in DiLoCo(delta_dtype="SIGN1").to_json()
+    alg = DiLoCo(delta_dtype="SIGN1", feedback_momentum=0.9, outer_momentum=0.0)
+    assert alg.to_json()["feedback_momentum"] == 0.9
+    assert DiLoCo.from_json(alg.to_json()) == alg
+    for bad in (0, 1, 1.5, -0.1):
+        with pytest.raises(ConfigError, match=r"feedback_momentum=.* must be in \(0, 1\), "
+                                              r"e\.g\. 0\.9, or None \(off\)"):
+            DiLoCo(delta_dtype="SIGN1", feedback_momentum=bad, outer_momentum=0.0)
+    with pytest.raises(ConfigError, match=r"feedback_momentum=0\.9 is set but delta_dtype=None "
+                                          r"keeps no error feedback"):
+        DiLoCo(feedback_momentum=0.9, outer_momentum=0.0)
+    with pytest.raises(ConfigError, match=r"feedback_momentum=0\.9 and outer_momentum=0\.9: the "
+                                          r"learners keep the momentum, so the outer step must "
+                                          r"not keep another; set outer_momentum=0"):
+        DiLoCo(delta_dtype="SIGN1", feedback_momentum=0.9)
+
+
+def test_the_learners_momentum_is_torchs_nesterov_step_and_a_dropped_payload_undoes_it() -> None:
+    import torch
+
+    rng = np.random.default_rng(9)
+    n = CHUNK + 30
+    res = Residuals("a")
+    p = torch.zeros(n, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=1.0, momentum=0.9, nesterov=True)
+    before = np.zeros(n)
+    for r in range(5):
+        d = rng.standard_normal(n) * 1e-3
+        e = res.encode(r, 0, {"w": f32(d)}, 1 / 32, 1.0, "SIGN1", momentum=0.9)
+        after = res.residual(0)["w"].astype(np.float64)
+        # What was compressed (sent + the new residual − the old one) is the Nesterov step
+        # torch's SGD takes for the gradient `d`.
+        step = decoded(e, "w", n) + after - before
+        was = p.detach().clone()
+        p.grad = torch.from_numpy(d)
+        opt.step()
+        np.testing.assert_allclose(step, (was - p.detach()).numpy(), rtol=0, atol=1e-8)
+        res.recorded(r, ("a",))
+        before = after
+    kept = (dict(res.residual(0)), dict(res.momentum(0)))
+    res.encode(5, 0, {"w": f32(rng.standard_normal(n))}, 1 / 32, 1.0, "SIGN1", momentum=0.9)
+    res.recorded(5, ("b",))  # merged without this learner: its state returns
+    assert np.array_equal(res.residual(0)["w"], kept[0]["w"])
+    assert np.array_equal(res.momentum(0)["w"], kept[1]["w"])
+
+
+def decoded(e: dict[str, TensorBytes], name: str, n: int) -> np.ndarray:
+    return densify(e, name, (n,), "SIGN1").to_numpy().reshape(-1).astype(np.float64)

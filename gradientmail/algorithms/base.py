@@ -271,6 +271,9 @@ class Algorithm(Protocol):
     def feedback_decay(self) -> float | None: ...
 
     @property
+    def feedback_momentum(self) -> float | None: ...
+
+    @property
     def commit_dtype(self) -> str | None: ...
 
     @property

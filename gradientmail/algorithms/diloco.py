@@ -109,10 +109,14 @@ class DiLoCo:
     `partition`; `global_batch_size` split over live learners; `delta_dtype` (None: the
     model's own precision — BF16 deltas from a fragment held in BF16, else F32; "F32"
     forces full precision; "TOPK_F8" and "TOPK_Q2", the sparse formats of `wire.sparse`,
-    keep `delta_density` (None: 1/32) of every chunk of 4096 elements, and each learner keeps
-    what it did not send as error feedback, `learner.feedback`, its residual scaled by
-    `feedback_decay` each round, None: 1) and `commit_dtype` (None: full theta) transfer
-    formats; `delta_density` and `feedback_decay` are written to the JSON only when set;
+    keep `delta_density` (None: 1/32) of every chunk of 4096 elements, "SIGN1"
+    (`wire.signs`) the signs of a seeded random `delta_density` (None: 1) of the elements,
+    and each learner keeps what it did not send as error feedback, `learner.feedback`, its
+    residual scaled by `feedback_decay` each round, None: 1; with `feedback_momentum` μ
+    each learner keeps the Nesterov momentum of its own deltas and compresses the Nesterov
+    step, and the outer step is plain SGD, outer_momentum=0) and `commit_dtype` (None: full
+    theta) transfer formats; `delta_density` and the feedback settings are written to the
+    JSON only when set;
     `flush_on_close` (the default) publishes what a closing learner trained since its
     last contribution as final contributions, so a run that ends commits every step it
     trained;
@@ -180,9 +184,10 @@ class DiLoCo:
     global_batch_size: int | None = _setting(
         None, "a batch size split over the live learners; None: each keeps its own")
     delta_dtype: str | None = _setting(
-        None, "the format of contributions: F32, BF16, F8_E4M3, F4, TOPK_F8 or TOPK_Q2 "
-        "(the top delta_density of every 4096 elements in 8 or 2 bits, with error "
-        "feedback); None: the model's precision")
+        None, "the format of contributions: F32, BF16, F8_E4M3, F4; with error feedback "
+        "TOPK_F8 or TOPK_Q2 (the top delta_density of every 4096 elements in 8 or 2 bits) "
+        "or SIGN1 (1-bit signs of a random delta_density of them); None: the model's "
+        "precision")
     commit_dtype: str | None = _setting(
         None, "the format of commits: BF16, F8_E4M3, F4; None: full theta")
     flush_on_close: bool = _setting(
@@ -201,10 +206,13 @@ class DiLoCo:
         "None: swept after each commit")
     delta_density: float | None = _setting(
         None, "the share of each chunk a sparse delta carries, in (0, 1]; "
-        "None: 1/32")
+        "None: 1/32 (SIGN1: 1)")
     feedback_decay: float | None = _setting(
         None, "β of a sparse delta's error feedback: the residual is scaled by it before "
         "the next delta is added, in (0, 1]; None: 1 (kept whole)")
+    feedback_momentum: float | None = _setting(
+        None, "μ of the Nesterov momentum each learner keeps on its own deltas before "
+        "compressing them (sparse delta_dtype, outer_momentum 0), in (0, 1); None: off")
 
     def __post_init__(self) -> None:
         _int("sync_every", self.sync_every, 1)
@@ -278,6 +286,23 @@ class DiLoCo:
                     f"({', '.join(repr(f) for f in SPARSE_FORMATS)}) or leave feedback_decay "
                     "None")
             object.__setattr__(self, "feedback_decay", check_decay(self.feedback_decay))
+        if self.feedback_momentum is not None:
+            mu = _float("feedback_momentum", self.feedback_momentum)
+            if not 0 < mu < 1:
+                raise ConfigError(f"feedback_momentum={self.feedback_momentum!r} must be in "
+                                  "(0, 1), e.g. 0.9, or None (off)")
+            if self.delta_dtype not in SPARSE_FORMATS:
+                raise ConfigError(
+                    f"feedback_momentum={mu!r} is set but delta_dtype={self.delta_dtype!r} "
+                    "keeps no error feedback; use a sparse delta_dtype "
+                    f"({', '.join(repr(f) for f in SPARSE_FORMATS)}) or leave "
+                    "feedback_momentum None")
+            if beta != 0:
+                raise ConfigError(
+                    f"feedback_momentum={mu!r} and outer_momentum={self.outer_momentum!r}: the "
+                    "learners keep the momentum, so the outer step must not keep another; "
+                    "set outer_momentum=0")
+            object.__setattr__(self, "feedback_momentum", mu)
         if self.rebase is not None and not isinstance(self.rebase, bool):
             raise ConfigError(f"rebase={self.rebase!r} must be True, False or None (automatic)")
         if self.rebase and mixing > 0:
@@ -452,16 +477,16 @@ _JSON_KINDS = {
     "global_batch_size": "int?", "delta_dtype": "str?", "commit_dtype": "str?",
     "flush_on_close": "bool", "outlier_factor": "number", "rebase": "bool",
     "checkpoint_every": "int", "keep_rounds": "int", "delta_density": "number",
-    "feedback_decay": "number",
+    "feedback_decay": "number", "feedback_momentum": "number",
 }
 # Fields added after format version 1 was pinned: absent means None, and None is written
 # by leaving them out, so older records stay valid and unchanged. (`rebase` is never None
 # once built: it is left out when it equals `_default_rebase`. `checkpoint_every` is
 # left out when 1, which is what its absence means: runs created before replication.
-# `keep_rounds`, `delta_density` and `feedback_decay` are written only when set, so runs
+# `keep_rounds`, `delta_density` and the feedback settings are written only when set, so runs
 # without them keep their records.)
 _OMITTED_WHEN_NONE = frozenset({"outlier_factor", "rebase", "keep_rounds", "delta_density",
-                                "feedback_decay"})
+                                "feedback_decay", "feedback_momentum"})
 _JSON_WORDS = {"int": "an integer", "number": "a number", "str": "a string", "bool": "a bool"}
 
 

@@ -66,6 +66,7 @@ __all__ = [
     "check_decay",
     "check_density",
     "chunk_k",
+    "default_density",
     "densify",
     "entry_names",
     "sparse_nbytes",
@@ -76,7 +77,8 @@ __all__ = [
 SPARSE_FORMATS: tuple[str, ...] = ("TOPK_F8", "TOPK_Q2", "SIGN1")
 #: Elements per chunk: offsets fit a U16, and a chunk's values are a few hundred bytes.
 CHUNK = 4096
-#: The share of each chunk a sparse delta carries when a run's `delta_density` is None.
+#: The share of each chunk a top-k delta carries when a run's `delta_density` is None
+#: (SIGN1's is 1: every element's sign).
 DEFAULT_DENSITY = 1 / 32
 
 _F32 = np.float32
@@ -108,6 +110,11 @@ def check_decay(decay: object) -> float:
 def chunk_k(density: float) -> int:
     """Values kept per full chunk: max(1, round(density · CHUNK))."""
     return max(1, round(check_density(density) * CHUNK))
+
+
+def default_density(fmt: str) -> float:
+    """The density of `fmt` when a run's `delta_density` is None."""
+    return 1.0 if _format(fmt) == "SIGN1" else DEFAULT_DENSITY
 
 
 def entry_names(name: str, fmt: str) -> tuple[str, ...]:
