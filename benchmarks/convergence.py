@@ -55,9 +55,10 @@ from typing import Any
 from gradientmail.learner.options import LearnerOptions
 
 __all__ = [
-    "ARMS", "PRESETS", "Arm", "Job", "Settings", "algorithm", "build_model", "committed_state",
-    "evaluate", "image_link", "jobs_of", "launch", "load_into", "main", "plot", "prepare_data",
-    "records_of", "run_arm", "table", "worker_context",
+    "ARMS", "PRESETS", "Arm", "Job", "Settings", "SparseSpec", "algorithm", "build_model",
+    "committed_state", "evaluate", "image_link", "jobs_of", "launch", "load_into", "main",
+    "parse_spec", "plot", "prepare_data", "records_of", "run_arm", "sparse_arms", "table",
+    "worker_context",
 ]
 
 HERE = Path(__file__).resolve().parent
@@ -93,6 +94,7 @@ class Settings:
     sparse_outer_momentum: float | None = None
     feedback_decay: float | None = None
     feedback_momentum: float | None = None
+    sparse_specs: tuple[SparseSpec, ...] = ()  # --sparse-arm: one arm each, overriding the above
 
 
 PRESETS: dict[str, Settings] = {
@@ -110,7 +112,7 @@ class Arm:
     name: str
     label: str
     kind: str  # "alone", "learner" or "localsgd"
-    density: float | None = None  # a sparse arm's delta_density (set by `sparse_arms`)
+    sparse: SparseSpec | None = None  # a sparse arm's settings (set by `sparse_arms`)
 
 
 ARMS: tuple[Arm, ...] = (
@@ -135,28 +137,74 @@ class Job:
     port: int = 0
 
 
-SPARSE = ("topk", "dtopk")  # the templates `sparse_arms` expands, one arm per density
+SPARSE = ("topk", "dtopk")  # the templates `sparse_arms` expands, one arm per spec
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseSpec:
+    """One sparse arm's settings (None: DiLoCo's default)."""
+
+    dtype: str = "TOPK_F8"
+    density: float = 1 / 32
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
+    decay: float | None = None
+    momentum: float | None = None
+
+    def describe(self) -> str:
+        inv = 1 / self.density
+        tag = f"{inv:.0f}" if abs(inv - round(inv)) < 1e-6 else f"{inv:.3g}"
+        out = f"{self.dtype} density 1/{tag}"
+        if self.outer_lr is not None or self.outer_momentum is not None:
+            lr = 0.7 if self.outer_lr is None else self.outer_lr
+            m = 0.9 if self.outer_momentum is None else self.outer_momentum
+            out += f", outer lr {lr:g} / momentum {m:g}"
+        if self.decay is not None:
+            out += f", EF decay {self.decay:g}"
+        if self.momentum is not None:
+            out += f", learner momentum {self.momentum:g}"
+        return out
+
+    def settings(self) -> dict[str, Any]:
+        """The DiLoCo fields of this spec."""
+        out: dict[str, Any] = {"delta_dtype": self.dtype, "delta_density": self.density,
+                               "feedback_decay": self.decay, "feedback_momentum": self.momentum}
+        if self.outer_lr is not None:
+            out["outer_lr"] = self.outer_lr
+        if self.outer_momentum is not None:
+            out["outer_momentum"] = self.outer_momentum
+        return out
+
+
+def parse_spec(text: str) -> SparseSpec:
+    """`--sparse-arm DTYPE@DENSITY[,lr=X][,m=Y][,decay=Z][,lm=W]` (lm: feedback_momentum)."""
+    head, *opts = text.split(",")
+    dtype, _, density = head.partition("@")
+    keys = {"lr": "outer_lr", "m": "outer_momentum", "decay": "decay", "lm": "momentum"}
+    kw: dict[str, Any] = {"dtype": dtype.strip(), "density": _densities(density or "1/32")[0]}
+    for opt in opts:
+        k, _, v = opt.partition("=")
+        if k.strip() not in keys:
+            raise argparse.ArgumentTypeError(f"--sparse-arm {text!r}: unknown {k!r}; use "
+                                             f"{', '.join(keys)}")
+        kw[keys[k.strip()]] = float(v)
+    return SparseSpec(**kw)
 
 
 def sparse_arms(template: Arm, s: Settings) -> list[Arm]:
-    """The arms of a sparse template, one per density of `s.topk_densities`, named by
-    1/density (`topk32`)."""
+    """The arms of a sparse template: one per `s.sparse_specs` (named template1, 2, ...)
+    or, without specs, one per density of `s.topk_densities` with the run-wide sparse
+    settings (named by 1/density: `topk32`)."""
+    specs = s.sparse_specs or tuple(
+        SparseSpec(s.sparse_dtype, d, s.sparse_outer_lr, s.sparse_outer_momentum,
+                   s.feedback_decay, s.feedback_momentum) for d in s.topk_densities)
     out = []
-    for d in s.topk_densities:
-        inv = 1 / d
+    for i, spec in enumerate(specs, 1):
+        inv = 1 / spec.density
         tag = f"{inv:.0f}" if abs(inv - round(inv)) < 1e-6 else f"{inv:.3g}"
-        outer = ""
-        if s.sparse_outer_lr is not None or s.sparse_outer_momentum is not None:
-            outer = (f", outer lr {s.sparse_outer_lr if s.sparse_outer_lr is not None else 0.7:g}"
-                     f" / momentum "
-                     f"{s.sparse_outer_momentum if s.sparse_outer_momentum is not None else 0.9:g}")
-        decay = f", EF decay {s.feedback_decay:g}" if s.feedback_decay is not None else ""
-        if s.feedback_momentum is not None:
-            decay += f", learner momentum {s.feedback_momentum:g}"
-        label = (f"{template.label.removesuffix(', sparse deltas')}, {s.sparse_dtype} density "
-                 f"1/{tag}{outer}{decay}")
-        out.append(dataclasses.replace(template, name=f"{template.name}{tag}", label=label,
-                                       density=d))
+        label = f"{template.label.removesuffix(', sparse deltas')}, {spec.describe()}"
+        name = f"{template.name}{i if s.sparse_specs else tag}"
+        out.append(dataclasses.replace(template, name=name, label=label, sparse=spec))
     return out
 
 
@@ -169,14 +217,8 @@ def algorithm(arm: str | Arm, s: Settings) -> Any:
     standard: dict[str, Any] = {"sync_every": s.sync_every, "fragments": 1, "in_flight": 1,
                                 "overlap_steps": 0, "merge": WeightedMean(),
                                 "quorum_size": s.learners}
-    if isinstance(arm, Arm) and arm.density is not None:
-        sparse: dict[str, Any] = {"delta_dtype": s.sparse_dtype, "delta_density": arm.density,
-                                  "feedback_decay": s.feedback_decay,
-                                  "feedback_momentum": s.feedback_momentum}
-        if s.sparse_outer_lr is not None:
-            sparse["outer_lr"] = s.sparse_outer_lr
-        if s.sparse_outer_momentum is not None:
-            sparse["outer_momentum"] = s.sparse_outer_momentum
+    if isinstance(arm, Arm) and arm.sparse is not None:
+        sparse = arm.sparse.settings()
         if arm.name.startswith("dtopk"):
             return DiLoCo(sync_every=s.sync_every, fragments=s.fragments, **sparse)
         return DiLoCo(**standard, **sparse)
@@ -672,6 +714,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="the sparse arms' outer_momentum (default DiLoCo's 0.9)")
     ap.add_argument("--feedback-decay", type=float, default=None,
                     help="the sparse arms' feedback_decay (default None: no decay)")
+    ap.add_argument("--sparse-arm", type=parse_spec, action="append", default=None,
+                    help="one sparse arm per use (in place of --topk-density and the sparse "
+                    "flags): DTYPE@DENSITY[,lr=X][,m=Y][,decay=Z][,lm=W], e.g. "
+                    "SIGN1@1,lr=0.7,m=0,lm=0.9")
     ap.add_argument("--feedback-momentum", type=float, default=None,
                     help="the sparse arms' feedback_momentum (default None: off; needs "
                     "--sparse-outer-momentum 0)")
@@ -691,6 +737,8 @@ def main(argv: list[str] | None = None) -> None:
                         ("feedback_momentum", "feedback_momentum")):
         if getattr(args, flag) is not None:
             s = dataclasses.replace(s, **{field: getattr(args, flag)})
+    if args.sparse_arm:
+        s = dataclasses.replace(s, sparse_specs=tuple(args.sparse_arm))
     sized = (s.n_layer, s.n_embd) != (PRESETS[preset].n_layer, PRESETS[preset].n_embd)
     names = args.arms.split(",")
     arms = [b for a in ARMS if a.name in names
