@@ -10,8 +10,9 @@ rounds fade instead of piling up into a stale step.
 With a `feedback_momentum` μ the learner keeps the outer momentum itself, per fragment, on
 its own deltas: m ← μ·m + delta, and compresses the Nesterov step delta + μ·m (plus the
 residual) in place of the delta; the closer then takes a plain SGD step (outer_momentum
-0). Without compression that is the Nesterov outer step of the merged deltas exactly (the
-mean of the learners' momenta is the momentum of the mean), but what compression leaves
+0). Without compression, and with every learner in every round at the same weight
+(standard DiLoCo), that is the Nesterov outer step of the merged deltas exactly (the mean
+of the learners' momenta is the momentum of the mean), but what compression leaves
 out is no longer amplified 1/(1 − μ)-fold by a momentum downstream of it. A payload that
 is not merged (its upload failed, or the commit of its round left it out) carried nothing:
 its steps go out again in the fragment's next delta (the anchor did not move for them), so
