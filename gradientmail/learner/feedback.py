@@ -19,7 +19,8 @@ its steps go out again in the fragment's next delta (the anchor did not move for
 the residual (and momentum) returns to what it was before that payload. The residual is
 a quantity of delta space, independent of θ, so a commit's rebase leaves it as it is.
 
-Held in host memory as float32, one array per tensor of each fragment sent so far. Not
+Held in host memory as float32, one array per tensor of each fragment sent so far (two
+with `feedback_momentum`). Not
 saved anywhere: a learner that restarts joins afresh and starts with no residual (its
 untrained-away residual is lost, as its unsent training is).
 """
