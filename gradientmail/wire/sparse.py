@@ -1,7 +1,9 @@
 """The sparse transfer formats for deltas: the k largest magnitudes of every chunk of
 `CHUNK` elements, as ``TOPK_F8`` (F8_E4M3 codes with one power-of-two scale per chunk,
 U16 offsets: 3 bytes a value) or ``TOPK_Q2`` (2-bit codes, a sign and one of two
-magnitudes per chunk, 12-bit offsets: 1.75 bytes a value).
+magnitudes per chunk, 12-bit offsets: 1.75 bytes a value). The formats carried with error
+feedback (`SPARSE_FORMATS`) also include ``SIGN1`` (`wire.signs`: 1-bit signs of a seeded
+random share of the elements), which `sparsify` and `densify` hand to that module.
 
 `sparsify(name, tensor, density, fmt)` keeps k = `chunk_k(density)` elements of each
 chunk of the flat tensor (the last chunk, when shorter, min(k, its length)): those of
