@@ -619,7 +619,8 @@ def table(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
             d, c = by[base]["curve"][-1], by[arm]["curve"][-1]
             rel, fewer = c[2] / d[2] - 1.0, d[1] / max(c[1], 1.0)
             ok = rel <= 0.005 and fewer >= least
-            goals.append(f"{label} within +0.5% of {base}'s F32 loss at >= {least}x fewer "
+            of = "F32" if base == "diloco" else "the Decoupled F32"
+            goals.append(f"{label} within +0.5% of {of} loss at >= {least}x fewer "
                          f"bytes: {rel:+.2%} at {fewer:.1f}x fewer "
                          f"({'met' if ok else 'NOT met'})")
     return "\n".join(lines), goals

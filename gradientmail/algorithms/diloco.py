@@ -119,7 +119,7 @@ class DiLoCo:
     JSON only when set;
     With error feedback the outer momentum belongs with the learners (measured in
     benchmarks/RESULTS.md, "Sparse and 1-bit deltas"): `DiLoCo.standard(H, M,
-    delta_dtype="SIGN1", feedback_momentum=0.9, outer_momentum=0.0)` for 1 bit an element,
+    delta_dtype="SIGN1", feedback_momentum=0.8, outer_momentum=0.0)` for 1 bit an element,
     or a top-k format with `outer_lr=1.0, outer_momentum=0.0`; `feedback_decay` unset.
     `flush_on_close` (the default) publishes what a closing learner trained since its
     last contribution as final contributions, so a run that ends commits every step it
