@@ -15,6 +15,11 @@ fixed held-out files and seeds, the same tokens for every arm:
   every learner in every round;
 - `decoupled`: the library's defaults (RDA merge, quorum 1, grace window) with P = 3;
 - `f4`: standard DiLoCo with F4 deltas and F4 commit updates, zstd;
+- `topk` / `dtopk` (opt-in): standard DiLoCo / the Decoupled defaults with sparse deltas
+  (`--sparse-dtype`, TOPK_F8 unless named) and error feedback, one arm per density of
+  `--topk-density` (named by 1/density: `topk32`, `dtopk100`), with the outer step and
+  feedback decay of `--sparse-outer-lr`, `--sparse-outer-momentum` and `--feedback-decay`
+  (unset: the library's defaults);
 - `localsgd`: Accelerate's `LocalSGD` (parameter averaging every H steps) as M processes
   on torch.distributed gloo.
 
@@ -50,9 +55,10 @@ from typing import Any
 from gradientmail.learner.options import LearnerOptions
 
 __all__ = [
-    "ARMS", "PRESETS", "Arm", "Job", "Settings", "algorithm", "build_model", "committed_state",
-    "evaluate", "image_link", "jobs_of", "launch", "load_into", "main", "plot", "prepare_data",
-    "records_of", "run_arm", "table", "worker_context",
+    "ARMS", "PRESETS", "Arm", "Job", "Settings", "SparseSpec", "algorithm", "build_model",
+    "committed_state", "evaluate", "image_link", "jobs_of", "launch", "load_into", "main",
+    "parse_spec", "plot", "prepare_data", "records_of", "run_arm", "sparse_arms", "table",
+    "worker_context",
 ]
 
 HERE = Path(__file__).resolve().parent
@@ -81,7 +87,14 @@ class Settings:
     val_blocks: int = 256
     text_budget: int = 6_000_000
     seed: int = 0
-    topk_density: float = 1 / 32  # the topk arm's delta_density
+    topk_densities: tuple[float, ...] = (1 / 32,)  # one topk / dtopk arm each
+    sparse_dtype: str = "TOPK_F8"
+    # The sparse arms' outer step and error-feedback decay (None: DiLoCo's defaults).
+    sparse_outer_lr: float | None = None
+    sparse_outer_momentum: float | None = None
+    feedback_decay: float | None = None
+    feedback_momentum: float | None = None
+    sparse_specs: tuple[SparseSpec, ...] = ()  # --sparse-arm: one arm each, overriding the above
 
 
 PRESETS: dict[str, Settings] = {
@@ -99,6 +112,7 @@ class Arm:
     name: str
     label: str
     kind: str  # "alone", "learner" or "localsgd"
+    sparse: SparseSpec | None = None  # a sparse arm's settings (set by `sparse_arms`)
 
 
 ARMS: tuple[Arm, ...] = (
@@ -108,7 +122,8 @@ ARMS: tuple[Arm, ...] = (
     Arm("streaming", "Streaming DiLoCo (P=3 strided, τ=2, α=0.5)", "learner"),
     Arm("decoupled", "Decoupled defaults (P=3, RDA, quorum 1, grace)", "learner"),
     Arm("f4", "standard DiLoCo, F4 deltas + F4 commits, zstd", "learner"),
-    Arm("topk", "standard DiLoCo, TOPK_F8 deltas (--topk-density, error feedback)", "learner"),
+    Arm("topk", "standard DiLoCo, sparse deltas", "learner"),
+    Arm("dtopk", "Decoupled defaults, sparse deltas", "learner"),
     Arm("localsgd", "Accelerate LocalSGD (gloo, average every H)", "localsgd"),
 )
 
@@ -122,7 +137,78 @@ class Job:
     port: int = 0
 
 
-def algorithm(arm: str, s: Settings) -> Any:
+SPARSE = ("topk", "dtopk")  # the templates `sparse_arms` expands, one arm per spec
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseSpec:
+    """One sparse arm's settings (None: DiLoCo's default)."""
+
+    dtype: str = "TOPK_F8"
+    density: float = 1 / 32
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
+    decay: float | None = None
+    momentum: float | None = None
+
+    def describe(self) -> str:
+        inv = 1 / self.density
+        tag = f"{inv:.0f}" if abs(inv - round(inv)) < 1e-6 else f"{inv:.3g}"
+        out = f"{self.dtype} density 1/{tag}"
+        if self.outer_lr is not None or self.outer_momentum is not None:
+            lr = 0.7 if self.outer_lr is None else self.outer_lr
+            m = 0.9 if self.outer_momentum is None else self.outer_momentum
+            out += f", outer lr {lr:g} / momentum {m:g}"
+        if self.decay is not None:
+            out += f", EF decay {self.decay:g}"
+        if self.momentum is not None:
+            out += f", learner momentum {self.momentum:g}"
+        return out
+
+    def settings(self) -> dict[str, Any]:
+        """The DiLoCo fields of this spec."""
+        out: dict[str, Any] = {"delta_dtype": self.dtype, "delta_density": self.density,
+                               "feedback_decay": self.decay, "feedback_momentum": self.momentum}
+        if self.outer_lr is not None:
+            out["outer_lr"] = self.outer_lr
+        if self.outer_momentum is not None:
+            out["outer_momentum"] = self.outer_momentum
+        return out
+
+
+def parse_spec(text: str) -> SparseSpec:
+    """`--sparse-arm DTYPE@DENSITY[,lr=X][,m=Y][,decay=Z][,lm=W]` (lm: feedback_momentum)."""
+    head, *opts = text.split(",")
+    dtype, _, density = head.partition("@")
+    keys = {"lr": "outer_lr", "m": "outer_momentum", "decay": "decay", "lm": "momentum"}
+    kw: dict[str, Any] = {"dtype": dtype.strip(), "density": _densities(density or "1/32")[0]}
+    for opt in opts:
+        k, _, v = opt.partition("=")
+        if k.strip() not in keys:
+            raise argparse.ArgumentTypeError(f"--sparse-arm {text!r}: unknown {k!r}; use "
+                                             f"{', '.join(keys)}")
+        kw[keys[k.strip()]] = float(v)
+    return SparseSpec(**kw)
+
+
+def sparse_arms(template: Arm, s: Settings) -> list[Arm]:
+    """The arms of a sparse template: one per `s.sparse_specs` (named template1, 2, ...)
+    or, without specs, one per density of `s.topk_densities` with the run-wide sparse
+    settings (named by 1/density: `topk32`)."""
+    specs = s.sparse_specs or tuple(
+        SparseSpec(s.sparse_dtype, d, s.sparse_outer_lr, s.sparse_outer_momentum,
+                   s.feedback_decay, s.feedback_momentum) for d in s.topk_densities)
+    out = []
+    for i, spec in enumerate(specs, 1):
+        inv = 1 / spec.density
+        tag = f"{inv:.0f}" if abs(inv - round(inv)) < 1e-6 else f"{inv:.3g}"
+        label = f"{template.label.removesuffix(', sparse deltas')}, {spec.describe()}"
+        name = f"{template.name}{i if s.sparse_specs else tag}"
+        out.append(dataclasses.replace(template, name=name, label=label, sparse=spec))
+    return out
+
+
+def algorithm(arm: str | Arm, s: Settings) -> Any:
     """The DiLoCo configuration of a learner arm."""
     from gradientmail.algorithms.diloco import DiLoCo
     from gradientmail.algorithms.merge import WeightedMean
@@ -131,12 +217,16 @@ def algorithm(arm: str, s: Settings) -> Any:
     standard: dict[str, Any] = {"sync_every": s.sync_every, "fragments": 1, "in_flight": 1,
                                 "overlap_steps": 0, "merge": WeightedMean(),
                                 "quorum_size": s.learners}
+    if isinstance(arm, Arm) and arm.sparse is not None:
+        sparse = arm.sparse.settings()
+        if arm.name.startswith("dtopk"):
+            return DiLoCo(sync_every=s.sync_every, fragments=s.fragments, **sparse)
+        return DiLoCo(**standard, **sparse)
+    arm = arm.name if isinstance(arm, Arm) else arm
     if arm == "diloco":
         return DiLoCo(**standard)
     if arm == "f4":
         return DiLoCo(**standard, delta_dtype="F4", commit_dtype="F4")
-    if arm == "topk":
-        return DiLoCo(**standard, delta_dtype="TOPK_F8", delta_density=s.topk_density)
     if arm == "streaming":
         # Streaming DiLoCo overlaps a fragment's sync with training, then takes the merged
         # fragment: a learner may train one round's gap past its unmerged publish.
@@ -232,7 +322,7 @@ def _worker(job: Job) -> None:
 
         learner = Learner(
             TorchAdapter(model),
-            algorithm(arm.name, s),
+            algorithm(arm, s),
             str(wd / arm.name),
             f"learner-{job.rank}",
             on_event=on_event,
@@ -521,13 +611,18 @@ def table(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
         ok = ratio <= 1.0 and fewer >= 100
         goals.append(f"DiLoCo <= 1.00x DDP-equivalent loss at >= 100x fewer bytes: "
                      f"{ratio:.3f}x at {fewer:.1f}x fewer ({'met' if ok else 'NOT met'})")
-    for arm, label, least in (("f4", "F4", 7), ("topk", "TOPK_F8", 30)):
-        if "diloco" in by and arm in by:
-            d, c = by["diloco"]["curve"][-1], by[arm]["curve"][-1]
+    compared = [("f4", "diloco", "F4", 7)] + [
+        (r["arm"], "decoupled" if r["arm"].startswith("dtopk") else "diloco", r["arm"], 30)
+        for r in rows if r["arm"].startswith(SPARSE)]
+    for arm, base, label, least in compared:
+        if base in by and arm in by:
+            d, c = by[base]["curve"][-1], by[arm]["curve"][-1]
             rel, fewer = c[2] / d[2] - 1.0, d[1] / max(c[1], 1.0)
             ok = rel <= 0.005 and fewer >= least
-            goals.append(f"{label} within +0.5% of F32 loss at >= {least}x fewer bytes: "
-                         f"{rel:+.2%} at {fewer:.1f}x fewer ({'met' if ok else 'NOT met'})")
+            of = "F32" if base == "diloco" else "the Decoupled F32"
+            goals.append(f"{label} within +0.5% of {of} loss at >= {least}x fewer "
+                         f"bytes: {rel:+.2%} at {fewer:.1f}x fewer "
+                         f"({'met' if ok else 'NOT met'})")
     return "\n".join(lines), goals
 
 
@@ -545,7 +640,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     except ImportError:
         return False
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    color = {arm.name: f"C{i}" for i, arm in enumerate(ARMS)}  # the same in both panels
+    color = {r["arm"]: f"C{i % 10}" for i, r in enumerate(rows)}  # the same in both panels
     for r in rows:
         toks = [c[0] for c in r["curve"]]
         losses = [c[2] for c in r["curve"]]
@@ -577,13 +672,26 @@ def image_link(png: Path, results: Path) -> str:
         return str(png)
 
 
+def _densities(text: str) -> tuple[float, ...]:
+    """`--topk-density`: a comma list of fractions (1/32) or decimals (0.01)."""
+    out = []
+    for part in text.split(","):
+        num, _, den = part.strip().partition("/")
+        try:
+            out.append(float(num) / float(den) if den else float(num))
+        except (ValueError, ZeroDivisionError):
+            raise argparse.ArgumentTypeError(
+                f"{part!r} is not a density; write 1/32 or 0.03125") from None
+    return tuple(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="S=60, H=20 (minutes)")
     size.add_argument("--smoke", action="store_true", help="tiny sizes for CI (seconds)")
-    # topk (issue #29) is opt-in: name it in --arms.
-    ap.add_argument("--arms", default=",".join(a.name for a in ARMS if a.name != "topk"))
+    # The sparse arms (issue #29) are opt-in: name them in --arms.
+    ap.add_argument("--arms", default=",".join(a.name for a in ARMS if a.name not in SPARSE))
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per learner")
     ap.add_argument("--n-layer", type=int, default=None, help="GPT-2 layers (default 2)")
     ap.add_argument("--n-embd", type=int, default=None, help="GPT-2 width (default 128)")
@@ -594,21 +702,48 @@ def main(argv: list[str] | None = None) -> None:
                     help="fraction of each arm's steps warming up (default 0)")
     ap.add_argument("--warm-start", type=int, default=None,
                     help="steps of a shared single-learner pretraining before the arms")
-    ap.add_argument("--topk-density", type=float, default=None,
-                    help="the topk arm's delta_density (default 1/32)")
+    ap.add_argument("--sync-every", type=int, default=None,
+                    help="H, for every arm (default 50; quick 20)")
+    ap.add_argument("--topk-density", type=_densities, default=None,
+                    help="the sparse arms' delta_density, a comma list (1/32,1/100,0.005): "
+                    "one arm each (default 1/32)")
+    ap.add_argument("--sparse-dtype", default=None, help="the sparse arms' delta_dtype "
+                    "(default TOPK_F8)")
+    ap.add_argument("--sparse-outer-lr", type=float, default=None,
+                    help="the sparse arms' outer_lr (default DiLoCo's 0.7)")
+    ap.add_argument("--sparse-outer-momentum", type=float, default=None,
+                    help="the sparse arms' outer_momentum (default DiLoCo's 0.9)")
+    ap.add_argument("--feedback-decay", type=float, default=None,
+                    help="the sparse arms' feedback_decay (default None: no decay)")
+    ap.add_argument("--sparse-arm", type=parse_spec, action="append", default=None,
+                    help="one sparse arm per use (in place of --topk-density and the sparse "
+                    "flags): DTYPE@DENSITY[,lr=X][,m=Y][,decay=Z][,lm=W], e.g. "
+                    "SIGN1@1,lr=0.7,m=0,lm=0.9")
+    ap.add_argument("--feedback-momentum", type=float, default=None,
+                    help="the sparse arms' feedback_momentum (default None: off; needs "
+                    "--sparse-outer-momentum 0)")
     ap.add_argument("--results", default=str(RESULTS), help="markdown file to append to")
     ap.add_argument("--plot", default=None, help="PNG path (default benchmarks/convergence"
                     "[-quick].png)")
     args = ap.parse_args(argv)
     preset = "smoke" if args.smoke else "quick" if args.quick else "full"
     s = PRESETS[preset]
-    for field in ("steps", "n_layer", "n_embd", "lr", "schedule", "warmup", "warm_start",
-                  "topk_density"):
-        if getattr(args, field) is not None:
-            s = dataclasses.replace(s, **{field: getattr(args, field)})
+    for flag, field in (("steps", "steps"), ("n_layer", "n_layer"), ("n_embd", "n_embd"),
+                        ("lr", "lr"), ("schedule", "schedule"), ("warmup", "warmup"),
+                        ("warm_start", "warm_start"), ("sync_every", "sync_every"),
+                        ("topk_density", "topk_densities"), ("sparse_dtype", "sparse_dtype"),
+                        ("sparse_outer_lr", "sparse_outer_lr"),
+                        ("sparse_outer_momentum", "sparse_outer_momentum"),
+                        ("feedback_decay", "feedback_decay"),
+                        ("feedback_momentum", "feedback_momentum")):
+        if getattr(args, flag) is not None:
+            s = dataclasses.replace(s, **{field: getattr(args, flag)})
+    if args.sparse_arm:
+        s = dataclasses.replace(s, sparse_specs=tuple(args.sparse_arm))
     sized = (s.n_layer, s.n_embd) != (PRESETS[preset].n_layer, PRESETS[preset].n_embd)
     names = args.arms.split(",")
-    arms = [a for a in ARMS if a.name in names]
+    arms = [b for a in ARMS if a.name in names
+            for b in (sparse_arms(a, s) if a.name in SPARSE else [a])]
     unknown = set(names) - {a.name for a in ARMS}
     if unknown:
         raise SystemExit(f"--arms: unknown {sorted(unknown)}; choose from "

@@ -3,10 +3,10 @@
     python benchmarks/sparse_bytes.py [--n-layer 2] [--n-embd 128] [--vocab 4096]
 
 Packs one delta of the convergence benchmark's GPT-2 (one fragment: the whole model, as
-standard DiLoCo sends it) in F32, BF16, F8_E4M3, F4 and TOPK_F8 at several densities, and
-prints the payload bytes (safetensors headers included, codec off) and F32's bytes over
-each. Counts are exact: the sizes do not depend on the values (no codec), so a random
-delta stands for a trained one. No timing.
+standard DiLoCo sends it) in F32, BF16, F8_E4M3, F4, and TOPK_F8, TOPK_Q2 and SIGN1 at
+several densities, and prints the payload bytes (safetensors headers included, codec off)
+and F32's bytes over each. Counts are exact: the sizes do not depend on the values (no
+codec), so a random delta stands for a trained one. No timing.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from gradientmail.wire.serialization import pack
 from gradientmail.wire.sparse import chunk_k, sparsify
 from gradientmail.wire.tensor_bytes import TensorBytes
 
-DENSITIES = (1 / 16, 1 / 32, 0.02, 0.01, 1 / 256)
+DENSITIES = (1 / 8, 1 / 16, 1 / 32, 0.02, 0.01, 1 / 256)
+SIGN_DENSITIES = (1.0, 1 / 2, 1 / 3, 1 / 4, 1 / 8)
 
 
 def model_delta(n_layer: int, n_embd: int, vocab: int) -> dict[str, TensorBytes]:
@@ -40,11 +41,14 @@ def sizes(delta: dict[str, TensorBytes]) -> list[tuple[str, int]]:
         for n, t in delta.items():
             entries.update(quantize(n, t, fmt))
         out.append((fmt, len(pack(entries))))
-    for d in DENSITIES:
-        entries = {}
-        for n, t in delta.items():
-            entries.update(sparsify(n, t, d))
-        out.append((f"TOPK_F8 density {d:.4g} (k={chunk_k(d)} of 4096)", len(pack(entries))))
+    for fmt, densities in (("TOPK_F8", DENSITIES), ("TOPK_Q2", DENSITIES),
+                           ("SIGN1", SIGN_DENSITIES)):
+        for d in densities:
+            entries = {}
+            for n, t in delta.items():
+                entries.update(sparsify(n, t, d, fmt))
+            kept = f"k={chunk_k(d)} of 4096" if fmt != "SIGN1" else "seeded random share"
+            out.append((f"{fmt} density {d:.4g} ({kept})", len(pack(entries))))
     return out
 
 

@@ -105,6 +105,8 @@ _DILOCO_KINDS = {
     "checkpoint_every": "int",
     "keep_rounds": "int?",
     "delta_density": "float?",
+    "feedback_decay": "float?",
+    "feedback_momentum": "float?",
 }
 _YAML_KEYS = (*_PLUGIN_KINDS, "diloco")
 _TRUE = ("1", "true", "yes", "on")

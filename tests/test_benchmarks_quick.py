@@ -87,6 +87,25 @@ def test_convergence_smoke_writes_every_arm(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(900)
+def test_convergence_smoke_trains_sparse_arms_with_their_own_settings(tmp_path: Path) -> None:
+    text = run("convergence.py", tmp_path, "--arms", "diloco,topk,dtopk", "--sparse-arm",
+               "SIGN1@1,lr=0.7,m=0,lm=0.9", "--sparse-arm", "TOPK_Q2@1/64,lr=1,m=0",
+               "--plot", str(tmp_path / "p.png"))
+    table = rows(text)
+    assert len(table) == 5, table
+    f32 = table["standard DiLoCo (P=1, quorum M, barrier, mean)"]
+    sign1 = table["standard DiLoCo, SIGN1 density 1/1, outer lr 0.7 / momentum 0, learner "
+                  "momentum 0.9"]
+    q2 = table["Decoupled defaults, TOPK_Q2 density 1/64, outer lr 1 / momentum 0"]
+    assert {cells[7] for cells in table.values()} == {"3,072"}
+    # 1 bit an element against 32, headers aside (the smoke model's tensors are small).
+    assert megabytes(sign1[4]) < megabytes(f32[4]) / 8
+    assert int(sign1[6]) == 2 and int(q2[6]) >= 1
+    assert "- topk1 within +0.5% of F32 loss at >= 30x fewer bytes" in text
+    assert "- dtopk2 within +0.5% of the Decoupled F32 loss" not in text  # no decoupled arm
+
+
+@pytest.mark.timeout(900)
 def test_chaos_smoke_kills_learners_and_loses_no_commit(tmp_path: Path) -> None:
     text = run("chaos.py", tmp_path)
     assert "## goodput under failures (chaos)" in text

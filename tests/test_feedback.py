@@ -378,3 +378,33 @@ def test_a_learner_keeps_its_residuals_across_a_restart() -> None:
     assert [e.learner for e in seen if isinstance(e, ev.LeaseReleased)] == ["solo"]
     with pytest.raises(ConfigError, match=r"not a Learner state: keys \['x'\]"):
         Learner(TorchAdapter(model()), sparse_run(), mailbox, "x").load_state_dict({"x": 1})
+
+
+@pytest.mark.parametrize("fmt", ["TOPK_F8", "SIGN1"])
+def test_the_learners_momentum_is_settled_and_saved_with_the_residual(fmt: str) -> None:
+    """With `feedback_momentum`, a failed newest payload gives back the momentum and the
+    residual it replaced exactly, on the host and on a torch tensor alike; the momentum
+    travels in the checkpoint state beside the residual and comes back in its place."""
+    density = 1.0 if fmt == "SIGN1" else DENSITY
+    for make in (as_bytes, lambda d: as_torch(d, "cpu")):
+        r = Residuals("me")
+        r.encode(0, 0, make(deltas(0)), density, 0.95, fmt, 0.8)
+        mom, res = ({n: host(a).copy() for n, a in r.momentum(0).items()},
+                    {n: host(a).copy() for n, a in r.residual(0).items()})
+        assert sorted(mom) == sorted(res) == sorted(SHAPES)
+        np.testing.assert_array_equal(mom["w"], deltas(0)["w"])  # m = the first delta
+        r.recorded(0, ("me",))
+        r.encode(1, 0, make(deltas(1)), density, 0.95, fmt, 0.8)
+        np.testing.assert_allclose(host(r.momentum(0)["w"]),
+                                   np.float32(0.8) * deltas(0)["w"] + deltas(1)["w"],
+                                   rtol=1e-6)
+        r.failed(1)
+        for n in SHAPES:
+            np.testing.assert_array_equal(host(r.momentum(0)[n]), mom[n])
+            np.testing.assert_array_equal(host(r.residual(0)[n]), res[n])
+        state = r.state_dict()
+        back = Residuals("me")
+        back.load_state_dict(state, SIZES, lambda name, a: a)
+        for n in SHAPES:
+            np.testing.assert_array_equal(host(back.momentum(0)[n]), mom[n])
+            np.testing.assert_array_equal(host(back.residual(0)[n]), res[n])

@@ -54,7 +54,7 @@ def test_tensorbytes_checks_length_against_dtype_and_shape() -> None:
 
 
 def test_nbytes_of_every_dtype() -> None:
-    assert [nbytes_of(d, (5,)) for d in DTYPES] == [20, 10, 10, 5, 5, 3, 10]
+    assert [nbytes_of(d, (5,)) for d in DTYPES] == [20, 10, 10, 5, 5, 3, 10, 5, 20]
 
 
 @pytest.mark.parametrize(
@@ -67,6 +67,8 @@ def test_nbytes_of_every_dtype() -> None:
         ("F8_E8M0", ml_dtypes.float8_e8m0fnu),
         ("F4", ml_dtypes.float4_e2m1fn),
         ("U16", np.uint16),
+        ("U8", np.uint8),
+        ("U32", np.uint32),
     ],
 )
 def test_numpy_round_trip(dtype: str, np_dtype: Any) -> None:
@@ -276,6 +278,8 @@ _LIBRARY_DTYPE = {
     "F8_E8M0": "float8_e8m0fnu",
     "F4": "float4_e2m1fn_x2",
     "U16": "uint16",
+    "U8": "uint8",
+    "U32": "uint32",
 }
 
 

@@ -58,7 +58,7 @@ from gradientmail.wire.estimates import Estimates
 from gradientmail.wire.records import Participant
 from gradientmail.wire.serialization import Schema, validate
 from gradientmail.wire.sharded_pieces import RowPieces
-from gradientmail.wire.sparse import SPARSE_FORMATS, check_density
+from gradientmail.wire.sparse import SPARSE_FORMATS, check_decay, check_density
 from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = [
@@ -108,11 +108,19 @@ class DiLoCo:
     η = `outer_lr` and β = `outer_momentum` of the Nesterov outer step; `merge` and
     `partition`; `global_batch_size` split over live learners; `delta_dtype` (None: the
     model's own precision — BF16 deltas from a fragment held in BF16, else F32; "F32"
-    forces full precision; "TOPK_F8", the sparse format of `wire.sparse`, keeps
-    `delta_density` (None: 1/32) of every chunk of 4096 elements, and each learner keeps
-    what it did not send as error feedback, `learner.feedback`) and `commit_dtype`
-    (None: full theta) transfer formats; `delta_density` is written to the JSON only
-    when set;
+    forces full precision; "TOPK_F8" and "TOPK_Q2", the sparse formats of `wire.sparse`,
+    keep `delta_density` (None: 1/32) of every chunk of 4096 elements, "SIGN1"
+    (`wire.signs`) the signs of a seeded random `delta_density` (None: 1) of the elements,
+    and each learner keeps what it did not send as error feedback, `learner.feedback`, its
+    residual scaled by `feedback_decay` each round, None: 1; with `feedback_momentum` μ
+    each learner keeps the Nesterov momentum of its own deltas and compresses the Nesterov
+    step, and the outer step is plain SGD, outer_momentum=0) and `commit_dtype` (None: full
+    theta) transfer formats; `delta_density` and the feedback settings are written to the
+    JSON only when set;
+    With error feedback the outer momentum belongs with the learners (measured in
+    benchmarks/RESULTS.md, "Sparse and 1-bit deltas"): `DiLoCo.standard(H, M,
+    delta_dtype="SIGN1", feedback_momentum=0.8, outer_momentum=0.0)` for 1 bit an element,
+    or a top-k format with `outer_lr=1.0, outer_momentum=0.0`; `feedback_decay` unset.
     `flush_on_close` (the default) publishes what a closing learner trained since its
     last contribution as final contributions, so a run that ends commits every step it
     trained;
@@ -180,9 +188,10 @@ class DiLoCo:
     global_batch_size: int | None = _setting(
         None, "a batch size split over the live learners; None: each keeps its own")
     delta_dtype: str | None = _setting(
-        None, "the format of contributions: F32, BF16, F8_E4M3, F4, TOPK_F8 (the top "
-        "delta_density of every 4096 elements, with error feedback); "
-        "None: the model's precision")
+        None, "the format of contributions: F32, BF16, F8_E4M3, F4; with error feedback "
+        "TOPK_F8 or TOPK_Q2 (the top delta_density of every 4096 elements in 8 or 2 bits) "
+        "or SIGN1 (1-bit signs of a random delta_density of them); None: the model's "
+        "precision")
     commit_dtype: str | None = _setting(
         None, "the format of commits: BF16, F8_E4M3, F4; None: full theta")
     flush_on_close: bool = _setting(
@@ -200,8 +209,14 @@ class DiLoCo:
         None, "keep the newest K rounds' contributions so verify can re-derive them; "
         "None: swept after each commit")
     delta_density: float | None = _setting(
-        None, "the share of each chunk a TOPK_F8 delta carries, in (0, 1]; "
-        "None: 1/32")
+        None, "the share of each chunk a sparse delta carries, in (0, 1]; "
+        "None: 1/32 (SIGN1: 1)")
+    feedback_decay: float | None = _setting(
+        None, "β of a sparse delta's error feedback: the residual is scaled by it before "
+        "the next delta is added, in (0, 1]; None: 1 (kept whole)")
+    feedback_momentum: float | None = _setting(
+        None, "μ of the Nesterov momentum each learner keeps on its own deltas before "
+        "compressing them (sparse delta_dtype, outer_momentum 0), in (0, 1); None: off")
 
     def __post_init__(self) -> None:
         _int("sync_every", self.sync_every, 1)
@@ -263,9 +278,35 @@ class DiLoCo:
             if self.delta_dtype not in SPARSE_FORMATS:
                 raise ConfigError(
                     f"delta_density={self.delta_density!r} is set but delta_dtype="
-                    f"{self.delta_dtype!r} is dense; use delta_dtype='TOPK_F8' or leave "
-                    "delta_density None")
+                    f"{self.delta_dtype!r} is dense; use a sparse delta_dtype "
+                    f"({', '.join(repr(f) for f in SPARSE_FORMATS)}) or leave delta_density "
+                    "None")
             object.__setattr__(self, "delta_density", check_density(self.delta_density))
+        if self.feedback_decay is not None:
+            if self.delta_dtype not in SPARSE_FORMATS:
+                raise ConfigError(
+                    f"feedback_decay={self.feedback_decay!r} is set but delta_dtype="
+                    f"{self.delta_dtype!r} keeps no error feedback; use a sparse delta_dtype "
+                    f"({', '.join(repr(f) for f in SPARSE_FORMATS)}) or leave feedback_decay "
+                    "None")
+            object.__setattr__(self, "feedback_decay", check_decay(self.feedback_decay))
+        if self.feedback_momentum is not None:
+            mu = _float("feedback_momentum", self.feedback_momentum)
+            if not 0 < mu < 1:
+                raise ConfigError(f"feedback_momentum={self.feedback_momentum!r} must be in "
+                                  "(0, 1), e.g. 0.9, or None (off)")
+            if self.delta_dtype not in SPARSE_FORMATS:
+                raise ConfigError(
+                    f"feedback_momentum={mu!r} is set but delta_dtype={self.delta_dtype!r} "
+                    "keeps no error feedback; use a sparse delta_dtype "
+                    f"({', '.join(repr(f) for f in SPARSE_FORMATS)}) or leave "
+                    "feedback_momentum None")
+            if beta != 0:
+                raise ConfigError(
+                    f"feedback_momentum={mu!r} and outer_momentum={self.outer_momentum!r}: the "
+                    "learners keep the momentum, so the outer step must not keep another; "
+                    "set outer_momentum=0")
+            object.__setattr__(self, "feedback_momentum", mu)
         if self.rebase is not None and not isinstance(self.rebase, bool):
             raise ConfigError(f"rebase={self.rebase!r} must be True, False or None (automatic)")
         if self.rebase and mixing > 0:
@@ -440,14 +481,16 @@ _JSON_KINDS = {
     "global_batch_size": "int?", "delta_dtype": "str?", "commit_dtype": "str?",
     "flush_on_close": "bool", "outlier_factor": "number", "rebase": "bool",
     "checkpoint_every": "int", "keep_rounds": "int", "delta_density": "number",
+    "feedback_decay": "number", "feedback_momentum": "number",
 }
 # Fields added after format version 1 was pinned: absent means None, and None is written
 # by leaving them out, so older records stay valid and unchanged. (`rebase` is never None
 # once built: it is left out when it equals `_default_rebase`. `checkpoint_every` is
 # left out when 1, which is what its absence means: runs created before replication.
-# `keep_rounds` and `delta_density` are written only when set, so runs without them
-# keep their records.)
-_OMITTED_WHEN_NONE = frozenset({"outlier_factor", "rebase", "keep_rounds", "delta_density"})
+# `keep_rounds`, `delta_density` and the feedback settings are written only when set, so runs
+# without them keep their records.)
+_OMITTED_WHEN_NONE = frozenset({"outlier_factor", "rebase", "keep_rounds", "delta_density",
+                                "feedback_decay", "feedback_momentum"})
 _JSON_WORDS = {"int": "an integer", "number": "a number", "str": "a string", "bool": "a bool"}
 
 

@@ -37,7 +37,7 @@ __all__ = [
 #: The words of `merge`, `partition` and the transfer formats.
 MERGES = ("rda", "mean")
 PARTITIONS = ("bytes", "strided")
-DELTA_DTYPES = ("F32", "BF16", "F8_E4M3", "F4", "TOPK_F8")
+DELTA_DTYPES = ("F32", "BF16", "F8_E4M3", "F4", "TOPK_F8", "TOPK_Q2", "SIGN1")
 COMMIT_DTYPES = ("BF16", "F8_E4M3", "F4")
 _DEFAULT_DIRECT = Rda().direct_pattern
 _DEFAULT_BLOCK = Strided().block_pattern

@@ -1,10 +1,24 @@
 """Error feedback for sparse deltas: what a learner's payloads did not carry, kept per
 fragment and added to that fragment's next delta.
 
-With a sparse `delta_dtype` (`wire.sparse`), the poster encodes x = delta + residual
-(`carried`) and keeps x − sent (`left`) as the fragment's new residual, so that over
-rounds the values sent plus the residual left add up to the deltas trained. The
-arithmetic is those two functions and nothing else.
+With a sparse `delta_dtype` (`wire.sparse`), the poster encodes x = delta + β·residual
+(`carried`) and keeps x − sent (`left`) as the fragment's new residual, β the run's
+`feedback_decay` (None: 1). With β = 1, over rounds the values sent plus the residual left
+add up to the deltas trained; β < 1 (SparseLoCo's 0.95) lets what was left out for many
+rounds fade instead of piling up into a stale step. The arithmetic is those two functions
+and nothing else.
+
+With a `feedback_momentum` μ the learner keeps the outer momentum itself, per fragment, on
+its own deltas: m ← μ·m + delta, and compresses the Nesterov step delta + μ·m (plus the
+residual) in place of the delta; the closer then takes a plain SGD step (outer_momentum
+0). Without compression, and with every learner in every round at the same weight
+(standard DiLoCo), that is the Nesterov outer step of the merged deltas exactly (the mean
+of the learners' momenta is the momentum of the mean), but what compression leaves out is
+no longer amplified 1/(1 − μ)-fold by a momentum downstream of it. The momentum is kept
+beside the residual, under `MOMENTUM` + the tensor's name, and settled with it: a payload
+that fails takes its share of both back out (exactly when it is its fragment's newest; to
+float rounding when a later payload was encoded from it, the momentum then only to first
+order, as its update is not additive).
 
 A payload that is not merged (its upload failed, or the commit of its round left it
 out) carried nothing: its steps go out again in the fragment's next delta (the anchor
@@ -32,24 +46,25 @@ from typing import Any, TypeVar
 import numpy as np
 
 from gradientmail.errors import ConfigError
-from gradientmail.wire.sparse import sparsify_sent
+from gradientmail.wire.sparse import densify, sparsify, sparsify_sent
 from gradientmail.wire.tensor_bytes import TensorBytes
 
-__all__ = ["STATE_VERSION", "Residuals", "carried", "left"]
+__all__ = ["MOMENTUM", "STATE_VERSION", "Residuals", "carried", "left"]
 
 #: The version of `Residuals.state_dict`'s layout.
 STATE_VERSION = 1
+#: The prefix of a fragment's momentum entries (`feedback_momentum`) beside its residual's.
+MOMENTUM = "momentum/"
 
 # A residual: a flat float32 numpy array, or a flat float32 torch tensor on the device.
 _Arrays = dict[str, Any]
 _A = TypeVar("_A")
 
 
-def carried(delta: _A, residual: _A) -> _A:
-    """What a payload encodes: `delta` plus the `residual` carried in, added into `delta`
-    (a flat float32 array the caller owns) and returned. A decayed feedback (e ← β·e + Δ)
-    changes this line and no other."""
-    delta += residual  # type: ignore[operator]
+def carried(delta: _A, residual: _A, decay: float = 1.0) -> _A:
+    """What a payload encodes: `delta` plus `decay` × the `residual` carried in, added
+    into `delta` (a flat float32 array the caller owns) and returned."""
+    delta += residual if decay == 1.0 else decay * residual  # type: ignore[operator,assignment]
     return delta
 
 
@@ -82,7 +97,14 @@ class Residuals:
         """`fragment`'s residual by tensor name, flat float32 (empty before its first
         sparse payload): numpy arrays, or torch tensors on the parameters' device."""
         with self._lock:
-            return dict(self._kept.get(fragment, {}))
+            kept = self._kept.get(fragment, {})
+            return {n: a for n, a in kept.items() if not n.startswith(MOMENTUM)}
+
+    def momentum(self, fragment: int) -> Mapping[str, Any]:
+        """`fragment`'s momentum by tensor name (empty without `feedback_momentum`)."""
+        with self._lock:
+            kept = self._kept.get(fragment, {})
+            return {n[len(MOMENTUM):]: a for n, a in kept.items() if n.startswith(MOMENTUM)}
 
     def in_flight(self) -> dict[int, int]:
         """The rounds whose payload is not settled yet, with their fragments."""
@@ -90,9 +112,13 @@ class Residuals:
             return {r: f for r, (f, _, _) in self._pending.items()}
 
     def encode(self, round_: int, fragment: int, delta: Mapping[str, Any],
-               density: float) -> dict[str, TensorBytes]:
-        """The sparse entries of `delta` plus the fragment's residual; the rest becomes the
-        fragment's residual, the one before kept until round `round_` is settled.
+               density: float, decay: float = 1.0, fmt: str = "TOPK_F8",
+               momentum: float = 0.0) -> dict[str, TensorBytes]:
+        """The sparse entries (`fmt`) of `delta` (with `momentum` μ > 0: of the Nesterov
+        step delta + μ·m, m ← μ·m + delta) plus `decay` × the fragment's residual; the rest
+        becomes the fragment's residual, the state before kept until round `round_` is
+        settled. SIGN1 is seeded with `round_`, so a round's learners send the same
+        elements.
 
         `delta` maps names to F32 `TensorBytes` (host), or to float32 torch tensors that
         `encode` may write (new ones: `TorchAdapter.delta_tensors`), which it encodes on
@@ -107,10 +133,15 @@ class Residuals:
         out: dict[str, TensorBytes] = {}
         after: _Arrays = {}
         for name, value in delta.items():
-            x = _flat(value)
+            x = _flat(value, fmt)
+            if momentum:
+                m_prev = None if before is None else before.get(MOMENTUM + name)
+                m = x if m_prev is None else momentum * m_prev + x
+                after[MOMENTUM + name] = m
+                x = x + momentum * m
             if before is not None and name in before:
-                x = carried(x, before[name])
-            entries, positions, sent = _sparsify(name, x, density)
+                x = carried(x, before[name], decay)
+            entries, positions, sent = _sparsify(name, x, density, fmt, round_)
             after[name] = left(x, positions, sent)
             out.update(entries)
         with self._lock:
@@ -232,19 +263,20 @@ class Residuals:
                                   "tensor names to arrays")
             out: _Arrays = {}
             for name, value in values.items():
-                if name not in sizes:
+                tensor = name[len(MOMENTUM):] if name.startswith(MOMENTUM) else name
+                if tensor not in sizes:
                     raise ConfigError(
                         f"{where} has a residual for {name!r}, which is not a synced "
                         "parameter of this model; resume with the model the checkpoint "
                         "was written with, or start without its error feedback")
                 got = int(np.prod(getattr(value, "shape", (-1,))))
-                if got != sizes[name]:
+                if got != sizes[tensor]:
                     raise ConfigError(
                         f"{where}: the residual of {name!r} has {got} elements, the "
-                        f"parameter {sizes[name]}; resume with the model the checkpoint "
+                        f"parameter {sizes[tensor]}; resume with the model the checkpoint "
                         "was written with, or start without its error feedback")
                 if id(value) not in placed:
-                    placed[id(value)] = place(name, value)
+                    placed[id(value)] = place(tensor, value)
                 out[name] = placed[id(value)]
             return out
 
@@ -279,7 +311,8 @@ class Residuals:
                         f"the checkpoint holds residuals of fragment {f}; this run has "
                         f"{len(plan)} fragments. Resume into the run (and fragments=) the "
                         "checkpoint was written for, or start without its error feedback")
-                extra = sorted(set(arrays) - set(plan[f]))
+                extra = sorted({n[len(MOMENTUM):] if n.startswith(MOMENTUM) else n
+                                for n in arrays} - set(plan[f]))
                 if extra:
                     raise ConfigError(
                         f"the checkpoint holds residuals of {extra} in fragment {f}, which "
@@ -287,20 +320,31 @@ class Residuals:
                         "written for, or start without its error feedback")
 
 
-def _flat(value: Any) -> Any:
-    """A delta as a flat float32 array the residual arithmetic may write."""
+def _flat(value: Any, fmt: str = "TOPK_F8") -> Any:
+    """A delta as a flat float32 array the residual arithmetic may write: on the tensor's
+    device for TOPK_F8 (which has a torch encoder), on the host for the other formats."""
     if isinstance(value, TensorBytes):
         return value.to_numpy().reshape(-1).astype(np.float32)  # a copy
     import torch
 
     if not isinstance(value, torch.Tensor):
         raise ConfigError(f"a delta is TensorBytes or a torch tensor, not {type(value).__name__}")
-    return value.detach().reshape(-1).to(torch.float32)
+    flat = value.detach().reshape(-1).to(torch.float32)
+    return flat if fmt == "TOPK_F8" else flat.cpu().numpy()
 
 
-def _sparsify(name: str, x: Any, density: float) -> tuple[dict[str, TensorBytes], Any, Any]:
-    """`sparsify_sent` of the flat float32 `x`, on its device (a torch tensor on a GPU)
-    or the host (numpy, also for a torch tensor on the CPU: a view, no copy)."""
+def _sparsify(name: str, x: Any, density: float, fmt: str = "TOPK_F8",
+              seed: int = 0) -> tuple[dict[str, TensorBytes], Any, Any]:
+    """`fmt`'s entries of the flat float32 `x`, the positions they carry and the values
+    there. TOPK_F8: `sparsify_sent`, on `x`'s device (a torch tensor on a GPU) or the host
+    (numpy, also for a torch tensor on the CPU: a view, no copy). The other formats
+    (numpy `x`): their entries decoded again, every position."""
+    if fmt != "TOPK_F8":
+        view = x.view()
+        view.flags.writeable = False
+        entries = sparsify(name, TensorBytes("F32", (x.size,), view), density, fmt, seed=seed)
+        sent = densify(entries, name, (x.size,), fmt).to_numpy().reshape(-1)
+        return entries, slice(None), sent
     if isinstance(x, np.ndarray):
         view = x.view()
         view.flags.writeable = False  # read by the entries' builder only

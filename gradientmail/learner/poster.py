@@ -30,7 +30,7 @@ from gradientmail.run.protocol import Exchange
 from gradientmail.syncer.hosted import Host
 from gradientmail.wire.quantization import quantize
 from gradientmail.wire.records import RoundRecord, SnapshotRecord
-from gradientmail.wire.sparse import DEFAULT_DENSITY, SPARSE_FORMATS
+from gradientmail.wire.sparse import SPARSE_FORMATS, default_density
 from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["Poster"]
@@ -195,13 +195,16 @@ class Poster:
 
     def _encode(self, job: Outgoing, fmt: str) -> dict[str, TensorBytes]:
         if fmt in SPARSE_FORMATS:
-            density = self._algorithm.delta_density
+            density, decay = self._algorithm.delta_density, self._algorithm.feedback_decay
             # On the model's device where the adapter offers it: the residuals live there.
             on_device = getattr(self._adapter, "delta_tensors", None)
             delta = (on_device(job.anchor, job.snapshot) if on_device is not None
                      else self._adapter.delta(job.anchor, job.snapshot))
-            return self.residuals.encode(job.round, job.fragment, delta,
-                                         DEFAULT_DENSITY if density is None else density)
+            return self.residuals.encode(
+                job.round, job.fragment, delta,
+                default_density(fmt) if density is None else density,
+                1.0 if decay is None else decay, fmt,
+                self._algorithm.feedback_momentum or 0.0)
         quantized = getattr(self._adapter, "delta_quantized", None)
         if fmt != "F32" and quantized is not None:
             entries: dict[str, TensorBytes] = quantized(job.anchor, job.snapshot, fmt)

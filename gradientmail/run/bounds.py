@@ -10,7 +10,7 @@ from gradientmail.wire import compression as codec
 from gradientmail.wire.records import SnapshotRecord
 from gradientmail.wire.serialization import Schema, validate
 from gradientmail.wire.sharded_blocks import digest_room
-from gradientmail.wire.sparse import SPARSE_FORMATS, densify
+from gradientmail.wire.sparse import SPARSE_FORMATS, densify, entry_names
 from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["check_delta", "delta_bound", "payload_bound"]
@@ -25,7 +25,7 @@ def check_delta(tensors: dict[str, TensorBytes], snapshot: SnapshotRecord, schem
     format), so that a round merges it as it merges any F32 delta."""
     names = list(names)
     if snapshot.delta_format in SPARSE_FORMATS:
-        return _densified(tensors, schema, names)
+        return _densified(tensors, schema, names, snapshot.delta_format)
     wanted = set(names)
     scales = {f"{n}.scale" for n in names}
     main = {n: t for n, t in tensors.items() if n in wanted or n not in scales}
@@ -33,15 +33,15 @@ def check_delta(tensors: dict[str, TensorBytes], snapshot: SnapshotRecord, schem
     return tensors
 
 
-def _densified(tensors: dict[str, TensorBytes], schema: Schema,
-               names: list[str]) -> dict[str, TensorBytes]:
-    want = {f"{n}{s}" for n in names for s in ("", ".index", ".count", ".scale")}
+def _densified(tensors: dict[str, TensorBytes], schema: Schema, names: list[str],
+               fmt: str) -> dict[str, TensorBytes]:
+    want = {e for n in names for e in entry_names(n, fmt)}
     missing, extra = sorted(want - set(tensors)), sorted(set(tensors) - want)
     if missing or extra:
         raise SchemaMismatch(
             f"sparse delta does not match schema {schema.digest()[:12]}: missing {missing}, "
             f"extra {extra}")
-    return {n: densify(tensors, n, schema[n].shape) for n in names}
+    return {n: densify(tensors, n, schema[n].shape, fmt) for n in names}
 
 
 def delta_bound(schema: Schema, names: Iterable[str]) -> int:

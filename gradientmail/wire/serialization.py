@@ -260,7 +260,8 @@ def validate(
 
 
 # The library writes tensors by dtype, widest first (its Dtype enum, descending), then name.
-_WRITE_RANK = {"F32": 0, "BF16": 1, "F16": 2, "U16": 3, "F8_E8M0": 4, "F8_E4M3": 5, "F4": 6}
+_WRITE_RANK = {"F32": 0, "U32": 1, "BF16": 2, "F16": 3, "U16": 4, "F8_E8M0": 5, "F8_E4M3": 6,
+               "U8": 7, "F4": 8}
 
 
 def write_order(tensors: Mapping[str, TensorBytes | ParameterSpec]) -> list[str]:

@@ -32,7 +32,7 @@ __all__ = [
 STORAGE_DTYPES: tuple[str, ...] = ("F32", "F16", "BF16")
 #: Every dtype a payload may hold, with its width in bits.
 _BITS: dict[str, int] = {"F32": 32, "F16": 16, "BF16": 16, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4,
-                        "U16": 16}
+                        "U16": 16, "U8": 8, "U32": 32}
 DTYPES: tuple[str, ...] = tuple(_BITS)
 
 _A = TypeVar("_A", bound=np.generic)
@@ -45,6 +45,10 @@ _NUMPY: dict[str, Any] = {
     "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
     # The offsets of a sparse payload within their chunk (`wire.sparse`).
     "U16": np.dtype("<u2"),
+    # Packed codes and offsets of a TOPK_Q2 payload (`wire.sparse`).
+    "U8": np.dtype(np.uint8),
+    # A SIGN1 payload's seed and threshold (`wire.signs`).
+    "U32": np.dtype("<u4"),
 }
 
 
