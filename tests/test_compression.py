@@ -150,8 +150,13 @@ def test_round_trip_every_dtype_format_and_codec(
 ) -> None:
     tensors, fmt = payload
     blob = encode(tensors, compression)
-    # The bound applies to the decompressed blob, the shuffle marker included: it is exact.
-    exact = len(pack(tensors, {SHUFFLE_KEY: "1"} if compression == "zstd" else None))
+    # The bound applies to the decompressed blob, the shuffle marker included when the
+    # encoder shuffled (it does unless a sample compresses smaller unshuffled): it is exact.
+    exact = len(pack(tensors))
+    if compression == "zstd":
+        frame = zstandard.ZstdDecompressor().decompress(blob)
+        assert len(frame) in (exact, len(pack(tensors, {SHUFFLE_KEY: "1"})))
+        exact = len(frame)
     back = decode(blob, compression, max_bytes=exact)
     assert back == tensors
     with pytest.raises(CorruptPayload, match=f"bound of {exact - 1}"):
@@ -244,3 +249,26 @@ def test_missing_zstandard_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> N
     with pytest.raises(MissingExtra, match="zstd"):
         decode(b"", "zstd")
     assert decode(encode(golden_tensors(), "off"), "off") == golden_tensors()
+
+
+def test_a_payload_of_few_distinct_values_is_packed_unshuffled() -> None:
+    """A merged step of 1-bit deltas (signs times one magnitude per chunk, summed over
+    learners) compresses to a third of its shuffled size unshuffled: the encoder packs it
+    so, without the marker, and the decoder reads it back."""
+    rng = np.random.default_rng(0)
+    n, chunk = 300_000, 4096
+    step = np.zeros(n, np.float32)
+    for _ in range(4):
+        mags = np.abs(rng.standard_normal(-(-n // chunk)) * 1e-3).astype(np.float32)
+        step += np.sign(rng.standard_normal(n)).astype(np.float32) * np.repeat(mags, chunk)[:n]
+    tensors = {"w": TensorBytes.from_numpy(step)}
+    blob = encode(tensors, "zstd")
+    assert zstandard.ZstdDecompressor().decompress(blob) == pack(tensors)
+    shuffled = zstandard.ZstdCompressor(level=1).compress(
+        pack({"w": shuffle(tensors["w"])}, {SHUFFLE_KEY: "1"}))
+    assert len(blob) < 0.5 * len(shuffled)
+    assert decode(blob, "zstd") == tensors
+    # Trained-looking floats still shuffle.
+    floats = {"w": TensorBytes.from_numpy((rng.standard_normal(n) * 0.02).astype(np.float32))}
+    frame = zstandard.ZstdDecompressor().decompress(encode(floats, "zstd"))
+    assert frame == pack({"w": shuffle(floats["w"])}, {SHUFFLE_KEY: "1"})

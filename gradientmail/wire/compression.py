@@ -9,7 +9,10 @@ stored side by side (all low bytes, then all second bytes, ...), so the slowly v
 sign/exponent bytes of float weights form long compressible runs. One-byte formats
 (F8_E4M3, F8_E8M0, F4) are left as they are. A shuffled blob is an ordinary safetensors
 file whose metadata holds ``{"gradientmail.shuffle": "1"}``; the tensors' dtype and shape
-are the real ones, only the order of their data bytes differs. The blob is compressed at
+are the real ones, only the order of their data bytes differs. The encoder packs the
+tensors unshuffled (no marker) when a sample of each compresses smaller that way
+(`_shuffle_pays`: tensors of few distinct values, such as the merged step of 1-bit
+deltas); the decoder reads both. The blob is compressed at
 zstd level 1 as one frame that declares its decompressed size (multi-threaded for large
 payloads).
 
@@ -202,9 +205,12 @@ def encode(
                               "digests serve ranged reads, and no range of a zstd frame "
                               "decodes alone; write the payload uncompressed")
         meta[BLOCKS_KEY] = blocks_entry(tensors, blocks)
-    if compression == "off":
-        return pack(tensors, meta)
-    zstandard = _zstd()
+    zstandard = None if compression == "off" else _zstd()
+    if zstandard is None or not _shuffle_pays(tensors, zstandard):
+        raw = pack(tensors, meta)
+        if zstandard is None:
+            return raw
+        return _compressor(zstandard, len(raw)).compress(raw)  # type: ignore[no-any-return]
     meta[SHUFFLE_KEY] = "1"
     header, order = pack_header(tensors, meta)  # shuffling keeps every length
     blob = np.empty(len(header) + sum(tensors[n].nbytes for n in order), np.uint8)
@@ -215,12 +221,47 @@ def encode(
         end = pos + tensor.nbytes
         _shuffle_into(tensor.buffer, dtype_bits(tensor.dtype) // 8, blob[pos:end])
         pos = end
+    out: bytes = _compressor(zstandard, blob.size).compress(blob)
+    return out
+
+
+def _compressor(zstandard: Any, size: int) -> Any:
     # zstd's multi-threaded frames are the same for any number of workers >= 1, so the
     # bytes depend on the payload's size alone, never on the machine.
-    threads = min(os.cpu_count() or 1, 4) if blob.size >= _THREADED_FROM else 0
-    cctx = zstandard.ZstdCompressor(level=_LEVEL, threads=threads, write_content_size=True)
-    out: bytes = cctx.compress(blob)
-    return out
+    threads = min(os.cpu_count() or 1, 4) if size >= _THREADED_FROM else 0
+    return zstandard.ZstdCompressor(level=_LEVEL, threads=threads, write_content_size=True)
+
+
+#: Bytes of each tensor, and in all, that `_shuffle_pays` compresses both ways (zstd's
+#: level 1 finds the shuffled planes' gain from ~256 KiB of input on, not in 64 KiB).
+_SAMPLE, _SAMPLE_ALL = 1 << 18, 1 << 20
+
+
+def _shuffle_pays(tensors: Mapping[str, TensorBytes], zstandard: Any) -> bool:
+    """Whether byte-shuffling makes the frame smaller, judged on the first `_SAMPLE`
+    bytes of the multi-byte tensors, largest first, up to `_SAMPLE_ALL` in all, compressed
+    both ways (deterministic for equal input). Float tensors of trained values shuffle to
+    ~0.85 of their size, against ~0.93 plain; a tensor of few distinct values (a merged
+    step of 1-bit deltas: a sum of signs times one magnitude per chunk) compresses to
+    ~0.26 unshuffled and ~0.71 shuffled."""
+    plain, shuffled = bytearray(), bytearray()
+    for name in sorted(tensors, key=lambda n: (-tensors[n].nbytes, n)):
+        tensor = tensors[name]
+        width = dtype_bits(tensor.dtype) // 8
+        room = min(_SAMPLE, _SAMPLE_ALL - len(plain))
+        if room < width:
+            break
+        if width <= 1 or not tensor.nbytes:
+            continue
+        head = bytes(memoryview(tensor.buffer).cast("B")[: room - room % width])
+        out = np.empty(len(head), np.uint8)
+        _shuffle_into(head, width, out)
+        plain += head
+        shuffled += out.tobytes()
+    if not plain:
+        return True
+    cctx = zstandard.ZstdCompressor(level=_LEVEL)
+    return len(cctx.compress(bytes(shuffled))) <= len(cctx.compress(bytes(plain)))
 
 
 def decode(
