@@ -31,7 +31,10 @@ standard library, batch 16×128, AdamW 1e-3, H = 20, S = 400 steps, outer Nester
 - `standard-closer`: the same with `gradientmail sync` in the root namespace, next to the
   bucket (unshaped); the learners' own closers stand by as its backups (the default);
 - `decoupled`: `DiLoCo(sync_every=H, fragments=2)`, the library's defaults;
-- `decoupled-f4`: the same with F4 deltas, F4 commits and zstd.
+- `decoupled-f4`: the same with F4 deltas, F4 commits and zstd;
+- opt-in: `decoupled-mean` (the weighted mean in every round), `standard-closer-zstd`
+  (`standard-closer` with zstd payloads), `standard-closer-sign1` (the same with SIGN1
+  deltas, the learners' momentum 0.8 and the closer's plain SGD step).
 
 Measured per system and link:
 
@@ -93,10 +96,10 @@ __all__ = ["PRESETS", "SYSTEMS", "Links", "main", "parse_rate", "run_system"]
 
 HERE = Path(__file__).resolve().parent
 SYSTEMS = ("ddp", "torchft", "standard", "standard-closer", "decoupled", "decoupled-f4",
-           "decoupled-mean", "standard-closer-zstd")
+           "decoupled-mean", "standard-closer-zstd", "standard-closer-sign1")
 #: Systems run only when named (`--systems`): what they measure is a question, not a row of
 #: the default comparison.
-OPT_IN = frozenset({"decoupled-mean", "standard-closer-zstd"})
+OPT_IN = frozenset({"decoupled-mean", "standard-closer-zstd", "standard-closer-sign1"})
 LABELS = {
     "ddp": "DDP-equivalent (gloo allreduce of gradients every step)",
     "torchft": "torchft 0.2.0 DiLoCo (lighthouse + Manager per site)",
@@ -106,6 +109,8 @@ LABELS = {
     "decoupled-f4": "gradientmail Decoupled, F4 deltas + commits, zstd",
     "decoupled-mean": "gradientmail Decoupled defaults with merge=WeightedMean()",
     "standard-closer-zstd": "gradientmail standard DiLoCo, closer next to the bucket, zstd",
+    "standard-closer-sign1": "gradientmail standard DiLoCo, closer next to the bucket, SIGN1 "
+                             "deltas with the learners' momentum 0.8, zstd",
 }
 PRESETS: dict[str, conv.Settings] = {
     "full": vt.BASE,
@@ -250,6 +255,11 @@ def _algorithm(system: str, s: conv.Settings) -> Any:
 
     if system in ("standard", "standard-closer", "standard-closer-zstd"):
         return DiLoCo.standard(s.sync_every, s.learners)
+    if system == "standard-closer-sign1":
+        # The 1-bit setting of benchmarks/RESULTS.md's sparse section: each learner keeps
+        # the Nesterov momentum of its own deltas; the closer steps by plain SGD.
+        return DiLoCo.standard(s.sync_every, s.learners, delta_dtype="SIGN1",
+                               feedback_momentum=0.8, outer_momentum=0.0)
     if system == "decoupled":
         return DiLoCo(sync_every=s.sync_every, fragments=s.fragments)
     if system == "decoupled-mean":
@@ -291,7 +301,7 @@ def _gradientmail_worker(spec: dict[str, Any], s: conv.Settings, model: Any, opt
     # The learners keep their embedded closers (the library's default) in every system:
     # beside a live standalone closer they stand by as its backups.
     options = LearnerOptions(poll_interval=spec["poll"],
-                             compression="zstd" if system.endswith(("-f4", "-zstd"))
+                             compression="zstd" if system.endswith(("-f4", "-zstd", "-sign1"))
                              else "off")
     learner = Learner(TorchAdapter(model), _algorithm(system, s), box, f"learner-{rank}",
                       on_event=on_event, options=options)
@@ -559,7 +569,7 @@ def run_system(run: Run) -> dict[str, Any]:
             events = {r: _events(run.workdir / f"{name}-{r}.events") for r in range(m)}
             fragment_bytes = [e["bytes"] for evs in events.values() for e in evs
                               if e["event"] == "SnapshotPublished" and not e.get("held")]
-            if fragment_bytes and not system.endswith("-zstd"):
+            if fragment_bytes and not system.endswith(("-zstd", "-sign1")):
                 # The floor moves a fragment's F32 bytes: compressed payloads beat it.
                 row["fragment_bytes"] = max(fragment_bytes)
             if config == "standard":
