@@ -172,41 +172,8 @@ def sparsify(name: str, tensor: TensorBytes, density: float, fmt: str = "TOPK_F8
         raise non_finite_error(name, int(bad.size), int(bad[0]), fmt)
     if fmt == "SIGN1":
         return signs.encode(name, x, density, seed)
-    n = x.size
-    full = n // CHUNK
-    flat: list[npt.NDArray[np.int64]] = []
-    counts = np.zeros(-(-n // CHUNK), np.uint16)
-    if full:
-        flat.append(_top(np.abs(x[: full * CHUNK]).reshape(full, CHUNK), min(k, CHUNK)))
-        counts[:full] = min(k, CHUNK)
-    if n % CHUNK:
-        last = np.abs(x[full * CHUNK :]).reshape(1, -1)
-        flat.append(_top(last, min(k, last.shape[1])) + full * CHUNK)
-        counts[full] = min(k, last.shape[1])
-    pos = np.concatenate(flat) if flat else np.zeros(0, np.int64)
-    chunk = pos // CHUNK
-    values = x[pos]
-    if fmt == "TOPK_Q2":
-        return _q2_entries(name, pos, chunk, values, counts)
-    amax = np.zeros(counts.size, _F32)
-    np.maximum.at(amax, chunk, np.abs(values))
-    mant, e = np.frexp(amax.astype(np.float64))
-    kexp = e.astype(np.int32) - 9 + (mant > 0.875).astype(np.int32)  # 448 = 0.875 · 2^9
-    kexp[amax == 0] = 0
-    kexp = np.clip(kexp, *_K_RANGE).astype(np.int32)
-    scaled = values * np.ldexp(np.ones(chunk.size, _F32), -kexp[chunk]).astype(_F32)
-    codes = scaled.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
-    back = _F8_VALUES[codes].astype(np.float64) * np.ldexp(1.0, kexp[chunk])
-    if back.size and float(np.abs(back).max()) > _F32_MAX:
-        raise overflow_error(name, "TOPK_F8")
-    scale = np.ldexp(np.ones(counts.size, _F32), kexp).astype(_F32)
-    return {
-        name: TensorBytes("F8_E4M3", (pos.size,), handed_over(np.ascontiguousarray(codes))),
-        f"{name}.index": TensorBytes("U16", (pos.size,),
-                                     handed_over((pos % CHUNK).astype("<u2"))),
-        f"{name}.count": TensorBytes("U16", (counts.size,), handed_over(counts.astype("<u2"))),
-        f"{name}.scale": TensorBytes("F32", (counts.size,), handed_over(scale)),
-    }
+    pos, counts = _kept(x, k)
+    return _q2_entries(name, pos, pos // CHUNK, x[pos], counts)
 
 
 def sparsify_sent(name: str, tensor: TensorBytes, density: float) -> tuple[
@@ -222,16 +189,7 @@ def sparsify_sent(name: str, tensor: TensorBytes, density: float) -> tuple[
     if not np.isfinite(x).all():
         bad = np.flatnonzero(~np.isfinite(x))
         raise non_finite_error(name, int(bad.size), int(bad[0]), "TOPK_F8")
-    n = x.size
-    full = n // CHUNK
-    flat: list[npt.NDArray[np.int64]] = []
-    counts = chunk_counts(n, k)
-    if full:
-        flat.append(_top(np.abs(x[: full * CHUNK]).reshape(full, CHUNK), min(k, CHUNK)))
-    if n % CHUNK:
-        last = np.abs(x[full * CHUNK :]).reshape(1, -1)
-        flat.append(_top(last, min(k, last.shape[1])) + full * CHUNK)
-    pos = np.concatenate(flat) if flat else np.zeros(0, np.int64)
+    pos, counts = _kept(x, k)
     chunk = pos // CHUNK
     values = x[pos]
     amax = np.zeros(counts.size, _F32)
@@ -246,6 +204,22 @@ def sparsify_sent(name: str, tensor: TensorBytes, density: float) -> tuple[
     entries = sparse_entries(name, codes, (pos % CHUNK).astype("<u2"), counts, kexp)
     sent = _F8_VALUES[codes] * np.ldexp(np.ones(chunk.size, _F32), kexp[chunk]).astype(_F32)
     return entries, pos, sent
+
+
+def _kept(x: npt.NDArray[np.float32], k: int) -> tuple[npt.NDArray[np.int64],
+                                                        npt.NDArray[np.uint16]]:
+    """The flat positions (ascending) of the top k |values| of each chunk of `x`, and the
+    values each chunk keeps."""
+    n = x.size
+    full = n // CHUNK
+    flat: list[npt.NDArray[np.int64]] = []
+    if full:
+        flat.append(_top(np.abs(x[: full * CHUNK]).reshape(full, CHUNK), min(k, CHUNK)))
+    if n % CHUNK:
+        last = np.abs(x[full * CHUNK :]).reshape(1, -1)
+        flat.append(_top(last, min(k, last.shape[1])) + full * CHUNK)
+    pos = np.concatenate(flat) if flat else np.zeros(0, np.int64)
+    return pos, chunk_counts(n, k)
 
 
 def chunk_counts(numel: int, k: int) -> npt.NDArray[np.uint16]:
