@@ -578,13 +578,11 @@ class Syncer:
         manifest = self._manifest
         assert manifest is not None
         schema, names = manifest.schema, manifest.plan[fragment]
-        prefetched = None
-        if sighted and self._prefetch is not None:
-            # Every contribution the round awaited is in and was read as it arrived: a
-            # LIST and M GETs again would cost ~25 ms (100 Mbit/s, M = 4) with every
-            # learner of the barrier waiting. One that came after the look is left to
-            # a later round, as one that comes after a listing is.
-            prefetched = await self._prefetch.records(sorted(self._open.first_seen))
+        # Sighted, every awaited record was read as it arrived: listing again would cost
+        # ~25 ms (100 Mbit/s, M = 4) with the barrier's learners waiting. One that comes
+        # after the look is left to a later round, as one after a listing is.
+        prefetched = await self._prefetch.records(sorted(self._open.first_seen)) \
+            if sighted and self._prefetch is not None else None
         found = await self.exchange.contributions(r) if prefetched is None else \
             Contributions(tuple(prefetched), ())
         snaps = [s for s in found.records if offer is None or s.learner != self.closer_id]
@@ -611,13 +609,9 @@ class Syncer:
         hashing = None if result.step is None and (result.update is None or fmt is None) \
             else asyncio.ensure_future(asyncio.to_thread(theta_digest, state.theta, names))
         refs = CommitRefs()
-        try:
-            step = None if result.step is None or result.step_format is None else \
-                await ex.put_step(fragment, state.version, result.step, attempt=attempt)
-            digest = "" if hashing is None else await hashing
-        finally:
-            if hashing is not None and not hashing.done():
-                hashing.cancel()
+        step = None if result.step is None or result.step_format is None else \
+            await ex.put_step(fragment, state.version, result.step, attempt=attempt)
+        digest = "" if hashing is None else await hashing
         if step is not None and result.step_format is not None:
             refs = dataclasses.replace(
                 refs, step=StepRef(step, result.step_format, result.rule, digest))
