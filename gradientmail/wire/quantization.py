@@ -45,7 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from gradientmail.errors import ConfigError, CorruptPayload, NonFiniteError
-from gradientmail.wire.tensor_bytes import STORAGE_DTYPES, TensorBytes, handed_over
+from gradientmail.wire.tensor_bytes import STORAGE_DTYPES, TensorBytes, entry_of, handed_over
 
 __all__ = [
     "BLOCK",
@@ -363,7 +363,7 @@ def dequantize(
     """
     check_format(fmt)
     where = f"{key}: " if key else ""
-    codes = _entry(entries, name, fmt, where)
+    codes = entry_of(entries, name, fmt, where)
     if fmt == "BF16":
         values = codes.to_numpy().reshape(-1).astype(_F32)
         if not np.isfinite(values).all():
@@ -387,7 +387,7 @@ def dequantizing(
     if check_format(fmt) == "BF16":
         raise ConfigError("dequantizing reads F8_E4M3 and F4 entries; BF16 is read as stored")
     where = f"{key}: " if key else ""
-    q = _quantized(entries, name, fmt, _entry(entries, name, fmt, where), where)
+    q = _quantized(entries, name, fmt, entry_of(entries, name, fmt, where), where)
     buf = np.empty(min(_DECODE, q.numel), _F32)
     for i in range(0, q.numel, _DECODE):
         j = min(i + _DECODE, q.numel)
@@ -486,7 +486,7 @@ def _gather(table: npt.NDArray[Any], codes: npt.NDArray[np.uint8],
 def _quantized(entries: Mapping[str, TensorBytes], name: str, fmt: str, codes: TensorBytes,
                where: str) -> Quantized:
     """`codes` of `name` with its scale entry, checked as `dequantize` checks them."""
-    scale = _entry(entries, scale_name(name), "F32" if fmt == "F8_E4M3" else "F8_E8M0", where)
+    scale = entry_of(entries, scale_name(name), "F32" if fmt == "F8_E4M3" else "F8_E8M0", where)
     if fmt == "F8_E4M3":
         if scale.shape != ():
             raise CorruptPayload(
@@ -521,12 +521,3 @@ def _undecodable(name: str, fmt: str, where: str) -> CorruptPayload:
         "the payload is corrupt"
     )
 
-
-def _entry(entries: Mapping[str, TensorBytes], name: str, dtype: str, where: str) -> TensorBytes:
-    entry = entries.get(name)
-    if entry is None:
-        raise CorruptPayload(f"{where}tensor {name!r} is missing from the payload")
-    if not isinstance(entry, TensorBytes) or entry.dtype != dtype:
-        got = entry.dtype if isinstance(entry, TensorBytes) else type(entry).__name__
-        raise CorruptPayload(f"{where}tensor {name!r} is {got}; expected {dtype}")
-    return entry

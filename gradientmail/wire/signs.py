@@ -33,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from gradientmail.errors import CorruptPayload
-from gradientmail.wire.tensor_bytes import TensorBytes, handed_over
+from gradientmail.wire.tensor_bytes import TensorBytes, entry_of, handed_over
 
 __all__ = ["decode", "encode", "nbytes", "select_hash", "threshold"]
 
@@ -97,7 +97,7 @@ def decode(entries: Mapping[str, TensorBytes], name: str, n: int, where: str) ->
         npt.NDArray[np.float32]:
     """The flat float32 values the ``SIGN1`` entries of `name` (n elements) carry."""
     m = -(-n // CHUNK)
-    signs, scale, select = (_entry(entries, f"{name}{s}", d, where) for s, d in
+    signs, scale, select = (entry_of(entries, f"{name}{s}", d, where, flat=True) for s, d in
                             (("", "U8"), (".scale", "F32"), (".select", "U32")))
     if scale.shape != (m,) or select.shape != (2,):
         raise CorruptPayload(
@@ -127,13 +127,3 @@ def decode(entries: Mapping[str, TensorBytes], name: str, n: int, where: str) ->
     out[pos] = values
     return out
 
-
-def _entry(entries: Mapping[str, TensorBytes], name: str, dtype: str, where: str) -> TensorBytes:
-    entry = entries.get(name)
-    if entry is None:
-        raise CorruptPayload(f"{where}tensor {name!r} is missing from the payload")
-    if not isinstance(entry, TensorBytes) or entry.dtype != dtype or len(entry.shape) != 1:
-        got = (f"{entry.dtype}{list(entry.shape)}" if isinstance(entry, TensorBytes)
-               else type(entry).__name__)
-        raise CorruptPayload(f"{where}tensor {name!r} is {got}; expected a 1-D {dtype}")
-    return entry

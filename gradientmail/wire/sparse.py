@@ -64,7 +64,7 @@ import numpy.typing as npt
 from gradientmail.errors import ConfigError, CorruptPayload
 from gradientmail.wire import signs
 from gradientmail.wire.quantization import non_finite_error, overflow_error
-from gradientmail.wire.tensor_bytes import STORAGE_DTYPES, TensorBytes, handed_over
+from gradientmail.wire.tensor_bytes import STORAGE_DTYPES, TensorBytes, entry_of, handed_over
 
 __all__ = [
     "CHUNK",
@@ -346,8 +346,8 @@ def densify(entries: Mapping[str, TensorBytes], name: str, shape: tuple[int, ...
     if fmt == "SIGN1":
         return TensorBytes("F32", shape, handed_over(signs.decode(entries, name, n, where)))
     m = -(-n // CHUNK)
-    codes = _entry(entries, name, "U8" if q2 else "F8_E4M3", where)
-    index, count, scale = (_entry(entries, f"{name}.{s}", d, where)
+    codes = entry_of(entries, name, "U8" if q2 else "F8_E4M3", where, flat=True)
+    index, count, scale = (entry_of(entries, f"{name}.{s}", d, where, flat=True)
                            for s, d in zip(_SUFFIXES, ("U8" if q2 else "U16", "U16", "F32"),
                                            strict=True))
     per = 2 if q2 else 1
@@ -445,13 +445,3 @@ def _scales(scale: TensorBytes, name: str, where: str) -> npt.NDArray[np.float32
             f"two 2^k with k in [{_K_RANGE[0]}, {_K_RANGE[1]}]; the payload is corrupt")
     return s.astype(_F32)
 
-
-def _entry(entries: Mapping[str, TensorBytes], name: str, dtype: str, where: str) -> TensorBytes:
-    entry = entries.get(name)
-    if entry is None:
-        raise CorruptPayload(f"{where}tensor {name!r} is missing from the payload")
-    if not isinstance(entry, TensorBytes) or entry.dtype != dtype or len(entry.shape) != 1:
-        got = (f"{entry.dtype}{list(entry.shape)}" if isinstance(entry, TensorBytes)
-               else type(entry).__name__)
-        raise CorruptPayload(f"{where}tensor {name!r} is {got}; expected a 1-D {dtype}")
-    return entry

@@ -11,19 +11,21 @@ the store without being copied into `bytes` first. The wire format lives in
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
-from gradientmail.errors import ConfigError
+from gradientmail.errors import ConfigError, CorruptPayload
 
 __all__ = [
     "DTYPES",
     "STORAGE_DTYPES",
     "TensorBytes",
     "dtype_bits",
+    "entry_of",
     "handed_over",
     "nbytes_of",
 ]
@@ -285,3 +287,21 @@ def _unpack_nibbles(data: bytes | memoryview, numel: int) -> npt.NDArray[np.uint
     out[0::2] = packed & np.uint8(0x0F)
     out[1::2] = packed >> np.uint8(4)
     return out[:numel]
+
+
+def entry_of(entries: Mapping[str, TensorBytes], name: str, dtype: str, where: str,
+             flat: bool = False) -> TensorBytes:
+    """Entry `name` of a decoded payload, of `dtype` (and 1-D when `flat`);
+    `CorruptPayload` naming it (after `where`) when it is missing or of another kind."""
+    entry = entries.get(name)
+    if entry is None:
+        raise CorruptPayload(f"{where}tensor {name!r} is missing from the payload")
+    if not isinstance(entry, TensorBytes) or entry.dtype != dtype \
+            or (flat and len(entry.shape) != 1):
+        if not flat:
+            got = entry.dtype if isinstance(entry, TensorBytes) else type(entry).__name__
+            raise CorruptPayload(f"{where}tensor {name!r} is {got}; expected {dtype}")
+        got = (f"{entry.dtype}{list(entry.shape)}" if isinstance(entry, TensorBytes)
+               else type(entry).__name__)
+        raise CorruptPayload(f"{where}tensor {name!r} is {got}; expected a 1-D {dtype}")
+    return entry
