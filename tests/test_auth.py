@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -407,8 +408,28 @@ def test_a_learner_never_applies_a_forged_commit_and_goes_on_once_it_is_removed(
         assert learner.rounds_seen == 0
         [aligned] = rec.of(ev.FragmentAligned)
         assert (aligned.round, aligned.version) == (0, 1)
+        close_beside(learner, syncer, "w0")
     finally:
         learner.close()
+
+
+def close_beside(learner: Learner, syncer: Syncer, learner_id: str) -> None:
+    """Close `learner` while `syncer` closes the rounds it still publishes: a learner with
+    no closer of its own otherwise waits out its lease timeout for them."""
+    done = threading.Event()
+
+    def serve() -> None:
+        while not done.is_set():
+            run(syncer.poll(live=frozenset({learner_id})))
+            done.wait(0.02)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        learner.close()
+    finally:
+        done.set()
+        thread.join()
 
 
 def test_two_learners_with_the_same_key_train_together() -> None:

@@ -159,7 +159,6 @@ def test_the_syncer_refuses_outer_state_over_its_bound() -> None:
     run(main())
 
 
-@pytest.mark.slow
 def test_a_learner_refuses_a_committed_theta_over_its_bound() -> None:
     mailbox = MemoryMailbox()
     alg = DiLoCo(sync_every=4, fragments=1, in_flight=1, merge=WeightedMean())
@@ -182,7 +181,7 @@ def test_a_learner_refuses_a_committed_theta_over_its_bound() -> None:
         learner.step(1)
         assert learner.rounds_seen == -1
     finally:
-        learner.close()
+        learner.close(flush=False)  # no closer here: a flush's round would wait out the lease
 
 
 def test_zstd_output_is_bounded_before_decompressing() -> None:
