@@ -10,20 +10,17 @@ the residual left are each round's delta plus β times the residual before.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import queue
-import random
 from typing import Any
 
 import numpy as np
 import pytest
 from test_sparse import dense, f32
-from test_syncer import SCHEMA, Run, delta, fingerprint
+from test_syncer import SCHEMA
 
 from gradientmail.algorithms.diloco import DiLoCo
-from gradientmail.algorithms.merge import Rda, WeightedMean
-from gradientmail.errors import ConfigError, CorruptPayload, GradientmailError, RemoteProtocolError
+from gradientmail.errors import ConfigError, CorruptPayload, RemoteProtocolError
 from gradientmail.learner.feedback import Residuals
 from gradientmail.mailbox import MemoryMailbox
 from gradientmail.run.bounds import check_delta
@@ -194,53 +191,6 @@ def test_check_delta_decodes_a_q2_payload() -> None:
     schema = Schema((ParameterSpec("t", "F32", (N,)),))
     e = good()
     assert check_delta(dict(e), q2_record(), schema, ["t"])["t"] == densify(e, "t", (N,), Q2)
-
-
-def test_fuzzed_q2_payloads_are_refused_cleanly_or_read() -> None:
-    schema = Schema((ParameterSpec("t", "F32", (N,)),))
-    blob = pack(good())
-    rnd = random.Random(30)
-    for _ in range(400):
-        b = bytearray(blob)
-        for _ in range(rnd.randint(1, 4)):
-            b[rnd.randrange(len(b))] = rnd.randrange(256)
-        try:
-            out = check_delta(unpack(bytes(b)), q2_record(), schema, ["t"])
-        except GradientmailError:
-            continue
-        assert out["t"].shape == (N,) and out["t"].dtype == "F32"
-        assert np.isfinite(out["t"].to_numpy()).all()
-
-
-@pytest.mark.parametrize("merge", [WeightedMean(), Rda(direct_pattern=None)])
-def test_a_round_of_q2_deltas_commits_the_bytes_of_their_decoded_deltas(merge: Any) -> None:
-    async def close(name: str, fmt: str) -> str:
-        MemoryMailbox.forget(name)
-        alg = DiLoCo(4, 1, quorum_size=2, in_flight=1, overlap_steps=None, merge=merge,
-                     delta_dtype=Q2, delta_density=3 / CHUNK)
-        r = Run(MemoryMailbox(name), alg)
-        await r.create()
-        s = r.syncer()
-        for learner in ("a", "b"):
-            d = {n: f32(t.to_numpy() * 1e3) for n, t in delta(0, learner, SCHEMA.names).items()}
-            tensors: dict[str, TensorBytes] = {}
-            for n, t in d.items():
-                tensors.update(sparsify(n, t, 3 / CHUNK, Q2))
-            if fmt == "F32":
-                tensors = {n: densify(tensors, n, t.shape, Q2) for n, t in d.items()}
-            await r.ex.publish(0, learner, tensors, fragment=0, base_version=0, local_step=4,
-                               steps=4, tokens=64 * (1 + ord(learner) % 3), final=False,
-                               schema_digest=SCHEMA.digest(), delta_format=fmt)
-        assert await s.poll(live=frozenset({"a", "b"}))
-        records = await r.records()
-        assert [p.learner for p in records[0].participants] == ["a", "b"]
-        MemoryMailbox.forget(name)
-        return fingerprint([dataclasses.replace(rec, participants=tuple(
-            dataclasses.replace(p, payload_size=0) for p in rec.participants))
-            for rec in records])
-
-    # The committed bytes (by SHA-256), weights, cosine: all but the payloads' sizes.
-    assert asyncio.run(close("q2-a", Q2)) == asyncio.run(close("q2-b", "F32"))
 
 
 # -- error feedback with decay -------------------------------------------------------------------
