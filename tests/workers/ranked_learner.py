@@ -112,3 +112,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from ending import leave  # FSDP2's own gloo collectives: see ending.py
+
+    leave()
