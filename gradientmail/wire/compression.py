@@ -66,7 +66,7 @@ _LEVEL = 1
 #: that cost more than they save, at half of zstd's speed. With 2^7 entries those bytes
 #: stay literals (GPT-2-shaped BF16 drawn N(0, 0.02), benchmarks/codec.py: the blob at
 #: ~1,250 MB/s against ~610 per core, ratio 1.492 against 1.461). Runs of zeros still
-#: match; repeated content matches less often than at 2^14 (a 100 KB row repeated 20
+#: match; repeated content matches less often than at 2^14 (a 98 KB block repeated 20
 #: times: 7x the bytes; 2^6, as fast otherwise, 20x), and where that makes the shuffled
 #: sample larger than the plain one, `_shuffle_pays` packs the payload unshuffled.
 _SHUFFLED_HASH_LOG = 7
