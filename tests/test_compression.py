@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 
 import ml_dtypes
@@ -142,12 +143,18 @@ def test_zstd_compresses_smooth_floats_better_than_plain_zstd() -> None:
     assert len(encode({"w": w}, "zstd")) < 0.95 * len(plain)
 
 
-def test_large_payload_is_streamed_threaded_and_deterministic() -> None:
-    # Over 8 MiB the compressor runs zstd's worker threads; the frame stays deterministic.
+def test_large_payload_is_streamed_threaded_and_deterministic(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Over 8 MiB the compressor runs zstd's worker threads; the frame stays deterministic,
+    # whatever the number of cores the encoding machine has.
     rng = np.random.default_rng(1)
     big = {"w": TensorBytes.from_numpy((rng.standard_normal(2_300_000) * 0.02).astype(np.float32))}
     blob = encode(big, "zstd")
     assert encode(big, "zstd") == blob
+    for cores in (1, 3, 16):
+        monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
+        assert encode(big, "zstd") == blob
     frame = zstandard.ZstdDecompressor().decompress(blob)
     assert frame == pack({"w": shuffle(big["w"])}, {SHUFFLE_KEY: "1"})
     assert decode(blob, "zstd") == big
