@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 
 import ml_dtypes
@@ -54,9 +55,11 @@ def golden_tensors() -> dict[str, TensorBytes]:
 
 GOLDEN = {
     "off": "040d68fc5da43239c4fbda81d0add53786dc5729dc983af8f159a244353b4821",
-    "zstd": "6573e065008405c8dc90bba469fe08bb63401447477e6b5a3334f0aba07e92df",
+    "zstd": "abf7b402e9e08a93e535355c0e15b8803268072c4927f5666b02363b0b818e82",
     # What the zstd frame decompresses to: pins the shuffled layout apart from libzstd.
     "zstd-frame": "5b53a07ecfd80e12834bd4488b1ff1af7c839d603dae08473c1b019c2d6589f0",
+    # The same frame as encoders before 2026-12-05 wrote it (zstd level 1, its own table).
+    "zstd-level1": "6573e065008405c8dc90bba469fe08bb63401447477e6b5a3334f0aba07e92df",
 }
 
 
@@ -68,6 +71,37 @@ def test_golden_payloads(compression: str) -> None:
         frame = zstandard.ZstdDecompressor().decompress(blob)
         assert hashlib.sha256(frame).hexdigest() == GOLDEN["zstd-frame"]
     assert decode_with_metadata(blob, compression) == (golden_tensors(), {"round": "12"})
+
+
+def test_payloads_of_the_level_1_encoder_still_decode() -> None:
+    """Encoders before 2026-12-05 compressed the same frame at plain level 1: those exact
+    bytes (the golden of then) decode to the same tensors, small and threaded alike."""
+    frame = zstandard.ZstdDecompressor().decompress(
+        encode(golden_tensors(), "zstd", {"round": "12"}))
+    old = zstandard.ZstdCompressor(level=1).compress(frame)
+    assert hashlib.sha256(old).hexdigest() == GOLDEN["zstd-level1"]
+    assert old != encode(golden_tensors(), "zstd", {"round": "12"})
+    assert decode_with_metadata(old, "zstd") == (golden_tensors(), {"round": "12"})
+    rng = np.random.default_rng(2)
+    big = {"w": TensorBytes.from_numpy(
+        (rng.standard_normal(2_300_000) * 0.02).astype(ml_dtypes.bfloat16))}
+    frame = zstandard.ZstdDecompressor().decompress(encode(big, "zstd"))
+    old = zstandard.ZstdCompressor(level=1, threads=2, write_content_size=True).compress(frame)
+    assert decode(old, "zstd") == big
+    with pytest.raises(CorruptPayload, match="the zstd frame is corrupt"):
+        decode(old[: len(old) // 2], "zstd")
+
+
+def test_shuffled_floats_compress_smaller_than_at_plain_level_1() -> None:
+    # The shuffled blob's small hash table leaves the sign/exponent plane to the entropy
+    # coder, which packs it tighter than level 1's short matches do.
+    rng = np.random.default_rng(3)
+    for dtype in (np.float32, ml_dtypes.bfloat16):
+        w = {"w": TensorBytes.from_numpy((rng.standard_normal(300_000) * 0.02).astype(dtype))}
+        blob = encode(w, "zstd")
+        frame = zstandard.ZstdDecompressor().decompress(blob)
+        assert frame == pack({"w": shuffle(w["w"])}, {SHUFFLE_KEY: "1"})
+        assert len(blob) < 0.995 * len(zstandard.ZstdCompressor(level=1).compress(frame))
 
 
 def test_zstd_frame_is_pack_of_the_shuffled_tensors() -> None:
@@ -109,12 +143,18 @@ def test_zstd_compresses_smooth_floats_better_than_plain_zstd() -> None:
     assert len(encode({"w": w}, "zstd")) < 0.95 * len(plain)
 
 
-def test_large_payload_is_streamed_threaded_and_deterministic() -> None:
-    # Over 8 MiB the compressor runs zstd's worker threads; the frame stays deterministic.
+def test_large_payload_is_streamed_threaded_and_deterministic(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Over 8 MiB the compressor runs zstd's worker threads; the frame stays deterministic,
+    # whatever the number of cores the encoding machine has.
     rng = np.random.default_rng(1)
     big = {"w": TensorBytes.from_numpy((rng.standard_normal(2_300_000) * 0.02).astype(np.float32))}
     blob = encode(big, "zstd")
     assert encode(big, "zstd") == blob
+    for cores in (1, 3, 16):
+        monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
+        assert encode(big, "zstd") == blob
     frame = zstandard.ZstdDecompressor().decompress(blob)
     assert frame == pack({"w": shuffle(big["w"])}, {SHUFFLE_KEY: "1"})
     assert decode(blob, "zstd") == big
