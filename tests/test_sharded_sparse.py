@@ -318,3 +318,61 @@ def test_a_two_rank_learner_mailing_sparse_parts_equals_the_sparse_oracle() -> N
         width = p.numel() // p.shape[0]
         np.testing.assert_allclose(np.asarray(mine[n]), residual["ranked"][n][a * width:b * width],
                                    rtol=0, atol=1e-6)
+
+
+def test_a_checkpoint_state_goes_to_each_rank_as_its_rows_and_settles_there() -> None:
+    """`RankResiduals` (rank 0's view): a full state loaded hands each rank its rows; the
+    rounds in flight are every rank's; a failure rank 0 learns is applied by every rank
+    before the next side command; gathered again, the state is the loaded one settled."""
+    url = f"memory://sharded-feedback-{secrets.token_hex(4)}"
+    default = ThreadRanks.group(RANKS, timeout=TIMEOUT)
+    side = ThreadRanks.group(RANKS, timeout=TIMEOUT)
+    models = [make_model() for _ in range(RANKS)]
+    sizes = {n: p.numel() for n, p in models[0].named_parameters()}
+    one = Residuals("ranked")  # an unsharded learner's state: round 5 in flight
+    for r, seed in ((3, 5), (5, 6)):
+        one.encode(r, 0, {n: TensorBytes("F32", (k,), delta_of(1, k, seed).tobytes())
+                          for n, k in sizes.items()}, 1 / 64)
+    one.recorded(3, ("ranked",))
+    state = one.state_dict()
+    got: dict[str, Any] = {}
+    built = [ShardedRanks(ShardedAdapter(models[k], group_size=RANKS, group_rank=k), default[k],
+                          side[k], k, url, timeout=TIMEOUT) for k in range(RANKS)]
+
+    def rank0() -> None:
+        view = built[0].feedback("ranked")
+        view.load_state_dict(state, sizes, lambda _, v: v)
+        view.check_fragments(((*sizes,),))
+        got["in_flight"] = view.in_flight()
+        got["loaded"] = view.state_dict()
+        view.failed(5)
+        assert view.in_flight() == {}  # settled in the queue, not yet on the ranks
+        got["failed"] = view.state_dict()
+        built[0].finish()
+        got["final"] = view.state_dict()  # kept from before the ranks stopped
+
+    def rank1() -> None:
+        built[1].begin()
+        built[1].finish()
+
+    in_threads(rank0, rank1, timeout=120)
+    assert got["in_flight"] == {5: 0}
+    for n in sizes:
+        np.testing.assert_array_equal(got["loaded"]["residuals"][0][n].numpy(),
+                                      np.asarray(state["residuals"][0][n]))
+        np.testing.assert_array_equal(got["loaded"]["in_flight"][5]["before"][n].numpy(),
+                                      np.asarray(state["in_flight"][5]["before"][n]))
+    one.failed(5)
+    assert got["failed"]["in_flight"] == {} and got["final"]["in_flight"] == {}
+    for n in sizes:
+        for which in ("failed", "final"):
+            np.testing.assert_array_equal(got[which]["residuals"][0][n].numpy(),
+                                          np.asarray(one.residual(0)[n]))
+    # Each rank holds its own rows, on its device: rank 1 the second half of each tensor.
+    for n, p in models[1].named_parameters():
+        a, b = chunk_rows(p.shape[0], RANKS, 1)
+        width = p.numel() // p.shape[0]
+        kept = built[1]._feedback
+        assert kept is not None
+        np.testing.assert_array_equal(kept.residual(0)[n].numpy(),
+                                      np.asarray(one.residual(0)[n])[a * width:b * width])
