@@ -225,22 +225,26 @@ def test_the_ranks_feedback_joins_into_the_unsharded_layout_and_splits_back(
 SPARSE = {"delta_dtype": "TOPK_F8", "delta_density": 2 / CHUNK}
 
 
-def sparse_oracle() -> tuple[list[torch.Tensor], dict[str, dict[str, np.ndarray]]]:
-    """Standard DiLoCo of the "ranked" learner (worker 0, each tensor's rows split over 2
-    ranks as `ShardedAdapter` splits a whole model's upload, each rank's rows sparsified
-    on their own) and the "plain" one (worker 1, whole tensors), TOPK_F8 at 2 values a
-    chunk with error feedback, merged by their mean: the parameters, and each learner's
-    residuals at the end (full tensors)."""
+def sparse_oracle(learners: tuple[tuple[str, int, int], ...] = (("ranked", 0, RANKS),
+                                                                 ("plain", 1, 1)),
+                  density: float = SPARSE["delta_density"]) -> tuple[
+        list[torch.Tensor], dict[str, dict[str, np.ndarray]], dict[str, dict[str, np.ndarray]]]:
+    """Standard DiLoCo of `learners` (name, worker, ranks), each tensor's rows split over
+    a learner's ranks as `torch.chunk` splits them (FSDP2's shards, and `ShardedAdapter`'s
+    split of a whole model's upload), each rank's rows sparsified on their own, in
+    TOPK_F8 at `density` with error feedback, merged by their mean: the parameters, each
+    learner's residuals at the end and what it sent in the last round (full tensors)."""
     glob = make_model()
     params = list(glob.parameters())
     names = [n for n, _ in glob.named_parameters()]
     outer = torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
     residual = {who: {n: np.zeros(p.numel(), np.float32) for n, p in zip(names, params,
                                                                         strict=True)}
-                for who in ("ranked", "plain")}
+                for who, _, _ in learners}
+    last: dict[str, dict[str, np.ndarray]] = {}
     for rnd in range(ROUNDS):
         sent: list[list[np.ndarray]] = []
-        for w, who in enumerate(("ranked", "plain")):
+        for who, w, ranks in learners:
             local = make_model()
             local.load_state_dict(glob.state_dict())
             opt = torch.optim.SGD(local.parameters(), lr=INNER_LR)
@@ -250,23 +254,22 @@ def sparse_oracle() -> tuple[list[torch.Tensor], dict[str, dict[str, np.ndarray]
             for n, g, p in zip(names, params, local.parameters(), strict=True):
                 delta = (g.detach() - p.detach()).reshape(-1).numpy()
                 rows, width = (g.shape[0], g.numel() // g.shape[0])
-                cuts = [chunk_rows(rows, RANKS, k) for k in range(RANKS)] \
-                    if who == "ranked" else [(0, rows)]
                 out = np.zeros_like(delta)
-                for a, b in cuts:
+                for a, b in (chunk_rows(rows, ranks, k) for k in range(ranks)):
                     x = delta[a * width:b * width] + residual[who][n][a * width:b * width]
                     _, pos, values = sparsify_sent(n, TensorBytes("F32", (x.size,), x.tobytes()),
-                                                   SPARSE["delta_density"])
+                                                   density)
                     part = np.zeros_like(x)
                     part[pos] = values
                     out[a * width:b * width] = part
                     residual[who][n][a * width:b * width] = x - part
                 dense.append(out)
             sent.append(dense)
+            last[who] = dict(zip(names, dense, strict=True))
         for i, p in enumerate(params):
-            p.grad = torch.from_numpy((sent[0][i] + sent[1][i]) / 2).reshape(p.shape)
+            p.grad = torch.from_numpy(sum(d[i] for d in sent) / len(sent)).reshape(p.shape)
         outer.step()
-    return [p.detach().clone() for p in params], residual
+    return [p.detach().clone() for p in params], residual, last
 
 
 def test_a_two_rank_learner_mailing_sparse_parts_equals_the_sparse_oracle() -> None:
@@ -300,7 +303,7 @@ def test_a_two_rank_learner_mailing_sparse_parts_equals_the_sparse_oracle() -> N
         feedback["plain"] = one.state_dict()["error_feedback"]
 
     in_threads(*(functools.partial(rank, k) for k in range(RANKS)), plain, timeout=240)
-    want, residual = sparse_oracle()
+    want, residual, _ = sparse_oracle()
     for who, got in results.items():
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=0, atol=1e-6, msg=who)
