@@ -51,7 +51,7 @@ from gradientmail.errors import (
 )
 from gradientmail.integration.ranks import Ranks, TorchRanks
 from gradientmail.integration.sharded_ops import END, HEAD, OBJECT, OP, OpMessages
-from gradientmail.learner.feedback import Residuals, join_states, split_state
+from gradientmail.learner.feedback import STATE_VERSION, Residuals, join_states, split_state
 from gradientmail.learner.sharded import Sparse
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
@@ -132,6 +132,7 @@ class ShardedRanks:
         self._settlements: list[tuple[Any, ...]] = []  # rank 0: not sent to the ranks yet
         self._settling = threading.Lock()
         self._stopped = False  # rank 0: the other ranks no longer serve side commands
+        self._kept_any = False  # rank 0: a sparse upload or a restore made residuals
 
     @classmethod
     def create(cls, module: Any, mailbox: Mailbox | str, *, prefix: str = "",
@@ -182,7 +183,7 @@ class ShardedRanks:
         feedback, gathered, for a checkpoint taken after: `RankResiduals.state_dict`);
         the others: wait for it."""
         if self.rank == 0:
-            if self._view is not None and not self._stopped:
+            if self._view is not None and self._kept_any and not self._stopped:
                 self._view.keep_final()
             self._stopped = True
             self._side_command(("stop",))
@@ -339,6 +340,7 @@ class ShardedRanks:
         if (delta_format in SPARSE_FORMATS) != (sparse is not None):
             raise ConfigError(f"delta_format={delta_format!r} with sparse={sparse!r}: a "
                               "sparse format needs its Sparse, a dense one none")
+        self._kept_any |= sparse is not None
         cmd = ("upload", round_, learner, anchor.id, snapshot.id, delta_format, sparse)
         refs: list[PayloadRef] = await self._side_command_async(cmd, exchange)
         return refs
@@ -665,8 +667,9 @@ class RankResiduals:
         layout (a side command; rank 0 holds them all while it returns them)."""
         if self._final is not None:
             return self._final
-        if self._ranks._stopped:
-            return {"version": 1, "residuals": {}, "in_flight": {}}
+        if self._ranks._stopped or not self._ranks._kept_any:
+            # Gone, or never made (a dense learner): no side command for nothing.
+            return {"version": STATE_VERSION, "residuals": {}, "in_flight": {}}
         return self._gathered()
 
     def keep_final(self) -> None:
@@ -694,6 +697,7 @@ class RankResiduals:
         self._restored = checked
         self._final = None
         self._ranks._side_command(("feedback_load", self._learner, state))
+        self._ranks._kept_any = True
 
     def check_fragments(self, plan: tuple[tuple[str, ...], ...]) -> None:
         if self._restored is not None:
