@@ -7,8 +7,9 @@ where every part starts on a chunk boundary they are an unsharded learner's entr
 dense delta byte for byte, and SIGN1 selects the unsharded elements wherever the parts
 start; hostile parts are refused. Feedback: the ranks' states join into an unsharded
 learner's layout and split back. Learner (ranks as threads): a 2-rank learner mailing
-TOPK_F8 parts and a plain TOPK_F8 learner equal a sparse oracle with error feedback,
-and the residuals they keep are the oracle's.
+sparse parts and a plain learner (TOPK_F8; TOPK_Q2; SIGN1 with feedback momentum) equal
+a sparse oracle with error feedback per rank's rows, and the residuals they keep are the
+oracle's.
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ from gradientmail.integration.sharded import ShardedRanks
 from gradientmail.learner.feedback import Residuals, join_states, split_state
 from gradientmail.wire.serialization import ParameterSpec, Schema
 from gradientmail.wire.sharded_parts import assemble
+from gradientmail.wire.signs import shifted_seed
 from gradientmail.wire.sparse import (
     CHUNK,
     chunk_counts,
     chunk_k,
     densify,
     sparse_nbytes,
+    sparsify,
     sparsify_sent,
 )
 from gradientmail.wire.tensor_bytes import TensorBytes
@@ -227,20 +230,27 @@ SPARSE = {"delta_dtype": "TOPK_F8", "delta_density": 2 / CHUNK}
 
 def sparse_oracle(learners: tuple[tuple[str, int, int], ...] = (("ranked", 0, RANKS),
                                                                  ("plain", 1, 1)),
-                  density: float = SPARSE["delta_density"]) -> tuple[
+                  density: float = SPARSE["delta_density"], fmt: str = "TOPK_F8",
+                  momentum: float = 0.0) -> tuple[
         list[torch.Tensor], dict[str, dict[str, np.ndarray]], dict[str, dict[str, np.ndarray]]]:
     """Standard DiLoCo of `learners` (name, worker, ranks), each tensor's rows split over
     a learner's ranks as `torch.chunk` splits them (FSDP2's shards, and `ShardedAdapter`'s
-    split of a whole model's upload), each rank's rows sparsified on their own, in
-    TOPK_F8 at `density` with error feedback, merged by their mean: the parameters, each
-    learner's residuals at the end and what it sent in the last round (full tensors)."""
+    split of a whole model's upload), each rank's rows sparsified on their own in `fmt`
+    at `density` with error feedback (and with `momentum` μ, each rank's momentum of its
+    rows: m ← μ·m + delta, sending delta + μ·m, the outer step then plain SGD), merged by
+    their mean: the parameters, each learner's residuals at the end and what it sent in
+    the last round (full tensors)."""
     glob = make_model()
     params = list(glob.parameters())
     names = [n for n, _ in glob.named_parameters()]
-    outer = torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+    outer = torch.optim.SGD(params, lr=0.7, momentum=0.0 if momentum else 0.9,
+                            nesterov=not momentum)
     residual = {who: {n: np.zeros(p.numel(), np.float32) for n, p in zip(names, params,
                                                                         strict=True)}
                 for who, _, _ in learners}
+    kept_m = {who: {n: np.zeros(p.numel(), np.float32) for n, p in zip(names, params,
+                                                                      strict=True)}
+              for who, _, _ in learners}
     last: dict[str, dict[str, np.ndarray]] = {}
     for rnd in range(ROUNDS):
         sent: list[list[np.ndarray]] = []
@@ -256,13 +266,23 @@ def sparse_oracle(learners: tuple[tuple[str, int, int], ...] = (("ranked", 0, RA
                 rows, width = (g.shape[0], g.numel() // g.shape[0])
                 out = np.zeros_like(delta)
                 for a, b in (chunk_rows(rows, ranks, k) for k in range(ranks)):
-                    x = delta[a * width:b * width] + residual[who][n][a * width:b * width]
-                    _, pos, values = sparsify_sent(n, TensorBytes("F32", (x.size,), x.tobytes()),
-                                                   density)
-                    part = np.zeros_like(x)
-                    part[pos] = values
-                    out[a * width:b * width] = part
-                    residual[who][n][a * width:b * width] = x - part
+                    at = slice(a * width, b * width)
+                    x = delta[at].copy()
+                    if momentum:
+                        kept_m[who][n][at] = momentum * kept_m[who][n][at] + x
+                        x = x + momentum * kept_m[who][n][at]
+                    x += residual[who][n][at]
+                    if fmt == "TOPK_F8":
+                        _, pos, values = sparsify_sent(
+                            n, TensorBytes("F32", (x.size,), x.tobytes()), density)
+                        part = np.zeros_like(x)
+                        part[pos] = values
+                    else:
+                        entries = sparsify(n, TensorBytes("F32", (x.size,), x.tobytes()),
+                                           density, fmt, seed=shifted_seed(rnd, a * width))
+                        part = densify(entries, n, (x.size,), fmt).to_numpy()
+                    out[at] = part
+                    residual[who][n][at] = x - part
                 dense.append(out)
             sent.append(dense)
             last[who] = dict(zip(names, dense, strict=True))
@@ -272,7 +292,14 @@ def sparse_oracle(learners: tuple[tuple[str, int, int], ...] = (("ranked", 0, RA
     return [p.detach().clone() for p in params], residual, last
 
 
-def test_a_two_rank_learner_mailing_sparse_parts_equals_the_sparse_oracle() -> None:
+@pytest.mark.parametrize("alg", [
+    SPARSE,
+    {"delta_dtype": "TOPK_Q2", "delta_density": 3 / CHUNK},
+    {"delta_dtype": "SIGN1", "delta_density": 0.5, "feedback_momentum": 0.8,
+     "outer_momentum": 0.0},
+], ids=["TOPK_F8", "TOPK_Q2", "SIGN1-momentum"])
+def test_a_two_rank_learner_mailing_sparse_parts_equals_the_sparse_oracle(
+        alg: dict[str, Any]) -> None:
     url = f"memory://sharded-sparse-{secrets.token_hex(4)}"
     default = ThreadRanks.group(RANKS, timeout=TIMEOUT)
     side = ThreadRanks.group(RANKS, timeout=TIMEOUT)
@@ -286,7 +313,7 @@ def test_a_two_rank_learner_mailing_sparse_parts_equals_the_sparse_oracle() -> N
         adapter = ShardedAdapter(model, group_size=RANKS, group_rank=k)
         sharded_ranks = ShardedRanks(adapter, default[k], side[k], k, url, timeout=TIMEOUT)
         sync = RankSync(default[k], model, sharded_ranks=sharded_ranks)
-        sync.start(lambda: learner(sharded_ranks.learner_adapter(), url, "ranked", **SPARSE))
+        sync.start(lambda: learner(sharded_ranks.learner_adapter(), url, "ranked", **alg))
         train_ranked(sync, model, ready)
         results[f"rank{k}"] = [p.detach().clone() for p in model.parameters()]
         if k == 0:
@@ -297,13 +324,14 @@ def test_a_two_rank_learner_mailing_sparse_parts_equals_the_sparse_oracle() -> N
 
     def plain() -> None:
         model = models[RANKS]
-        one = learner(TorchAdapter(model), url, "plain", **SPARSE)
+        one = learner(TorchAdapter(model), url, "plain", **alg)
         one.start()
         results["plain"] = train_plain(one, model, ready)
         feedback["plain"] = one.state_dict()["error_feedback"]
 
     in_threads(*(functools.partial(rank, k) for k in range(RANKS)), plain, timeout=240)
-    want, residual, _ = sparse_oracle()
+    want, residual, _ = sparse_oracle(density=alg["delta_density"], fmt=alg["delta_dtype"],
+                                      momentum=alg.get("feedback_momentum", 0.0))
     for who, got in results.items():
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=0, atol=1e-6, msg=who)
