@@ -23,10 +23,11 @@ message: the one channel whose order follows every use of it.
 With a sparse `delta_dtype` every rank keeps the error feedback of its own rows
 (`learner.feedback.Residuals`, on its device) and sparsifies them into its part. What
 settles a payload (a failed upload, a commit that left it out, a sweep) is learned by
-rank 0's mailman; its `RankResiduals` queues it, and every side command carries the
-queue, which every rank applies, in order, before its share: so every rank's residuals
-go through the same settlements in the same order relative to its encodes. A checkpoint
-gathers them into an unsharded learner's layout (`feedback.join_states`).
+rank 0's mailman; its `RankResiduals` (`integration.sharded_feedback`) queues it, and
+every side command carries the queue, which every rank applies, in order, before its
+share: so every rank's residuals go through the same settlements in the same order
+relative to its encodes. A checkpoint gathers them into an unsharded learner's layout
+(`feedback.join_states`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import itertools
 import math
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from gradientmail.adapters.sharded import ShardedAdapter
@@ -50,8 +51,9 @@ from gradientmail.errors import (
     SchemaMismatch,
 )
 from gradientmail.integration.ranks import Ranks, TorchRanks
+from gradientmail.integration.sharded_feedback import RankResiduals
 from gradientmail.integration.sharded_ops import END, HEAD, OBJECT, OP, OpMessages
-from gradientmail.learner.feedback import STATE_VERSION, Residuals, join_states, split_state
+from gradientmail.learner.feedback import Residuals, split_state
 from gradientmail.learner.sharded import Sparse
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
@@ -67,8 +69,7 @@ from gradientmail.wire.sharded_ranges import Rows
 from gradientmail.wire.sparse import SPARSE_FORMATS
 from gradientmail.wire.tensor_bytes import TensorBytes
 
-__all__ = ["Handle", "RankAdapter", "RankResiduals", "ShardedRanks", "SideGroup", "check_meshes",
-           "is_sharded"]
+__all__ = ["Handle", "RankAdapter", "ShardedRanks", "SideGroup", "check_meshes", "is_sharded"]
 
 #: Errors another rank reports that say the data is bad, not the store unreachable: a
 #: commit that fails with one of them is passed over, not retried forever.
@@ -617,92 +618,6 @@ def check_meshes(module: Any, world: int) -> None:
                 "data_parallel_size=N, tensor_parallel_size=1) fully_shard(module, "
                 "mesh=self.device_mesh['data_parallel'])"
             )
-
-
-class RankResiduals:
-    """Rank 0's view of a sharded learner's error feedback (`ErrorFeedback`, what its
-    mailman holds as `residuals`): every rank keeps its own rows' residuals
-    (`ShardedRanks.residuals`) and encodes them itself (`upload`). Settlements are
-    queued for every rank (`ShardedRanks.settle`); `state_dict` gathers the ranks'
-    residuals (a side command) into an unsharded learner's layout, full tensors on the
-    host, and `load_state_dict` hands each rank its rows of one. After the ranks stop
-    (`finish`), `state_dict` gives what they held then."""
-
-    def __init__(self, ranks: ShardedRanks, learner: str) -> None:
-        self._ranks = ranks
-        self._learner = learner
-        self._restored: Residuals | None = None  # checked against the run when joined
-        self._final: dict[str, Any] | None = None
-
-    def in_flight(self) -> dict[int, int]:
-        """Rank 0's rounds in flight, less those a queued settlement settles (every rank
-        holds the same ones)."""
-        out = self._ranks.residuals(self._learner).in_flight()
-        for kind, *args in self._ranks.pending_settlements():
-            if kind == "swept":
-                fragment, through = args[0], args[1]
-                out = {r: f for r, f in out.items() if not (f == fragment and r <= through)}
-            else:
-                out.pop(args[0], None)
-        return out
-
-    def encode(self, round_: int, fragment: int, delta: Mapping[str, Any], density: float,
-               decay: float = 1.0, fmt: str = "TOPK_F8", momentum: float = 0.0,
-               offsets: Mapping[str, int] | None = None) -> dict[str, TensorBytes]:
-        raise ConfigError("a sharded learner's ranks each encode their own rows "
-                          "(ShardedRanks.upload), never rank 0 for all")
-
-    def failed(self, round_: int) -> None:
-        self._ranks.settle("failed", round_)
-
-    def recorded(self, round_: int, participants: tuple[str, ...]) -> None:
-        self._ranks.settle("recorded", round_, participants)
-
-    def swept(self, fragment: int, through: int, took_part: bool) -> None:
-        self._ranks.settle("swept", fragment, through, took_part)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Every rank's residuals, settled and joined (`feedback.join_states`): full
-        tensors as flat float32 torch tensors on the host, in `Residuals.state_dict`'s
-        layout (a side command; rank 0 holds them all while it returns them)."""
-        if self._final is not None:
-            return self._final
-        if self._ranks._stopped or not self._ranks._kept_any:
-            # Gone, or never made (a dense learner): no side command for nothing.
-            return {"version": STATE_VERSION, "residuals": {}, "in_flight": {}}
-        return self._gathered()
-
-    def keep_final(self) -> None:
-        """Gather the ranks' residuals once more before they stop serving."""
-        state = self._gathered()
-        if state["residuals"] or state["in_flight"]:
-            self._final = state
-
-    def _gathered(self) -> dict[str, Any]:
-        import torch
-
-        got = self._ranks._side_command(("feedback_state",))
-        states = [s for s in got if s is not None]
-        sizes = {p.name: p.numel for p in self._ranks.adapter.schema.params}
-        full = join_states(states, sizes)
-        return split_state(full, {n: (0, sizes[n]) for n in sizes},
-                           lambda _, v: torch.from_numpy(v))
-
-    def load_state_dict(self, state: Mapping[str, Any], sizes: Mapping[str, int],
-                        place: Callable[[str, Any], Any]) -> None:
-        """Check `state` as `Residuals.load_state_dict` does (the same errors), then hand
-        every rank its rows of it (a side command)."""
-        checked = Residuals(self._learner)
-        checked.load_state_dict(state, sizes, lambda _, v: v)
-        self._restored = checked
-        self._final = None
-        self._ranks._side_command(("feedback_load", self._learner, state))
-        self._ranks._kept_any = True
-
-    def check_fragments(self, plan: tuple[tuple[str, ...], ...]) -> None:
-        if self._restored is not None:
-            self._restored.check_fragments(plan)
-            self._restored = None
 
 
 class RankAdapter:
