@@ -299,8 +299,10 @@ class Learner:
         name with the rounds still in flight (`Residuals.state_dict`), or None while it
         holds none (no sparse `delta_dtype`, or no payload yet). The arrays are the
         learner's own (torch tensors on the model's device), never written once stored,
-        not copies. The rest of a learner needs no saving: a restart joins the run (from
-        its newest commits) as the same learner id."""
+        not copies; a sharded learner's ranks each keep their own rows, gathered here
+        into whole tensors on the host (`integration.sharded_feedback.RankResiduals`, a
+        side command the other ranks serve). The rest of a learner needs no saving: a
+        restart joins the run (from its newest commits) as the same learner id."""
         state = self._mailman.residuals.state_dict()
         return {"error_feedback": state if state["residuals"] or state["in_flight"] else None}
 
