@@ -166,11 +166,11 @@ class Residuals:
             x = _flat(value, fmt)
             if momentum:
                 m_prev = None if before is None else before.get(MOMENTUM + name)
-                m = x if m_prev is None else momentum * m_prev + x
+                m = x if m_prev is None else momentum * _like(m_prev, x) + x
                 after[MOMENTUM + name] = m
                 x = x + momentum * m
             if before is not None and name in before:
-                x = carried(x, before[name], decay)
+                x = carried(x, _like(before[name], x), decay)
             seed = round_ if not offsets else shifted_seed(round_, offsets.get(name, 0))
             entries, positions, sent = _sparsify(name, x, density, fmt, seed)
             after[name] = left(x, positions, sent)
@@ -180,10 +180,11 @@ class Residuals:
             if now is not before:
                 # An earlier payload of the fragment was settled meanwhile (a failure took
                 # its share out): this payload's share goes on top of what is kept now.
-                after = {n: a - before[n] if before is not None and n in before else a
-                         for n, a in after.items()}
+                after = {n: a - _like(before[n], a) if before is not None and n in before
+                         else a for n, a in after.items()}
                 if now is not None:
-                    after = {n: a + now[n] if n in now else a for n, a in after.items()}
+                    after = {n: a + _like(now[n], a) if n in now else a
+                             for n, a in after.items()}
                 before = now
             self._kept[fragment] = after
             self._pending[round_] = (fragment, before, after)
@@ -236,8 +237,8 @@ class Residuals:
         # A later payload was encoded since (from this one's residual): take this one's
         # share back out of the newest residual.
         self._kept[fragment] = {
-            n: v - after[n] + before[n] if before is not None and n in before
-            else v - after[n]
+            n: v - _like(after[n], v) + _like(before[n], v) if before is not None and n in before
+            else v - _like(after[n], v)
             for n, v in kept.items()
         }
 
@@ -460,6 +461,21 @@ def _host(value: Any) -> Any:
     import torch
 
     return value.detach().reshape(-1).to("cpu", dtype=torch.float32).numpy()
+
+
+def _like(value: Any, ref: Any) -> Any:
+    """`value` (a residual) where `ref` is: a numpy array for a numpy `ref`, else a tensor
+    on `ref`'s device. A restored residual is a tensor on the model's device
+    (`Learner.load_state_dict`), while TOPK_Q2 and SIGN1 encode on the host: mixing the
+    two in one expression would fail (numpy and torch do not add) or land on the wrong
+    device."""
+    if isinstance(ref, np.ndarray):
+        return value if isinstance(value, np.ndarray) else _host(value)
+    import torch
+
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value).to(ref.device)
+    return value if value.device == ref.device else value.to(ref.device)
 
 
 def _flat(value: Any, fmt: str = "TOPK_F8") -> Any:
