@@ -14,6 +14,7 @@ oracle's.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import itertools
 import secrets
@@ -30,10 +31,14 @@ from workers.toy import inner_step, make_model
 
 from gradientmail.adapters import TorchAdapter
 from gradientmail.adapters.sharded import ShardedAdapter, chunk_rows
-from gradientmail.errors import CorruptPayload, SchemaMismatch
+from gradientmail.errors import CorruptPayload, GradientmailError, SchemaMismatch
 from gradientmail.integration import RankSync, ThreadRanks
 from gradientmail.integration.sharded import ShardedRanks
 from gradientmail.learner.feedback import Residuals, join_states, split_state
+from gradientmail.learner.sharded import Sparse
+from gradientmail.mailbox import MemoryMailbox
+from gradientmail.run.protocol import Exchange
+from gradientmail.wire.compression import decode
 from gradientmail.wire.serialization import ParameterSpec, Schema
 from gradientmail.wire.sharded_parts import assemble
 from gradientmail.wire.signs import shifted_seed
@@ -407,3 +412,96 @@ def test_a_checkpoint_state_goes_to_each_rank_as_its_rows_and_settles_there() ->
         assert kept is not None
         np.testing.assert_array_equal(kept.residual(0)[n].numpy(),
                                       np.asarray(one.residual(0)[n])[a * width:b * width])
+
+
+class FailsOnce(ShardedRanks):
+    """A rank whose part of round 1 is encoded and then fails to upload, once (what a PUT
+    that keeps failing does): its residual moved, the contribution never landed."""
+
+    failures = 0
+
+    async def _upload_sparse(self, ex: Any, round_: int, *args: Any) -> Any:
+        ref = await super()._upload_sparse(ex, round_, *args)
+        if round_ == 1 and not FailsOnce.failures:
+            FailsOnce.failures += 1
+            raise OSError("the part's upload failed")
+        return ref
+
+
+def test_a_failed_sparse_upload_is_settled_on_every_rank() -> None:
+    """Round 1's upload fails on rank 1 after both ranks encoded their rows; rank 0 learns
+    it (`failed`, as its poster does), and the same steps go out with round 2: every rank
+    takes round 1's share back before it encodes round 2, so round 2's parts and the
+    residuals gathered after are those of ranks that never sent round 1."""
+    name = f"sharded-sparse-fail-{secrets.token_hex(4)}"
+    default = ThreadRanks.group(RANKS, timeout=TIMEOUT)
+    side = ThreadRanks.group(RANKS, timeout=TIMEOUT)
+    models = [make_model() for _ in range(RANKS)]
+    shapes = {n: tuple(p.shape) for n, p in models[0].named_parameters()}
+    rng = np.random.default_rng(7)
+    anchor = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    snaps = [{n: a - 0.1 * rng.standard_normal(a.shape).astype(np.float32)
+              for n, a in anchor.items()} for _ in range(2)]
+    built = [(FailsOnce if k == 1 else ShardedRanks)(
+        ShardedAdapter(models[k], group_size=RANKS, group_rank=k), default[k], side[k], k,
+        f"memory://{name}", timeout=TIMEOUT) for k in range(RANKS)]
+    FailsOnce.failures = 0
+    sparse = Sparse(0, 2 / CHUNK, 1.0, 0.0)
+    got: dict[str, Any] = {}
+
+    def rank0() -> None:
+        ranks = built[0]
+        view = ranks.feedback("ranked")
+        ex = Exchange(MemoryMailbox(name))
+
+        def tb(values: dict[str, np.ndarray]) -> dict[str, TensorBytes]:
+            return {n: TensorBytes.from_numpy(v) for n, v in values.items()}
+
+        a = ranks.load_full(tb(anchor))
+        handles = [ranks.load_full(tb(v)) for v in snaps]
+
+        async def rounds() -> None:
+            await ranks.upload(ex, 0, "ranked", a, handles[0], "TOPK_F8", sparse)
+            view.recorded(0, ("ranked",))
+            with pytest.raises(GradientmailError, match="rank 1: OSError: the part's upload"):
+                await ranks.upload(ex, 1, "ranked", a, handles[1], "TOPK_F8", sparse)
+            view.failed(1)
+            got["refs"] = await ranks.upload(ex, 2, "ranked", a, handles[1], "TOPK_F8",
+                                             sparse)
+            got["parts"] = [await ex.store.fetch_payload(ref, 1 << 20) for ref in got["refs"]]
+            view.recorded(2, ("ranked",))
+
+        asyncio.run(rounds())
+        got["state"] = view.state_dict()
+        ranks.finish()
+
+    def rank1() -> None:
+        built[1].begin()
+        built[1].finish()
+
+    try:
+        in_threads(rank0, rank1, timeout=120)
+    finally:
+        MemoryMailbox.forget(name)
+    assert FailsOnce.failures == 1
+    # What each rank would hold had nothing failed: its rows, encoded round by round.
+    state = got["state"]
+    assert state["in_flight"] == {}
+    for k in range(RANKS):
+        mine = Residuals("ranked")
+        rows = {n: chunk_rows(s[0], RANKS, k) for n, s in shapes.items()}
+        for r, snap in zip((0, 2), snaps, strict=True):
+            delta = {n: torch.from_numpy((anchor[n] - snap[n])[a:b].copy())
+                     for n, (a, b) in rows.items()}
+            entries = mine.encode(r, 0, delta, sparse.density)
+            mine.recorded(r, ("ranked",))
+        blob = got["parts"][k]
+        assert blob is not None
+        sent = decode(blob, "off")
+        assert {n: bytes(t.buffer) for n, t in sent.items()} == \
+            {n: bytes(t.buffer) for n, t in entries.items()}
+        for n, (a, b) in rows.items():
+            width = int(np.prod(shapes[n][1:]))
+            np.testing.assert_array_equal(
+                state["residuals"][0][n].numpy()[a * width:b * width],
+                np.asarray(mine.residual(0)[n]))
