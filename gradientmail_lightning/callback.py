@@ -268,7 +268,9 @@ class DiLoCoCallback(Callback):
         """The learner id, its local step, the rounds it had seen and its error feedback
         (`Learner.state_dict()["error_feedback"]`: None while it holds no residuals, and
         before a learner ran); only global rank 0's learner has residuals, and only rank
-        0's checkpoint is written."""
+        0's checkpoint is written. A sharded learner's ranks each keep their own rows'
+        residuals; rank 0's `Learner.state_dict` gathers them into whole tensors (a side
+        command the other ranks serve from their own thread)."""
         learner = self.learner
         return {
             "learner_id": learner.learner_id if learner is not None else self._resolved_id(),

@@ -408,3 +408,30 @@ def test_the_learners_momentum_is_settled_and_saved_with_the_residual(fmt: str) 
         for n in SHAPES:
             np.testing.assert_array_equal(host(back.momentum(0)[n]), mom[n])
             np.testing.assert_array_equal(host(back.residual(0)[n]), res[n])
+
+
+@pytest.mark.parametrize("fmt", ["TOPK_F8", "TOPK_Q2", "SIGN1"])
+def test_residuals_restored_as_tensors_encode_as_restored_as_arrays(fmt: str) -> None:
+    """`Learner.load_state_dict` places residuals as tensors on the model's device (a
+    sharded learner's ranks too), while TOPK_Q2 and SIGN1 encode on the host: with
+    `feedback_momentum` and a failure after a later payload, the payloads, residual and
+    momentum equal those of the same state restored as numpy arrays."""
+    x = np.random.default_rng(0).standard_normal(5000).astype(np.float32)
+    got = []
+    for kind in (np.asarray, torch.from_numpy):
+        first = Residuals("a")
+        first.encode(0, 0, {"w": TensorBytes("F32", (5000,), x.tobytes())}, 0.5, fmt=fmt,
+                     momentum=0.5)
+        state = first.state_dict()
+        state["residuals"] = {0: {n: kind(np.array(v)) for n, v in state["residuals"][0].items()}}
+        state["in_flight"] = {}
+        again = Residuals("a")
+        again.load_state_dict(state, {"w": 5000}, lambda _, v: v)
+        out = [again.encode(r, 0, {"w": torch.from_numpy(x.copy())}, 0.5, fmt=fmt, momentum=0.5)
+               for r in (1, 2)]
+        again.failed(1)
+        got.append(([{n: bytes(t.buffer) for n, t in o.items()} for o in out],
+                    np.asarray(again.residual(0)["w"]), np.asarray(again.momentum(0)["w"])))
+    assert got[0][0] == got[1][0]
+    np.testing.assert_array_equal(got[0][1], got[1][1])
+    np.testing.assert_array_equal(got[0][2], got[1][2])

@@ -311,3 +311,50 @@ def test_an_fsdp2_learner_and_a_plain_one_of_a_standard_run_train_together_every
     theta = newest_theta(LocalMailbox(box))
     assert_params(plain["params"], theta, "plain ended")
     assert_params(fsdp["params"], theta, "fsdp ended")
+
+
+@pytest.mark.slow
+def test_a_sparse_fsdp2_learner_checkpoints_its_ranks_residuals_and_resumes_them_on_3_ranks(
+        tmp_path: Path) -> None:
+    """TOPK_F8 deltas with error feedback: each rank keeps its own rows' residuals; the
+    step-6 Lightning checkpoint (written by global rank 0 alone) holds them gathered into
+    whole tensors; resumed from it with 3 ranks (one with an empty shard of the 2-row
+    layer), each rank takes its rows, and gathered again after the join they are the
+    checkpoint's, byte for byte: the rounds the checkpoint had in flight stood."""
+    box, ckpts = tmp_path / "run", tmp_path / "ckpt"
+    first = tmp_path / "first"
+    rc, log = launch(2, box, first, "--steps", "12", "--ckpt-dir", str(ckpts),
+                     "--ckpt-every", "6", "--algorithm", "sparse", "--learner-id", "lsp")
+    assert rc == 0, log[-4000:]
+    checkpoint = ckpts / "epoch=0-step=6.ckpt"
+    meta = torch.load(checkpoint / "meta.pt", weights_only=False)
+    saved = meta["callbacks"]["DiLoCoCallback"]["error_feedback"]
+    manifest = manifest_of(box)
+    assert manifest is not None and saved is not None
+    shapes = {p.name: p.shape for p in manifest.schema.params}
+    assert saved["residuals"], saved
+    for f, arrays in saved["residuals"].items():
+        assert set(arrays) == set(manifest.plan[f]), f
+        for name, a in arrays.items():
+            # Whole tensors on the host, not one rank's rows.
+            assert isinstance(a, torch.Tensor) and a.device.type == "cpu"
+            assert a.numel() == torch.Size(shapes[name]).numel(), name
+            assert bool(a.abs().sum() > 0), name
+    recs, _ = records(box)
+    for r in saved["in_flight"]:
+        assert [p.learner for p in recs[r].participants] == ["lsp"], r
+
+    second = tmp_path / "second"
+    rc, log = launch(3, box, second, "--steps", "10", "--resume", str(checkpoint),
+                     "--algorithm", "sparse", "--learner-id", "lsp")
+    assert rc == 0, log[-6000:]
+    start = json.loads(Path(f"{second}.start.json").read_text())
+    end = json.loads(Path(f"{second}.end.json").read_text())
+    assert start["global_step"] == 6 and end["world"] == 3 and end["published"]
+    resumed = start["feedback"]
+    assert resumed["in_flight"] == []  # settled from their records at the join
+    assert set(resumed["residuals"]) == {str(f) for f in saved["residuals"]}
+    for f, arrays in saved["residuals"].items():
+        for name, a in arrays.items():
+            got = torch.tensor(resumed["residuals"][str(f)][name], dtype=torch.float32)
+            assert torch.equal(got, a.reshape(-1)), (f, name)

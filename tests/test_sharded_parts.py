@@ -34,10 +34,13 @@ from gradientmail.wire.refs import PayloadRef
 from gradientmail.wire.sharded_parts import ROWS_KEY
 from gradientmail.wire.sharded_pieces import RowPieces
 from gradientmail.wire.sharded_ranges import rows_of
+from gradientmail.wire.sparse import SPARSE_FORMATS, densify, sparsify
 from gradientmail.wire.tensor_bytes import TensorBytes
 
 #: Rows of each tensor of SCHEMA (w: 2 rows, b: 3) per part, for two ranks.
 TWO_RANKS = [{"w": (0, 1), "b": (0, 2)}, {"w": (1, 2), "b": (2, 3)}]
+#: The density of sparse parts: 2 values a chunk.
+DENSITY = 2 / 4096
 
 
 def run(coro: Any) -> Any:
@@ -68,7 +71,8 @@ async def publish_parts(ex: Exchange, r: int, learner: str, full: Mapping[str, T
                         base_version: int | None = None, fmt: str = "F32",
                         tokens: int = 64) -> SnapshotRecord:
     """`learner`'s delta `full` uploaded as one part per entry of `cuts` (its rows of each
-    tensor), then its record; F8/F4 parts quantized each on its own."""
+    tensor), then its record; F8/F4 parts quantized each on its own, sparse ones
+    sparsified each on its own (at `DENSITY`)."""
     refs = []
     for k, rows in enumerate(cuts):
         entries: dict[str, TensorBytes] = {}
@@ -76,7 +80,9 @@ async def publish_parts(ex: Exchange, r: int, learner: str, full: Mapping[str, T
             shape = full[name].shape
             piece = rows_of(full[name], a, b).tensor if b <= shape[0] else \
                 TensorBytes.from_numpy(np.zeros((b - a, *shape[1:]), np.float32))  # a liar
-            entries.update({name: piece} if fmt == "F32" else quantize(name, piece, fmt))
+            entries.update({name: piece} if fmt == "F32" else
+                           sparsify(name, piece, DENSITY, fmt) if fmt in SPARSE_FORMATS
+                           else quantize(name, piece, fmt))
         refs.append(await ex.put_part(r, learner, k, len(cuts), entries, rows))
     draft = ex.draft(r, learner, fragment=fragment,
                      base_version=r if base_version is None else base_version,
@@ -180,19 +186,21 @@ ROUND_CUTS = [TWO_RANKS, [{"w": (0, 0), "b": (0, 1)}, {"w": (0, 2), "b": (1, 2)}
 def as_merged(full: Mapping[str, TensorBytes], cuts: Sequence[Mapping[str, tuple[int, int]]],
               fmt: str) -> dict[str, TensorBytes]:
     """The F32 values a closer merges from `full` mailed in parts `cuts` in `fmt`: each
-    part's rows quantized on their own, dequantized, side by side."""
+    part's rows quantized (or sparsified) on their own, decoded, side by side."""
     rows: dict[str, list[tuple[int, Any]]] = {n: [] for n in full}
     for part in cuts:
         for name, (a, b) in part.items():
             piece = rows_of(full[name], a, b).tensor
-            if fmt != "F32":
+            if fmt in SPARSE_FORMATS:
+                piece = densify(sparsify(name, piece, DENSITY, fmt), name, piece.shape, fmt)
+            elif fmt != "F32":
                 piece = dequantize(quantize(name, piece, fmt), name, fmt)
             rows[name].append((a, piece.to_numpy()))
     return {n: TensorBytes.from_numpy(np.concatenate([p for _, p in sorted(
         got, key=lambda x: x[0])]).astype(np.float32)) for n, got in rows.items()}
 
 
-@pytest.mark.parametrize("fmt", ["F32", "F8_E4M3", "F4"])
+@pytest.mark.parametrize("fmt", ["F32", "F8_E4M3", "F4", *SPARSE_FORMATS])
 def test_a_round_merges_parts_to_the_bytes_it_merges_from_the_same_delta_whole(
         fmt: str) -> None:
     async def close(mailbox: Mailbox, parted: bool, merge: Any) -> list[str]:
@@ -213,7 +221,8 @@ def test_a_round_merges_parts_to_the_bytes_it_merges_from_the_same_delta_whole(
                 assert got is not None
                 assert [type(got[n]) for n in ("w", "b")] == ([
                     [RowPieces, RowPieces], [TensorBytes, RowPieces],
-                    [TensorBytes, TensorBytes]][rnd] if fmt == "F32" else [RowPieces] * 2)
+                    [TensorBytes, TensorBytes]][rnd] if fmt in ("F32", *SPARSE_FORMATS)
+                    else [RowPieces] * 2)
             else:
                 await r.contribute(rnd, "sharded", tokens=90,
                                    tensors=as_merged(full, ROUND_CUTS[rnd], fmt))
@@ -286,7 +295,7 @@ def test_a_missing_part_drops_the_contribution_as_swept(
 # -- verify -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", ["F32", "F8_E4M3", "F4"])
+@pytest.mark.parametrize("fmt", ["F32", "F8_E4M3", "F4", *SPARSE_FORMATS])
 def test_rounds_that_merged_parts_verify(mailboxes: tuple[Mailbox, Mailbox], fmt: str) -> None:
     alg = audited(Rda(direct_pattern=None), delta_dtype=None if fmt == "F32" else fmt)
 

@@ -313,20 +313,3 @@ def test_a_poster_whose_upload_fails_keeps_the_residual_it_had() -> None:
         MemoryMailbox.forget("poster-sparse")
 
     asyncio.run(main())
-
-
-def test_a_sharded_learner_is_refused_sparse_deltas_when_built() -> None:
-    import torch
-
-    from gradientmail.adapters.torch import TorchAdapter
-    from gradientmail.learner.runtime import Learner
-
-    class Ranked(TorchAdapter):
-        ranks = object()  # what a sharded learner's adapter carries (learner.sharded)
-
-    alg = DiLoCo(4, 1, delta_dtype="TOPK_F8")
-    with pytest.raises(ConfigError, match="delta_dtype='TOPK_F8' is not supported by a "
-                                          "sharded learner yet"):
-        Learner(Ranked(torch.nn.Linear(2, 2)), alg, MemoryMailbox(), "s")
-    # a whole-model learner takes them
-    Learner(TorchAdapter(torch.nn.Linear(2, 2)), alg, MemoryMailbox(), "w")

@@ -329,6 +329,23 @@ class ShardedAdapter:
         return out
 
     @torch.no_grad()
+    def delta_tensors(self, anchor: Mapping[str, torch.Tensor],
+                      snapshot: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`delta` as float32 tensors on the shard's device (the names of `mailed`, each
+        shaped as the owned rows): new tensors the caller owns and may write (a sharded
+        learner's error feedback works on them there, `learner.feedback`)."""
+        out = {}
+        for name, (o0, o1) in self.mailed(list(snapshot)).items():
+            h0 = self.local_rows(name)[0]
+            diff = _narrow(anchor[name], o0 - h0, o1 - h0).to(torch.float32, copy=True)
+            out[name] = diff.sub_(_narrow(snapshot[name], o0 - h0, o1 - h0))
+        return out
+
+    def owned_offset(self, name: str) -> int:
+        """The flat element of the full tensor `name` where this rank's owned rows start."""
+        return self.owned_rows(name)[0] * math.prod(self.schema[name].shape[1:])
+
+    @torch.no_grad()
     def delta_into(self, anchor: Mapping[str, torch.Tensor],
                    snapshot: Mapping[str, torch.Tensor], slots: Mapping[str, Any]) -> None:
         """`delta`, written into `slots` (name -> a writable host buffer of the owned rows

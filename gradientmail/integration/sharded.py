@@ -19,6 +19,15 @@ ranks' rows in step, each ordered by rank 0:
 
 A handle rank 0 no longer holds is released on every rank with the next training-channel
 message: the one channel whose order follows every use of it.
+
+With a sparse `delta_dtype` every rank keeps the error feedback of its own rows
+(`learner.feedback.Residuals`, on its device) and sparsifies them into its part. What
+settles a payload (a failed upload, a commit that left it out, a sweep) is learned by
+rank 0's mailman; its `RankResiduals` (`integration.sharded_feedback`) queues it, and
+every side command carries the queue, which every rank applies, in order, before its
+share: so every rank's residuals go through the same settlements in the same order
+relative to its encodes. A checkpoint gathers them into an unsharded learner's layout
+(`feedback.join_states`).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import asyncio
 import dataclasses
 import datetime
 import itertools
+import math
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -41,7 +51,10 @@ from gradientmail.errors import (
     SchemaMismatch,
 )
 from gradientmail.integration.ranks import Ranks, TorchRanks
+from gradientmail.integration.sharded_feedback import RankResiduals
 from gradientmail.integration.sharded_ops import END, HEAD, OBJECT, OP, OpMessages
+from gradientmail.learner.feedback import Residuals, split_state
+from gradientmail.learner.sharded import Sparse
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
 from gradientmail.run.protocol import Exchange
@@ -53,6 +66,7 @@ from gradientmail.wire.refs import PayloadRef
 from gradientmail.wire.sharded_blocks import BLOCK_BYTES
 from gradientmail.wire.sharded_parts import assemble
 from gradientmail.wire.sharded_ranges import Rows
+from gradientmail.wire.sparse import SPARSE_FORMATS
 from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["Handle", "RankAdapter", "ShardedRanks", "SideGroup", "check_meshes", "is_sharded"]
@@ -61,7 +75,7 @@ __all__ = ["Handle", "RankAdapter", "ShardedRanks", "SideGroup", "check_meshes",
 #: commit that fails with one of them is passed over, not retried forever.
 _PERMANENT = {cls.__name__: cls for cls in (ConfigError, SchemaMismatch, RemoteProtocolError)}
 #: Side commands that do no I/O, served without an event loop.
-_SYNC = ("stop", "load_full", "read")
+_SYNC = ("stop", "load_full", "read", "feedback_state", "feedback_load")
 
 
 class SideGroup(Protocol):
@@ -114,6 +128,12 @@ class ShardedRanks:
         self._replica: ShardedReplica | None = None  # this rank's rows of each fragment's state
         self._versions: dict[int, int] = {}  # rank 0: the version every rank's replica holds
         self.failure: BaseException | None = None  # what ended a member's serving thread
+        self._feedback: Residuals | None = None  # this rank's error feedback, once needed
+        self._view: RankResiduals | None = None  # rank 0: what its mailman holds
+        self._settlements: list[tuple[Any, ...]] = []  # rank 0: not sent to the ranks yet
+        self._settling = threading.Lock()
+        self._stopped = False  # rank 0: the other ranks no longer serve side commands
+        self._kept_any = False  # rank 0: a sparse upload or a restore made residuals
 
     @classmethod
     def create(cls, module: Any, mailbox: Mailbox | str, *, prefix: str = "",
@@ -160,8 +180,13 @@ class ShardedRanks:
             self._thread.start()
 
     def finish(self) -> None:
-        """Rank 0: tell the other ranks' threads to stop; the others: wait for it."""
+        """Rank 0: tell the other ranks' threads to stop (keeping the ranks' error
+        feedback, gathered, for a checkpoint taken after: `RankResiduals.state_dict`);
+        the others: wait for it."""
         if self.rank == 0:
+            if self._view is not None and self._kept_any and not self._stopped:
+                self._view.keep_final()
+            self._stopped = True
             self._side_command(("stop",))
         elif self._thread is not None:
             self._thread.join(self.timeout)
@@ -266,16 +291,19 @@ class ShardedRanks:
         """Rank 0, blocking: send `cmd` (one without I/O: stop, load_full, read), do its
         share, gather every rank's results."""
         with self._command:
-            self.side.broadcast_object(cmd)
-            own = _outcome(self._share, cmd)
+            settled = self._take_settlements()
+            self.side.broadcast_object((cmd, settled))
+            own = _outcome(self._settled_share, cmd, settled)
             return _results(self.side.all_gather_object(own))
 
     async def _side_command_async(self, cmd: tuple[Any, ...], exchange: Exchange) -> Any:
         """`_side_command` from the communication thread's loop (its own share on it)."""
         await asyncio.to_thread(self._command.acquire)
         try:
-            await asyncio.to_thread(self.side.broadcast_object, cmd)
+            settled = self._take_settlements()
+            await asyncio.to_thread(self.side.broadcast_object, (cmd, settled))
             try:
+                self._settle(settled)
                 own: tuple[Any, ...] = ("ok", await self._serve(cmd, exchange))
             except Exception as exc:
                 own = ("error", type(exc).__name__, str(exc))
@@ -306,9 +334,15 @@ class ShardedRanks:
         return assemble(parts, self.adapter.schema, wanted, None)
 
     async def upload(self, exchange: Exchange, round_: int, learner: str, anchor: Any,
-                     snapshot: Any, delta_format: str) -> list[PayloadRef]:
-        """`Ranks.upload`: every rank's part, in rank order."""
-        cmd = ("upload", round_, learner, anchor.id, snapshot.id, delta_format)
+                     snapshot: Any, delta_format: str, sparse: Sparse | None = None
+                     ) -> list[PayloadRef]:
+        """`Ranks.upload`: every rank's part, in rank order (sparse: each rank's rows
+        sparsified with its own error feedback)."""
+        if (delta_format in SPARSE_FORMATS) != (sparse is not None):
+            raise ConfigError(f"delta_format={delta_format!r} with sparse={sparse!r}: a "
+                              "sparse format needs its Sparse, a dense one none")
+        self._kept_any |= sparse is not None
+        cmd = ("upload", round_, learner, anchor.id, snapshot.id, delta_format, sparse)
         refs: list[PayloadRef] = await self._side_command_async(cmd, exchange)
         return refs
 
@@ -343,6 +377,77 @@ class ShardedRanks:
             self._versions[fragment] = chain.version
         return h, sum(n or 0 for n in got)
 
+    # -- error feedback ---------------------------------------------------------------------
+
+    def feedback(self, learner: str) -> RankResiduals:
+        """`Ranks.feedback`: rank 0's view of the ranks' error feedback (one per learner)."""
+        if self._view is None:
+            self._view = RankResiduals(self, learner)
+        return self._view
+
+    def residuals(self, learner: str) -> Residuals:
+        """This rank's error feedback: its own rows' residuals (made when first needed)."""
+        if self._feedback is None:
+            self._feedback = Residuals(learner)
+        return self._feedback
+
+    def settle(self, *event: Any) -> None:
+        """Rank 0: a settlement (`Residuals.failed`/`recorded`/`swept`, by name and
+        arguments) for every rank to apply before its share of the next side command."""
+        with self._settling:
+            self._settlements.append(event)
+
+    def pending_settlements(self) -> list[tuple[Any, ...]]:
+        with self._settling:
+            return list(self._settlements)
+
+    def _take_settlements(self) -> list[tuple[Any, ...]]:
+        with self._settling:
+            out, self._settlements = self._settlements, []
+            return out
+
+    def _settle(self, settled: Sequence[tuple[Any, ...]]) -> None:
+        """Apply rank 0's settlements to this rank's residuals, in order (none kept yet:
+        nothing to settle)."""
+        mine = self._feedback
+        if mine is None:
+            return
+        for kind, *args in settled:
+            getattr(mine, kind)(*args)
+
+    def _spans(self) -> dict[str, tuple[int, int]]:
+        """The flat elements [start, stop) of each tensor whose rows this rank mails."""
+        a = self.adapter
+        return {n: (r0 * math.prod(a.schema[n].shape[1:]), r1 * math.prod(a.schema[n].shape[1:]))
+                for n, (r0, r1) in a.mailed(list(a.schema.names)).items()}
+
+    def _feedback_state(self) -> tuple[dict[str, tuple[int, int]], dict[str, Any]] | None:
+        """This rank's share of `feedback_state`: its spans and its residuals' state on the
+        host (None while it keeps none)."""
+        mine = self._feedback
+        if mine is None:
+            return None
+        spans = self._spans()
+        return spans, split_state(mine.state_dict(), {n: (0, b - a) for n, (a, b) in
+                                                      spans.items()}, lambda _, v: v)
+
+    def _feedback_load(self, learner: str, state: Mapping[str, Any]) -> None:
+        """This rank's share of `feedback_load`: its rows of the full `state`, on its
+        device."""
+        a = self.adapter
+
+        def place(name: str, piece: Any) -> Any:
+            import torch
+
+            device = a.local(name).device
+            return torch.as_tensor(piece).to(device=device, dtype=torch.float32, copy=True)
+
+        mine = split_state(state, self._spans(), place)
+        sizes = {n: b - s for n, (s, b) in self._spans().items()}
+        fresh = Residuals(learner)
+        fresh.load_state_dict(mine, sizes, lambda _, v: v)
+        self._feedback = fresh
+
     # -- the side channel: every rank's share ----------------------------------------------
 
     def _serve_side(self) -> None:
@@ -352,11 +457,15 @@ class ShardedRanks:
                       compression=self._compression)
         try:
             while True:
-                cmd = self.side.broadcast_object(None)
+                cmd, settled = self.side.broadcast_object(None)
                 if cmd[0] in _SYNC:
-                    out = _outcome(self._share, cmd)
+                    out = _outcome(self._settled_share, cmd, settled)
                 else:
-                    out = _outcome(lambda c: loop.run_until_complete(self._serve(c, ex)), cmd)
+                    def run(c: tuple[Any, ...], settled: Any = settled) -> Any:
+                        self._settle(settled)
+                        return loop.run_until_complete(self._serve(c, ex))
+
+                    out = _outcome(run, cmd)
                 self.side.all_gather_object(out)
                 if cmd[0] == "stop":
                     return
@@ -366,9 +475,18 @@ class ShardedRanks:
             loop.run_until_complete(ex.mailbox.close())
             loop.close()
 
+    def _settled_share(self, cmd: tuple[Any, ...], settled: Sequence[tuple[Any, ...]]) -> Any:
+        self._settle(settled)
+        return self._share(cmd)
+
     def _share(self, cmd: tuple[Any, ...]) -> Any:
         """This rank's share of a command without I/O."""
         kind = cmd[0]
+        if kind == "feedback_state":
+            return self._feedback_state()
+        if kind == "feedback_load":
+            self._feedback_load(cmd[1], cmd[2])
+            return None
         if kind == "load_full":
             self._keep(cmd[1], self.adapter.load(cmd[2]))
         elif kind == "read":
@@ -379,7 +497,10 @@ class ShardedRanks:
         """This rank's share of a command that reads or writes the mailbox."""
         kind = cmd[0]
         if kind == "upload":
-            round_, learner, anchor, snapshot, fmt = cmd[1:]
+            round_, learner, anchor, snapshot, fmt, sparse = cmd[1:]
+            if sparse is not None:
+                return await self._upload_sparse(ex, round_, learner, self._get(anchor),
+                                                 self._get(snapshot), fmt, sparse)
             return await self._upload(ex, round_, learner, self._get(anchor),
                                       self._get(snapshot), fmt)
         if kind == "reach":
@@ -425,6 +546,25 @@ class ShardedRanks:
             t = one[name].tensor
             entries.update({name: t} if fmt == "F32" else quantize(name, t, fmt))
             del one, t  # before the next tensor's delta
+        return await ex.put_part(round_, learner, self.rank, self.size, entries, rows)
+
+    async def _upload_sparse(self, ex: Exchange, round_: int, learner: str, anchor: Any,
+                             snapshot: Any, fmt: str, sparse: Sparse) -> PayloadRef:
+        """This rank's part in a sparse `fmt`: anchor − θ over its owned rows (float32,
+        on its device) plus its residual, sparsified on its own (chunks counted from the
+        part's first element; SIGN1 seeded to select the whole tensor's elements), the
+        rest kept as its residual (`Residuals.encode`, settled as rank 0 says)."""
+        a = self.adapter
+        rows = a.mailed(list(snapshot))
+        mine = self.residuals(learner)
+
+        def encode() -> dict[str, TensorBytes]:
+            delta = a.delta_tensors(anchor, snapshot)
+            return mine.encode(round_, sparse.fragment, delta, sparse.density, sparse.decay,
+                               fmt, sparse.momentum,
+                               offsets={n: a.owned_offset(n) for n in rows})
+
+        entries = await asyncio.to_thread(encode)
         return await ex.put_part(round_, learner, self.rank, self.size, entries, rows)
 
     async def _reach(self, ex: Exchange, i: int, chain: ShardedChain) -> int | None:

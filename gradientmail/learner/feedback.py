@@ -41,15 +41,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from gradientmail.errors import ConfigError
+from gradientmail.errors import ConfigError, GradientmailError
+from gradientmail.wire.signs import shifted_seed
 from gradientmail.wire.sparse import densify, sparsify, sparsify_sent
 from gradientmail.wire.tensor_bytes import TensorBytes
 
-__all__ = ["MOMENTUM", "STATE_VERSION", "Residuals", "carried", "left"]
+__all__ = ["MOMENTUM", "STATE_VERSION", "ErrorFeedback", "Residuals", "carried", "join_states",
+           "left", "split_state"]
 
 #: The version of `Residuals.state_dict`'s layout.
 STATE_VERSION = 1
@@ -73,6 +75,31 @@ def left(x: _A, positions: Any, sent: Any) -> _A:
     decodes to at the flat `positions`), subtracted in `x` and returned."""
     x[positions] -= sent  # type: ignore[index]
     return x
+
+
+class ErrorFeedback(Protocol):
+    """What a learner's mailman, poster and runtime ask of its error feedback:
+    `Residuals`, or for a sharded learner the view of its ranks' residuals that rank 0
+    holds (`integration.sharded.RankResiduals`)."""
+
+    def in_flight(self) -> dict[int, int]: ...
+
+    def encode(self, round_: int, fragment: int, delta: Mapping[str, Any], density: float,
+               decay: float = 1.0, fmt: str = "TOPK_F8", momentum: float = 0.0,
+               offsets: Mapping[str, int] | None = None) -> dict[str, TensorBytes]: ...
+
+    def failed(self, round_: int) -> None: ...
+
+    def recorded(self, round_: int, participants: tuple[str, ...]) -> None: ...
+
+    def swept(self, fragment: int, through: int, took_part: bool) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any], sizes: Mapping[str, int],
+                        place: Callable[[str, Any], Any]) -> None: ...
+
+    def check_fragments(self, plan: tuple[tuple[str, ...], ...]) -> None: ...
 
 
 class Residuals:
@@ -113,12 +140,15 @@ class Residuals:
 
     def encode(self, round_: int, fragment: int, delta: Mapping[str, Any],
                density: float, decay: float = 1.0, fmt: str = "TOPK_F8",
-               momentum: float = 0.0) -> dict[str, TensorBytes]:
+               momentum: float = 0.0, offsets: Mapping[str, int] | None = None
+               ) -> dict[str, TensorBytes]:
         """The sparse entries (`fmt`) of `delta` (with `momentum` μ > 0: of the Nesterov
         step delta + μ·m, m ← μ·m + delta) plus `decay` × the fragment's residual; the rest
         becomes the fragment's residual, the state before kept until round `round_` is
         settled. SIGN1 is seeded with `round_`, so a round's learners send the same
-        elements.
+        elements; `offsets` (a sharded learner's rank: the flat element of the full
+        tensor its rows of each name start at) shifts the seed by it
+        (`signs.shifted_seed`), so its rows select the same elements as a whole tensor's.
 
         `delta` maps names to F32 `TensorBytes` (host), or to float32 torch tensors that
         `encode` may write (new ones: `TorchAdapter.delta_tensors`), which it encodes on
@@ -136,12 +166,13 @@ class Residuals:
             x = _flat(value, fmt)
             if momentum:
                 m_prev = None if before is None else before.get(MOMENTUM + name)
-                m = x if m_prev is None else momentum * m_prev + x
+                m = x if m_prev is None else momentum * _like(m_prev, x) + x
                 after[MOMENTUM + name] = m
                 x = x + momentum * m
             if before is not None and name in before:
-                x = carried(x, before[name], decay)
-            entries, positions, sent = _sparsify(name, x, density, fmt, round_)
+                x = carried(x, _like(before[name], x), decay)
+            seed = round_ if not offsets else shifted_seed(round_, offsets.get(name, 0))
+            entries, positions, sent = _sparsify(name, x, density, fmt, seed)
             after[name] = left(x, positions, sent)
             out.update(entries)
         with self._lock:
@@ -149,10 +180,11 @@ class Residuals:
             if now is not before:
                 # An earlier payload of the fragment was settled meanwhile (a failure took
                 # its share out): this payload's share goes on top of what is kept now.
-                after = {n: a - before[n] if before is not None and n in before else a
-                         for n, a in after.items()}
+                after = {n: a - _like(before[n], a) if before is not None and n in before
+                         else a for n, a in after.items()}
                 if now is not None:
-                    after = {n: a + now[n] if n in now else a for n, a in after.items()}
+                    after = {n: a + _like(now[n], a) if n in now else a
+                             for n, a in after.items()}
                 before = now
             self._kept[fragment] = after
             self._pending[round_] = (fragment, before, after)
@@ -205,8 +237,8 @@ class Residuals:
         # A later payload was encoded since (from this one's residual): take this one's
         # share back out of the newest residual.
         self._kept[fragment] = {
-            n: v - after[n] + before[n] if before is not None and n in before
-            else v - after[n]
+            n: v - _like(after[n], v) + _like(before[n], v) if before is not None and n in before
+            else v - _like(after[n], v)
             for n, v in kept.items()
         }
 
@@ -318,6 +350,132 @@ class Residuals:
                         f"the checkpoint holds residuals of {extra} in fragment {f}, which "
                         f"this run puts elsewhere; resume into the run the checkpoint was "
                         "written for, or start without its error feedback")
+
+
+def _map_arrays(state: Mapping[str, Any], fn: Callable[[str, Any], Any]) -> dict[str, Any]:
+    """`state` (`Residuals.state_dict`'s layout) with every array replaced by
+    fn(name, array), None dropping the entry; an array referenced twice (a residual and
+    the `after` of the round that left it) maps once, so it stays one."""
+    done: dict[int, Any] = {}
+
+    def arrays(values: Mapping[str, Any]) -> dict[str, Any]:
+        out = {}
+        for name, value in values.items():
+            if id(value) not in done:
+                done[id(value)] = fn(name[len(MOMENTUM):] if name.startswith(MOMENTUM)
+                                     else name, value)
+            if done[id(value)] is not None:
+                out[name] = done[id(value)]
+        return out
+
+    return {
+        "version": state["version"],
+        "residuals": {f: arrays(v) for f, v in state["residuals"].items()},
+        "in_flight": {r: {"fragment": e["fragment"],
+                          "before": None if e["before"] is None else arrays(e["before"]),
+                          "after": arrays(e["after"])}
+                      for r, e in state["in_flight"].items()},
+    }
+
+
+def split_state(state: Mapping[str, Any], spans: Mapping[str, tuple[int, int]],
+                place: Callable[[str, Any], Any]) -> dict[str, Any]:
+    """One rank's share of a full error feedback state (`Residuals.state_dict`'s layout,
+    checked): each array cut to the flat elements [start, stop) `spans` gives its tensor
+    (the rank's owned rows) and placed by `place(name, piece)`; tensors without a span
+    (a 0-d parameter another rank mails) left out."""
+    def cut(name: str, value: Any) -> Any:
+        if name not in spans:
+            return None
+        a, b = spans[name]
+        return place(name, _host(value)[a:b])
+
+    return _map_arrays(state, cut)
+
+
+def join_states(states: list[tuple[Mapping[str, tuple[int, int]], Mapping[str, Any]]],
+                sizes: Mapping[str, int]) -> dict[str, Any]:
+    """The full error feedback state of a learner whose ranks each keep their own rows:
+    `states` holds each rank's (spans, `Residuals.state_dict()`), spans the flat elements
+    [start, stop) of each tensor its arrays hold; every array becomes a flat float32 numpy
+    array of the whole tensor (`sizes` elements), its rows joined in span order. The
+    layout is an unsharded learner's, so it resumes at any world size (`split_state`).
+    `GradientmailError` when the ranks disagree on the fragments or rounds they hold or
+    their rows do not tile a tensor: they apply the same settlements in the same order,
+    so that is a bug, not a peer's doing."""
+    if not states:
+        return {"version": STATE_VERSION, "residuals": {}, "in_flight": {}}
+    keys = {(tuple(sorted(s["residuals"])), tuple(sorted(s["in_flight"]))) for _, s in states}
+    if len(keys) != 1:
+        raise GradientmailError(f"the ranks' error feedback disagrees: fragments and rounds "
+                                f"{sorted(keys)}")
+    joined: dict[tuple[int, ...], Any] = {}
+
+    def join(where: str, per_rank: list[tuple[Mapping[str, tuple[int, int]], Any]]) -> Any:
+        memo = tuple(id(v) for _, v in per_rank)
+        if memo not in joined:
+            name = where[len(MOMENTUM):] if where.startswith(MOMENTUM) else where
+            cuts = sorted(((spans[name], _host(v)) for spans, v in per_rank),
+                          key=lambda c: c[0])
+            at = 0
+            for (a, b), v in cuts:
+                if a != at or v.size != b - a:
+                    raise GradientmailError(f"the ranks' residuals of {where!r} do not tile "
+                                            f"it: spans {[c[0] for c in cuts]}")
+                at = b
+            if at != sizes[name]:
+                raise GradientmailError(f"the ranks' residuals of {where!r} hold {at} of its "
+                                        f"{sizes[name]} elements")
+            joined[memo] = np.concatenate([v for _, v in cuts]) if cuts else np.zeros(0, _F32)
+        return joined[memo]
+
+    def arrays(got: list[tuple[Mapping[str, tuple[int, int]], Mapping[str, Any] | None]]
+               ) -> dict[str, Any] | None:
+        if all(g is None for _, g in got):
+            return None
+        names = sorted({n for _, g in got if g is not None for n in g})
+        return {n: join(n, [(spans, g[n]) for spans, g in got if g is not None and n in g])
+                for n in names}
+
+    first = states[0][1]
+    return {
+        "version": STATE_VERSION,
+        "residuals": {f: arrays([(sp, s["residuals"][f]) for sp, s in states])
+                      for f in first["residuals"]},
+        "in_flight": {r: {"fragment": first["in_flight"][r]["fragment"],
+                          "before": arrays([(sp, s["in_flight"][r]["before"])
+                                            for sp, s in states]),
+                          "after": arrays([(sp, s["in_flight"][r]["after"])
+                                           for sp, s in states])}
+                      for r in first["in_flight"]},
+    }
+
+
+_F32 = np.float32
+
+
+def _host(value: Any) -> Any:
+    """A residual as a flat float32 numpy array (a torch tensor copied to the host)."""
+    if isinstance(value, np.ndarray):
+        return value.reshape(-1).astype(_F32, copy=False)
+    import torch
+
+    return value.detach().reshape(-1).to("cpu", dtype=torch.float32).numpy()
+
+
+def _like(value: Any, ref: Any) -> Any:
+    """`value` (a residual) where `ref` is: a numpy array for a numpy `ref`, else a tensor
+    on `ref`'s device. A restored residual is a tensor on the model's device
+    (`Learner.load_state_dict`), while TOPK_Q2 and SIGN1 encode on the host: mixing the
+    two in one expression would fail (numpy and torch do not add) or land on the wrong
+    device."""
+    if isinstance(ref, np.ndarray):
+        return value if isinstance(value, np.ndarray) else _host(value)
+    import torch
+
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value).to(ref.device)
+    return value if value.device == ref.device else value.to(ref.device)
 
 
 def _flat(value: Any, fmt: str = "TOPK_F8") -> Any:

@@ -32,7 +32,7 @@ from gradientmail.events import (
     ReleaseFailed,
     RoundRecorded,
 )
-from gradientmail.learner.feedback import Residuals
+from gradientmail.learner.feedback import ErrorFeedback, Residuals
 from gradientmail.learner.fetcher import CommitFetcher
 from gradientmail.learner.hosting import hosted_closer
 from gradientmail.learner.lease_keeper import LeaseKeeper
@@ -156,7 +156,9 @@ class Mailman:
         self._fetcher: CommitFetcher | None = None  # the way in
         self._poster: Poster | None = None  # the way out
         #: The error feedback of sparse deltas (the poster's), which a checkpoint holds.
-        self.residuals = Residuals(learner_id)
+        ranks = ranks_of(adapter)
+        self.residuals: ErrorFeedback = (Residuals(learner_id) if ranks is None
+                                         else ranks.feedback(learner_id))
         # The newest round whose commit is queued: the one receive cursor (what `_publish`
         # and `_settle` ask of "has this round closed"; `observed.received` shows it).
         self._cursor = -1

@@ -23,9 +23,9 @@ from gradientmail.algorithms.base import Algorithm
 from gradientmail.clock import Clock
 from gradientmail.errors import LocalProtocolError
 from gradientmail.events import EventSink, PublishCancelled, PublishFailed, SnapshotPublished
-from gradientmail.learner.feedback import Residuals
+from gradientmail.learner.feedback import ErrorFeedback, Residuals
 from gradientmail.learner.messages import Outgoing, delta_format
-from gradientmail.learner.sharded import ranks_of
+from gradientmail.learner.sharded import Sparse, ranks_of
 from gradientmail.run.protocol import Exchange
 from gradientmail.syncer.hosted import Host
 from gradientmail.wire.quantization import quantize
@@ -61,7 +61,7 @@ class Poster:
         wake: asyncio.Event,
         failed: queue.SimpleQueue[int],
         poll_interval: float = 1.0,
-        residuals: Residuals | None = None,
+        residuals: ErrorFeedback | None = None,
     ) -> None:
         self._ex = exchange
         self._adapter = adapter
@@ -76,7 +76,8 @@ class Poster:
         self._wake = wake
         self._failed_rounds = failed
         self._poll_interval = poll_interval
-        self.residuals = residuals if residuals is not None else Residuals(learner)
+        self.residuals: ErrorFeedback = residuals if residuals is not None \
+            else Residuals(learner)
 
     def recorded(self, record: RoundRecord) -> None:
         """The commit of `record.round` arrived: a sparse payload of it that the round
@@ -171,11 +172,11 @@ class Poster:
         draft = job.draft(ex, self._learner, self._adapter.schema.digest(), fmt)
         ranks = ranks_of(self._adapter)
         if ranks is not None:
-            # (Sparse deltas are refused for a sharded learner when it is built.)
             # Every rank uploads its own rows: no rank holds the whole delta, so nothing
-            # is offered to the embedded closer from memory.
+            # is offered to the embedded closer from memory. Sparse: each rank keeps the
+            # error feedback of its own rows (`Ranks.feedback`).
             parts = await ranks.upload(ex, job.round, self._learner, job.anchor,
-                                      job.snapshot, fmt)
+                                       job.snapshot, fmt, self._sparse(job, fmt))
             self._published(job, await ex.publish_parts(draft, parts), t0)
             return
         tensors = await asyncio.to_thread(self._encode, job, fmt)
@@ -193,18 +194,24 @@ class Poster:
         record = await ex.publish_draft(draft, tensors)
         self._published(job, record, t0, tensors)
 
+    def _sparse(self, job: Outgoing, fmt: str) -> Sparse | None:
+        """How `job`'s delta is sparsified in `fmt` (None: a dense format)."""
+        if fmt not in SPARSE_FORMATS:
+            return None
+        density, decay = self._algorithm.delta_density, self._algorithm.feedback_decay
+        return Sparse(job.fragment, default_density(fmt) if density is None else density,
+                      1.0 if decay is None else decay,
+                      self._algorithm.feedback_momentum or 0.0)
+
     def _encode(self, job: Outgoing, fmt: str) -> dict[str, TensorBytes]:
-        if fmt in SPARSE_FORMATS:
-            density, decay = self._algorithm.delta_density, self._algorithm.feedback_decay
+        sparse = self._sparse(job, fmt)
+        if sparse is not None:
             # On the model's device where the adapter offers it: the residuals live there.
             on_device = getattr(self._adapter, "delta_tensors", None)
             delta = (on_device(job.anchor, job.snapshot) if on_device is not None
                      else self._adapter.delta(job.anchor, job.snapshot))
-            return self.residuals.encode(
-                job.round, job.fragment, delta,
-                default_density(fmt) if density is None else density,
-                1.0 if decay is None else decay, fmt,
-                self._algorithm.feedback_momentum or 0.0)
+            return self.residuals.encode(job.round, job.fragment, delta, sparse.density,
+                                         sparse.decay, fmt, sparse.momentum)
         quantized = getattr(self._adapter, "delta_quantized", None)
         if fmt != "F32" and quantized is not None:
             entries: dict[str, TensorBytes] = quantized(job.anchor, job.snapshot, fmt)

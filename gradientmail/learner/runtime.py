@@ -42,14 +42,12 @@ from gradientmail.learner import state as ls
 from gradientmail.learner.mailman import Mailman
 from gradientmail.learner.messages import Commit, Outgoing
 from gradientmail.learner.options import LearnerOptions
-from gradientmail.learner.sharded import ranks_of
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.traffic import RequestCounts, Traffic, measure
 from gradientmail.wire.auth import HmacSeal, resolve_run_key
 from gradientmail.wire.estimates import Estimates
 from gradientmail.wire.record_json import check_learner_id
 from gradientmail.wire.records import RoundRecord
-from gradientmail.wire.sparse import SPARSE_FORMATS
 
 __all__ = ["AWAIT_REPORT_EVERY", "Learner", "default_learner_id"]
 
@@ -147,11 +145,6 @@ class Learner:
         self.adapter = adapter
         # RDA averages the model's embeddings by weight: its adapter names them.
         self.algorithm = algorithm.with_direct_names(getattr(adapter, "direct_names", ()))
-        if ranks_of(adapter) is not None and self.algorithm.delta_dtype in SPARSE_FORMATS:
-            raise ConfigError(
-                f"delta_dtype={self.algorithm.delta_dtype!r} is not supported by a sharded "
-                "learner yet (each rank uploads its own rows, and sparse deltas are chosen "
-                "over whole chunks): use F32, BF16, F8_E4M3 or F4")
         self.learner_id = check_learner_id(learner_id or default_learner_id())
         self.clock: Clock = clock if clock is not None else MonotonicClock()
         self.poll_interval = options.poll_interval
@@ -306,8 +299,10 @@ class Learner:
         name with the rounds still in flight (`Residuals.state_dict`), or None while it
         holds none (no sparse `delta_dtype`, or no payload yet). The arrays are the
         learner's own (torch tensors on the model's device), never written once stored,
-        not copies. The rest of a learner needs no saving: a restart joins the run (from
-        its newest commits) as the same learner id."""
+        not copies; a sharded learner's ranks each keep their own rows, gathered here
+        into whole tensors on the host (`integration.sharded_feedback.RankResiduals`, a
+        side command the other ranks serve). The rest of a learner needs no saving: a
+        restart joins the run (from its newest commits) as the same learner id."""
         state = self._mailman.residuals.state_dict()
         return {"error_feedback": state if state["residuals"] or state["in_flight"] else None}
 

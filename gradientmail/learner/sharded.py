@@ -14,6 +14,10 @@ for three things, and for nothing else:
   replays the commit's step on its own rows of the fragment's state. Rank 0's loaded
   values (what the training thread applies, which tells every rank to apply its own),
   and the bytes all ranks downloaded. No rank holds the fragment whole.
+- `feedback`: with a sparse `delta_dtype` each rank keeps the error feedback of its own
+  rows (`learner.feedback.Residuals`) and `upload` sparsifies them (`Sparse`); rank 0's
+  mailman holds the view `feedback` returns, through which it settles them and a
+  checkpoint saves and restores them.
 - `upload_init`: when the learner creates the run, every rank uploads its own rows of a
   fragment's Θ⁰ as its part; the part references, in rank order.
 
@@ -22,13 +26,27 @@ for three things, and for nothing else:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol
 
+from gradientmail.learner.feedback import ErrorFeedback
 from gradientmail.run.protocol import Exchange
 from gradientmail.wire.records import Manifest, RoundRecord
 from gradientmail.wire.refs import PayloadRef
 
-__all__ = ["Ranks", "ranks_of"]
+__all__ = ["Ranks", "Sparse", "ranks_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sparse:
+    """How each rank sparsifies its rows of a contribution of `fragment`: the run's
+    density, feedback decay and feedback momentum (0: none), as `Residuals.encode` takes
+    them."""
+
+    fragment: int
+    density: float
+    decay: float
+    momentum: float
 
 
 class Ranks(Protocol):
@@ -40,8 +58,14 @@ class Ranks(Protocol):
         ...
 
     async def upload(self, exchange: Exchange, round_: int, learner: str, anchor: Any,
-                     snapshot: Any, delta_format: str) -> list[PayloadRef]:
-        """Every rank's part of `learner`'s contribution to `round_`, in rank order."""
+                     snapshot: Any, delta_format: str, sparse: Sparse | None = None
+                     ) -> list[PayloadRef]:
+        """Every rank's part of `learner`'s contribution to `round_`, in rank order; with
+        a sparse `delta_format`, `sparse` says how (each rank's own error feedback)."""
+        ...
+
+    def feedback(self, learner: str) -> ErrorFeedback:
+        """The error feedback of `learner`'s ranks, as rank 0's mailman holds it."""
         ...
 
     async def upload_init(self, exchange: Exchange, fragment: int, names: tuple[str, ...],

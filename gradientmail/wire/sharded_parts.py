@@ -8,6 +8,11 @@ the rows it holds, with the metadata entry `gradientmail.rows`: the canonical JS
 F8 scale, F4 blocks counted from its first element), so a reader decodes each part's
 rows with that part's scales (`quantization.Quantized`) before putting rows side by side.
 
+Sparse formats (`wire.sparse`: TOPK_F8, TOPK_Q2, SIGN1) sparsify each part on its own:
+its chunks of `CHUNK` elements are counted from the part's first element, so a reader
+densifies each part's entries at the part's shape (the rows it holds), with the bounds
+and checks of `sparse.densify`, and merges the dense rows as F32 rows.
+
 Pure functions: `part_metadata` for the writer; `rows_in`, `pieces_of` and `assemble` for
 the reader, which check that the parts tile every tensor exactly once, each in the
 record's format. `pieces_of` hands the merge each tensor's rows where they lie
@@ -23,6 +28,7 @@ from gradientmail.errors import CorruptPayload, SchemaMismatch
 from gradientmail.wire.quantization import Quantized, dequantizing
 from gradientmail.wire.serialization import ParameterSpec, Schema, validate
 from gradientmail.wire.sharded_pieces import DeltaTensor, Piece, RowPieces
+from gradientmail.wire.sparse import SPARSE_FORMATS, densify, entry_names
 from gradientmail.wire.tensor_bytes import TensorBytes
 
 __all__ = ["ROWS_KEY", "Part", "assemble", "part_metadata", "pieces_of", "rows_in"]
@@ -84,8 +90,11 @@ def pieces_of(parts: Sequence[Part], schema: Schema, names: Sequence[str],
     raw part is that part's tensor; one held by several, or by a quantized part, is a
     `RowPieces` (F32 for quantized parts) of their rows, which the merge reads where
     they lie, a window at a time. `SchemaMismatch` naming the part and the tensor otherwise
-    ("parts do not tile ..."). `fmt` None: each tensor in the schema's own dtype (a
-    model's parameters read by rows, rank by rank)."""
+    ("parts do not tile ..."). A sparse `fmt` (`sparse.SPARSE_FORMATS`): each part must
+    hold exactly its tensors' entries, and each tensor's rows are densified at the part's
+    shape (`sparse.densify`: `CorruptPayload` naming the part and the rule) into F32 rows.
+    `fmt` None: each tensor in the schema's own dtype (a model's parameters read by rows,
+    rank by rank)."""
     wanted = set(names)
     pieces: dict[str, list[tuple[int, int, Piece]]] = {n: [] for n in names}
     for key, entries, rows in parts:
@@ -100,6 +109,11 @@ def pieces_of(parts: Sequence[Part], schema: Schema, names: Sequence[str],
                                      f"its shape {list(full)}")
             specs.append(ParameterSpec(name, schema[name].dtype,
                                        (b - a, *full[1:]) if full else ()))
+        if fmt in SPARSE_FORMATS:
+            for spec, dense in zip(specs, _densified(key, entries, specs, fmt), strict=True):
+                a, b = rows[spec.name]
+                pieces[spec.name].append((a, b, dense))
+            continue
         scales = {f"{n}.scale" for n in rows}
         main = {n: t for n, t in entries.items() if n not in scales}
         try:
@@ -115,6 +129,19 @@ def pieces_of(parts: Sequence[Part], schema: Schema, names: Sequence[str],
         out[name] = _tiled(name, schema[name], sorted(pieces[name], key=lambda p: p[:2]),
                            fmt)
     return out
+
+
+def _densified(key: str, entries: Mapping[str, TensorBytes], specs: Sequence[ParameterSpec],
+               fmt: str) -> list[TensorBytes]:
+    """Part `key`'s rows of each tensor of `specs` (shaped as the part holds them),
+    densified from its sparse `fmt` entries, once the part is checked to hold exactly
+    those tensors' entries."""
+    want = {e for spec in specs for e in entry_names(spec.name, fmt)}
+    missing, extra = sorted(want - set(entries)), sorted(set(entries) - want)
+    if missing or extra:
+        raise SchemaMismatch(f"part {key!r}: its {fmt} entries do not match its rows: "
+                             f"missing {missing}, extra {extra}")
+    return [densify(entries, spec.name, spec.shape, fmt, key=key) for spec in specs]
 
 
 def _tiled(name: str, spec: ParameterSpec, pieces: list[tuple[int, int, Piece]],

@@ -4,11 +4,12 @@ share of the elements, one bit each, and one magnitude per chunk of `CHUNK` elem
 Element i of a tensor is *selected* when `select_hash(seed, i) <= threshold` (a 32-bit
 mix of the element's flat index and the payload's seed; threshold = ⌊density · 2³²⌋,
 2³² − 1 at density 1: every element). No offsets travel: a reader recomputes the
-selection from the seed. The poster seeds with the round, so every learner of a round
-sends the same elements and their mean is a mean of whole values. Each selected element
-travels as ± its chunk's magnitude, the mean |value| of the chunk's selected elements (the
-scaled sign of error-feedback signSGD); what that does not carry stays in the learner's
-residual (`learner.feedback`).
+selection from the seed (a part of a tensor starting at flat element o carries
+`shifted_seed(seed, o)`, so it selects the whole tensor's elements there). The poster
+seeds with the round, so every learner of a round sends the same elements and their mean
+is a mean of whole values. Each selected element travels as ± its chunk's magnitude, the
+mean |value| of the chunk's selected elements (the scaled sign of error-feedback
+signSGD); what that does not carry stays in the learner's residual (`learner.feedback`).
 
 Entries for a tensor `name` of n elements in m = ⌈n / CHUNK⌉ chunks, s selected:
 
@@ -35,7 +36,7 @@ import numpy.typing as npt
 from gradientmail.errors import CorruptPayload
 from gradientmail.wire.tensor_bytes import TensorBytes, entry_of, handed_over
 
-__all__ = ["decode", "encode", "nbytes", "select_hash", "threshold"]
+__all__ = ["decode", "encode", "nbytes", "select_hash", "shifted_seed", "threshold"]
 
 CHUNK = 4096
 _BLOCK = 1 << 20  # elements hashed at a time: bounded temporaries
@@ -58,6 +59,15 @@ def select_hash(seed: int, start: int, stop: int) -> npt.NDArray[np.uint32]:
     h *= np.uint32(0xC2B2AE35)
     h ^= h >> np.uint32(16)
     return h
+
+
+def shifted_seed(seed: int, offset: int) -> int:
+    """The seed under which index i selects what index `offset` + i selects under `seed`:
+    `select_hash` mixes index · golden ratio + seed in uint32 arithmetic, so a shift of the
+    index is one of the seed. A part of a tensor that starts at flat element `offset` (a
+    sharded learner's rows, `wire.sharded_parts`) encoded with it selects the elements an
+    unsharded learner's payload selects there, and reads as an ordinary payload."""
+    return (seed + offset * 0x9E3779B1) & 0xFFFFFFFF
 
 
 def _selected(n: int, seed: int, thr: int) -> npt.NDArray[np.int64]:

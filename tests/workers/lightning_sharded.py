@@ -3,7 +3,7 @@ with `--plain`, one plain Lightning learner of the same toy model beside it (iss
 
     torchrun --nproc_per_node N tests/workers/lightning_sharded.py MAILBOX OUT --steps S
         [--ckpt-dir DIR --ckpt-every K] [--resume CKPT] [--die-at S] [--key-log LOG]
-        [--device cpu|cuda] [--algorithm streaming|standard] [--learner-id ID]
+        [--device cpu|cuda] [--algorithm streaming|standard|sparse] [--learner-id ID]
         [--seed N] [--data-seed N] [--wait-for N]
     python tests/workers/lightning_sharded.py MAILBOX OUT --plain [the same options]
 
@@ -14,14 +14,16 @@ shard of the 2-row layer). `--plain` trains the same module unsharded in this on
 process, on Lightning's default strategy (no torchrun). `--algorithm standard` is
 `STANDARD`, standard DiLoCo with a quorum of 2, whose learners the callback makes wait
 for each other at train start by default; `--algorithm streaming` (the default) is
-`ALGORITHM`, which waits for nobody. The DiLoCoCallback is given no learner id unless
+`ALGORITHM`, which waits for nobody, and `--algorithm sparse` the same with TOPK_F8
+deltas and error feedback (`SPARSE`). The DiLoCoCallback is given no learner id unless
 `--learner-id` names one: a run resumed from a checkpoint must find it there. `--die-at
 S` SIGKILLs every rank after optimizer step S (what a preempted machine does: no hook, no
 lease release). `--key-log LOG`: every rank notes the keys it writes in LOG.rank<R>.
-Rank 0 writes OUT.start.json at train start (the learner id and the full parameters it
-joined with), OUT.awaiting.json each time its learner reports waiting for the others
-(the `AwaitingLearners` events so far), and OUT.end.json after train end (the same after
-close, the rounds seen, the rounds it published, the waits, and the world size).
+Rank 0 writes OUT.start.json at train start (the learner id, the full parameters it
+joined with and its error feedback, gathered from every rank), OUT.awaiting.json each
+time its learner reports waiting for the others (the `AwaitingLearners` events so far),
+and OUT.end.json after train end (the same after close, the rounds seen, the rounds it
+published, the waits, and the world size).
 """
 
 from __future__ import annotations
@@ -54,7 +56,11 @@ ALGORITHM = DiLoCo(sync_every=4, fragments=2, in_flight=1, overlap_steps=0,
                    merge=WeightedMean(), flush_on_close=False)
 #: Standard DiLoCo, a round every 4 steps, both learners in every round (issue #27).
 STANDARD = DiLoCo.standard(4, 2)
-ALGORITHMS = {"streaming": ALGORITHM, "standard": STANDARD}
+#: `ALGORITHM` with TOPK_F8 deltas at 2 values a chunk and error feedback.
+SPARSE = DiLoCo(sync_every=4, fragments=2, in_flight=1, overlap_steps=0,
+                merge=WeightedMean(), flush_on_close=False, delta_dtype="TOPK_F8",
+                delta_density=2 / 4096)
+ALGORITHMS = {"streaming": ALGORITHM, "standard": STANDARD, "sparse": SPARSE}
 
 
 class KeyLog(LocalMailbox):
@@ -106,6 +112,18 @@ def full_params(module: torch.nn.Module) -> dict[str, list[float]]:
     return out
 
 
+def feedback_lists(state: dict[str, Any]) -> dict[str, Any] | None:
+    """The callback state's error feedback as JSON: residuals by fragment and name, and
+    the rounds in flight."""
+    fb = state["error_feedback"]
+    if fb is None:
+        return None
+    return {"residuals": {str(f): {n: torch.as_tensor(a).reshape(-1).tolist()
+                                   for n, a in arrays.items()}
+                          for f, arrays in fb["residuals"].items()},
+            "in_flight": sorted(fb["in_flight"])}
+
+
 class Probe(Callback):
     """After the DiLoCoCallback in the list: sees what it joined with and ended on."""
 
@@ -120,9 +138,10 @@ class Probe(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         params = full_params(pl_module)
+        state = self.diloco.state_dict()  # rank 0: its learner's, gathered from every rank
         self._write(trainer, "start", {
-            "learner_id": self.diloco.state_dict()["learner_id"], "params": params,
-            "global_step": trainer.global_step})
+            "learner_id": state["learner_id"], "params": params,
+            "global_step": trainer.global_step, "feedback": feedback_lists(state)})
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule,
                            *args: Any) -> None:

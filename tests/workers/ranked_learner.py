@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node N tests/workers/ranked_learner.py MAILBOX ID --worker W
         --out OUT.json [--fsdp] [--steps S] [--sync-every H] [--learners L]
-        [--checkpoint-every K] [--compression off|zstd]
+        [--checkpoint-every K] [--compression off|zstd] [--delta-dtype F --density D]
+        [--keep-rounds K]
 
 Every rank builds the toy model (the same seed), shards it with FSDP2 (`--fsdp`) or keeps
 it whole (a DDP group splitting its upload), and runs it through `RankSync` with
@@ -10,6 +11,8 @@ it whole (a DDP group splitting its upload), and runs it through `RankSync` with
 batches, so the gradient every rank sees (FSDP2 averages identical ones) is the one a
 single process would. Rank 0 writes OUT.json: the full parameters (gathered from the
 shards), the rounds seen and the rounds it published; rank k > 0 writes OUT.json.rank<k>.
+With a sparse `--delta-dtype`, rank 0 also writes the learner's error feedback gathered
+from every rank after close (`Learner.state_dict`), and every rank its own residuals.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import hashlib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from gradientmail.learner.options import LearnerOptions
 
@@ -49,6 +53,9 @@ def main() -> None:
     ap.add_argument("--checkpoint-every", type=int, default=20)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--compression", default="off")
+    ap.add_argument("--delta-dtype", default=None)
+    ap.add_argument("--density", type=float, default=None)
+    ap.add_argument("--keep-rounds", type=int, default=None)
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -61,7 +68,8 @@ def main() -> None:
         fully_shard(model)
     alg = DiLoCo(sync_every=args.sync_every, fragments=1, in_flight=1, overlap_steps=0,
                  merge=WeightedMean(), quorum_size=args.learners,
-                 checkpoint_every=args.checkpoint_every)
+                 checkpoint_every=args.checkpoint_every, delta_dtype=args.delta_dtype,
+                 delta_density=args.density, keep_rounds=args.keep_rounds)
     published: list[int] = []
 
     def on_event(e: Event) -> None:
@@ -103,9 +111,23 @@ def main() -> None:
                    for kind, part in (("theta", state.theta), ("momentum", state.momentum),
                                       ("master", state.master or {}))
                    for n, t in part.items()}}
+    feedback = None
+    if args.delta_dtype is not None:
+        def flat(arrays: dict[str, Any]) -> dict[str, list[float]]:
+            return {n: torch.as_tensor(a).reshape(-1).tolist() for n, a in arrays.items()}
+
+        mine = sharded_ranks._feedback  # this rank's own rows' residuals
+        gathered = sync.learner.state_dict()["error_feedback"] if sync.learner else None
+        feedback = {
+            "own": None if mine is None else flat(dict(mine.residual(0))),
+            "spans": {n: list(s) for n, s in sharded_ranks._spans().items()},
+            "gathered": None if gathered is None else {
+                "residuals": flat(gathered["residuals"][0]),
+                "in_flight": sorted(gathered["in_flight"])},
+        }
     Path(args.out if rank == 0 else f"{args.out}.rank{rank}").write_text(json.dumps({
         "params": params, "rounds_seen": sync.rounds_seen, "published": published,
-        "world": dist.get_world_size(), "rows": rows}))
+        "world": dist.get_world_size(), "rows": rows, "feedback": feedback}))
     dist.barrier()
     dist.destroy_process_group()
 
