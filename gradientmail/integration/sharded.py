@@ -51,9 +51,9 @@ from gradientmail.errors import (
     SchemaMismatch,
 )
 from gradientmail.integration.ranks import Ranks, TorchRanks
-from gradientmail.integration.sharded_feedback import RankResiduals
+from gradientmail.integration.sharded_feedback import RankResiduals, rank_restored, rank_share
 from gradientmail.integration.sharded_ops import END, HEAD, OBJECT, OP, OpMessages
-from gradientmail.learner.feedback import Residuals, split_state
+from gradientmail.learner.feedback import Residuals
 from gradientmail.learner.sharded import Sparse
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.url import open_mailbox
@@ -184,7 +184,7 @@ class ShardedRanks:
         feedback, gathered, for a checkpoint taken after: `RankResiduals.state_dict`);
         the others: wait for it."""
         if self.rank == 0:
-            if self._view is not None and self._kept_any and not self._stopped:
+            if self._view is not None and self.holds_feedback:
                 self._view.keep_final()
             self._stopped = True
             self._side_command(("stop",))
@@ -382,8 +382,25 @@ class ShardedRanks:
     def feedback(self, learner: str) -> RankResiduals:
         """`Ranks.feedback`: rank 0's view of the ranks' error feedback (one per learner)."""
         if self._view is None:
-            self._view = RankResiduals(self, learner)
+            sizes = {p.name: p.numel for p in self.adapter.schema.params}
+            self._view = RankResiduals(self, learner, sizes)
         return self._view
+
+    @property
+    def holds_feedback(self) -> bool:
+        """Rank 0: the other ranks still serve side commands, and a sparse upload or a
+        restore made residuals on them."""
+        return self._kept_any and not self._stopped
+
+    def gather_feedback(self) -> list[Any]:
+        """Rank 0: every rank's spans and residuals' state on the host (None from a rank
+        that keeps none)."""
+        return list(self._side_command(("feedback_state",)))
+
+    def load_feedback(self, learner: str, state: Mapping[str, Any]) -> None:
+        """Rank 0: every rank keeps its rows of the full residuals' `state`."""
+        self._side_command(("feedback_load", learner, state))
+        self._kept_any = True
 
     def residuals(self, learner: str) -> Residuals:
         """This rank's error feedback: its own rows' residuals (made when first needed)."""
@@ -421,15 +438,9 @@ class ShardedRanks:
         return {n: (r0 * math.prod(a.schema[n].shape[1:]), r1 * math.prod(a.schema[n].shape[1:]))
                 for n, (r0, r1) in a.mailed(list(a.schema.names)).items()}
 
-    def _feedback_state(self) -> tuple[dict[str, tuple[int, int]], dict[str, Any]] | None:
-        """This rank's share of `feedback_state`: its spans and its residuals' state on the
-        host (None while it keeps none)."""
-        mine = self._feedback
-        if mine is None:
-            return None
-        spans = self._spans()
-        return spans, split_state(mine.state_dict(), {n: (0, b - a) for n, (a, b) in
-                                                      spans.items()}, lambda _, v: v)
+    def _feedback_state(self) -> tuple[Mapping[str, tuple[int, int]], dict[str, Any]] | None:
+        """This rank's share of `feedback_state` (`sharded_feedback.rank_share`)."""
+        return rank_share(self._feedback, self._spans())
 
     def _feedback_load(self, learner: str, state: Mapping[str, Any]) -> None:
         """This rank's share of `feedback_load`: its rows of the full `state`, on its
@@ -442,11 +453,7 @@ class ShardedRanks:
             device = a.local(name).device
             return torch.as_tensor(piece).to(device=device, dtype=torch.float32, copy=True)
 
-        mine = split_state(state, self._spans(), place)
-        sizes = {n: b - s for n, (s, b) in self._spans().items()}
-        fresh = Residuals(learner)
-        fresh.load_state_dict(mine, sizes, lambda _, v: v)
-        self._feedback = fresh
+        self._feedback = rank_restored(learner, state, self._spans(), place)
 
     # -- the side channel: every rank's share ----------------------------------------------
 

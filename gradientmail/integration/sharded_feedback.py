@@ -12,16 +12,36 @@ rows of one (`feedback.split_state`), so a checkpoint resumes at any world size.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from gradientmail.errors import ConfigError
 from gradientmail.learner.feedback import STATE_VERSION, Residuals, join_states, split_state
 from gradientmail.wire.tensor_bytes import TensorBytes
 
-if TYPE_CHECKING:
-    from gradientmail.integration.sharded import ShardedRanks
+__all__ = ["FeedbackRanks", "RankResiduals", "rank_restored", "rank_share"]
 
-__all__ = ["RankResiduals"]
+
+class FeedbackRanks(Protocol):
+    """What `RankResiduals` asks of the ranks (`ShardedRanks`, rank 0)."""
+
+    @property
+    def holds_feedback(self) -> bool:
+        """The other ranks still serve side commands and some rank keeps residuals."""
+        ...
+
+    def residuals(self, learner: str) -> Residuals: ...
+
+    def settle(self, *event: Any) -> None: ...
+
+    def pending_settlements(self) -> list[tuple[Any, ...]]: ...
+
+    def gather_feedback(self) -> list[Any]:
+        """Every rank's (spans, residuals' state) on the host, or None (a side command)."""
+        ...
+
+    def load_feedback(self, learner: str, state: Mapping[str, Any]) -> None:
+        """Every rank keeps its rows of the full `state` (a side command)."""
+        ...
 
 
 class RankResiduals:
@@ -33,9 +53,10 @@ class RankResiduals:
     host, and `load_state_dict` hands each rank its rows of one. After the ranks stop
     (`finish`), `state_dict` gives what they held then."""
 
-    def __init__(self, ranks: ShardedRanks, learner: str) -> None:
+    def __init__(self, ranks: FeedbackRanks, learner: str, sizes: Mapping[str, int]) -> None:
         self._ranks = ranks
         self._learner = learner
+        self._sizes = dict(sizes)  # elements of each tensor of the model
         self._restored: Residuals | None = None  # checked against the run when joined
         self._final: dict[str, Any] | None = None
 
@@ -72,7 +93,7 @@ class RankResiduals:
         layout (a side command; rank 0 holds them all while it returns them)."""
         if self._final is not None:
             return self._final
-        if self._ranks._stopped or not self._ranks._kept_any:
+        if not self._ranks.holds_feedback:
             # Gone, or never made (a dense learner): no side command for nothing.
             return {"version": STATE_VERSION, "residuals": {}, "in_flight": {}}
         return self._gathered()
@@ -86,11 +107,9 @@ class RankResiduals:
     def _gathered(self) -> dict[str, Any]:
         import torch
 
-        got = self._ranks._side_command(("feedback_state",))
-        states = [s for s in got if s is not None]
-        sizes = {p.name: p.numel for p in self._ranks.adapter.schema.params}
-        full = join_states(states, sizes)
-        return split_state(full, {n: (0, sizes[n]) for n in sizes},
+        states = [s for s in self._ranks.gather_feedback() if s is not None]
+        full = join_states(states, self._sizes)
+        return split_state(full, {n: (0, size) for n, size in self._sizes.items()},
                            lambda _, v: torch.from_numpy(v))
 
     def load_state_dict(self, state: Mapping[str, Any], sizes: Mapping[str, int],
@@ -101,10 +120,29 @@ class RankResiduals:
         checked.load_state_dict(state, sizes, lambda _, v: v)
         self._restored = checked
         self._final = None
-        self._ranks._side_command(("feedback_load", self._learner, state))
-        self._ranks._kept_any = True
+        self._ranks.load_feedback(self._learner, state)
 
     def check_fragments(self, plan: tuple[tuple[str, ...], ...]) -> None:
         if self._restored is not None:
             self._restored.check_fragments(plan)
             self._restored = None
+
+
+def rank_share(mine: Residuals | None, spans: Mapping[str, tuple[int, int]]) -> tuple[
+        Mapping[str, tuple[int, int]], dict[str, Any]] | None:
+    """A rank's share of a gathered state: the flat `spans` [start, stop) of the tensors
+    whose rows it mails and its residuals' state on the host (None while it keeps none)."""
+    if mine is None:
+        return None
+    return spans, split_state(mine.state_dict(), {n: (0, b - a) for n, (a, b) in
+                                                  spans.items()}, lambda _, v: v)
+
+
+def rank_restored(learner: str, state: Mapping[str, Any], spans: Mapping[str, tuple[int, int]],
+                  place: Callable[[str, Any], Any]) -> Residuals:
+    """A rank's residuals from the full `state`: its `spans` of each tensor, `place`d (on
+    its device)."""
+    restored = Residuals(learner)
+    restored.load_state_dict(split_state(state, spans, place),
+                             {n: b - a for n, (a, b) in spans.items()}, lambda _, v: v)
+    return restored
