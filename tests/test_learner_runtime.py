@@ -207,6 +207,31 @@ def test_failed_publish_is_reported_and_its_steps_go_out_next_round() -> None:
     assert (part.learner, part.steps, part.tokens) == ("solo", 8, 80)
 
 
+def test_a_publish_that_fails_while_training_waits_for_its_round_goes_out_again() -> None:
+    # Standard DiLoCo's barrier (overlap_steps=0): the learner waits for round 0's commit
+    # right after handing its contribution over, and the upload fails. The round waits
+    # for that contribution; the learner must send it again from within the wait.
+    plan = FaultPlan().fail("create", "payloads/*/solo.*", nth=1, times=1)
+    mailbox, learner, model, opt, rec = solo(plan, overlap_steps=0)
+
+    def train() -> None:
+        for step in range(8):
+            train_step(model, opt, step)
+            learner.step(10)
+
+    try:
+        in_threads(train, timeout=30)
+    finally:
+        learner.close()
+    assert [f.round for f in rec.of(ev.PublishFailed)] == [0]
+    assert [(e.round, e.steps) for e in rec.of(ev.SnapshotPublished)] == [(0, 4), (1, 4)]
+    first, second = all_records(mailbox)[:2]
+    # sent again as it was (the same 4 steps), before any further training
+    assert [(p.learner, p.steps, p.tokens) for p in first.participants] == [("solo", 4, 40)]
+    assert [(p.learner, p.steps, p.tokens) for p in second.participants] == [("solo", 4, 40)]
+    assert rec.of(ev.GaveUp) == []
+
+
 def test_a_publish_that_landed_though_its_answer_was_lost_counts_once() -> None:
     # The record's create lands but raises (an answer lost after the mailbox's retries):
     # the learner looks before retracting, finds its own record, and counts it as sent.

@@ -431,10 +431,13 @@ class Learner:
                 return
             self._apply(commit)
 
-    def _retract_failed(self) -> None:
-        for r in self._mailman.failed_rounds():
+    def _retract_failed(self) -> bool:
+        """Make the rounds whose publish failed publishable again; whether there were any."""
+        failed = self._mailman.failed_rounds()
+        for r in failed:
             self._set_state(ls.retracted(self._state_now(), r))
             self._kept.pop(r, None)
+        return bool(failed)
 
     def _apply(self, commit: Commit) -> None:
         state = self._state_now()
@@ -551,6 +554,13 @@ class Learner:
 
         def overdue() -> bool:
             self._check_alive()
+            # A publish that fails while training waits for its round goes out again at
+            # once, as it was: that round waits for it (a barrier's closer calls no
+            # learner gone while its lease is fresh), so waiting on would hold the run
+            # forever, and training on first would keep the others waiting H more steps
+            # and send 2H steps in one delta.
+            if self._retract_failed():
+                self._hand_over(ls.candidate_round(self._state_now()), final=False)
             return ls.overdue(self._state_now(), overlap)
 
         if overdue():
@@ -564,9 +574,12 @@ class Learner:
         # The commits of our rounds in flight: a closer may still be merging them. Past
         # the lease timeout plus a takeover, nobody is going to.
         limit = self.lease_timeout + 10 * self.poll_interval
-        if not self._wait_applying(
-            lambda: bool(self._pending_rounds()) and self._mailman.observed.dead is None, limit
-        ):
+
+        def pending() -> bool:
+            self._retract_failed()  # a publish that failed has no commit to wait for
+            return bool(self._pending_rounds()) and self._mailman.observed.dead is None
+
+        if not self._wait_applying(pending, limit):
             self.on_event(GaveUp(self.learner_id, self._pending_rounds(), limit))
 
     def _wait_applying(self, waiting: Callable[[], bool], limit: float | None = None) -> bool:
