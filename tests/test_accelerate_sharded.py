@@ -37,9 +37,13 @@ pytestmark = pytest.mark.slow
 STEPS, H = 12, 4
 
 
-def test_an_fsdp2_launch_is_one_learner_alongside_a_one_process_launch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fmt", ["F32", "TOPK_F8"])
+def test_an_fsdp2_launch_is_one_learner_alongside_a_one_process_launch(
+        tmp_path: Path, fmt: str) -> None:
+    # TOPK_F8: sparse deltas, each rank sparsifying its own rows with its own residuals.
     box, out = tmp_path / "run", tmp_path
-    common = ["--steps", str(STEPS), "--sync-every", str(H), "--quorum", "2", "--wait-for", "2"]
+    common = ["--steps", str(STEPS), "--sync-every", str(H), "--quorum", "2", "--wait-for", "2",
+              *([] if fmt == "F32" else ["--delta-dtype", fmt])]
     sharded = spawn(
         [*torchrun(), "--master_port", str(free_port()), str(WORKER), str(box), "fsdp",
          "--out", str(out), "--fsdp", "--seed", "1", *common]
@@ -71,7 +75,19 @@ def test_an_fsdp2_launch_is_one_learner_alongside_a_one_process_launch(tmp_path:
 
     # Its contribution to the last round is one part per rank (or swept already).
     snap = asyncio.run(Exchange(LocalMailbox(box)).contribution(last, "fsdp"))
-    assert snap is None or (snap.payload is None and len(snap.parts) == 2)
+    assert snap is None or (snap.payload is None and len(snap.parts) == 2
+                            and snap.delta_format == fmt)
+
+    # The main process's state holds the learner's error feedback: with sparse deltas
+    # every rank's residuals, gathered into whole tensors; none with F32 deltas.
+    sizes = {n: int(np.prod(t.shape)) for n, t in newest_theta(box).items()}
+    for result in (rank0, single):
+        feedback = result["state"]["error_feedback"]
+        if fmt == "F32":
+            assert feedback is None
+        else:
+            assert feedback["residuals"] == {"0": sizes}, feedback
+    assert rank1["state"]["error_feedback"] is None
 
     # All three processes end on the last commit.
     theta = newest_theta(box)

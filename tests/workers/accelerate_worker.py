@@ -23,6 +23,7 @@ import argparse
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -70,20 +71,23 @@ def main() -> None:
     ap.add_argument("--wait-for", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0, help="data stream of this learner")
     ap.add_argument("--fsdp", action="store_true", help="shard with fully_shard (FSDP2)")
+    ap.add_argument("--delta-dtype", default=None, help="the run's delta_dtype (e.g. TOPK_F8)")
     ap.add_argument("--fsdp-plugin", action="store_true",
                     help="Accelerate's FSDP2 plugin shards it (an accelerator launch)")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
     accelerator = Accelerator(cpu=not args.fsdp_plugin, gradient_accumulation_steps=args.accum)
+    dtype = {} if args.delta_dtype is None else {"delta_dtype": args.delta_dtype}
     if args.quorum:
-        alg = Config.standard(args.sync_every, args.quorum)
+        alg = Config.standard(args.sync_every, args.quorum, **dtype)
     else:
         alg = Config(
             sync_every=args.sync_every,
             fragments=args.fragments,
             in_flight=min(2, args.fragments),
             merge=WeightedMean(),
+            **dtype,
         )
     plugin = DiLoCoPlugin(
         args.mailbox,
@@ -142,7 +146,7 @@ def main() -> None:
         "params": {n: whole(p).reshape(-1).tolist() for n, p in net.named_parameters()},
         "local_step": learner.local_step if learner is not None else None,
         "tokens": diloco.tokens,
-        "state": diloco.state_dict(),
+        "state": jsonable(diloco.state_dict()),
     }
     path = Path(args.out) / f"{args.learner_id}.rank{rank}.json"
     path.write_text(json.dumps(out))
@@ -155,6 +159,20 @@ def main() -> None:
         from ending import leave  # FSDP2's own gloo collectives: see ending.py
 
         leave()
+
+
+def jsonable(state: dict[str, Any]) -> dict[str, Any]:
+    """The wrapper's state with its error feedback's arrays as their sizes (fragment ->
+    tensor name -> elements) and the rounds it holds in flight."""
+    feedback = state["error_feedback"]
+    if feedback is not None:
+        feedback = {
+            "residuals": {str(f): {n: int(a.numel()) if hasattr(a, "numel") else int(a.size)
+                                   for n, a in arrays.items()}
+                          for f, arrays in feedback["residuals"].items()},
+            "in_flight": sorted(int(r) for r in feedback["in_flight"]),
+        }
+    return {**state, "error_feedback": feedback}
 
 
 if __name__ == "__main__":
