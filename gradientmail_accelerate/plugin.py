@@ -107,6 +107,7 @@ _DILOCO_KINDS = {
     "delta_density": "float?",
     "feedback_decay": "float?",
     "feedback_momentum": "float?",
+    "cohort_share": "bool",
 }
 _YAML_KEYS = (*_PLUGIN_KINDS, "diloco")
 _TRUE = ("1", "true", "yes", "on")

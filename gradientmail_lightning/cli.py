@@ -66,6 +66,7 @@ def diloco_callback(
     delta_density: float | None = _D.delta_density,
     feedback_decay: float | None = _D.feedback_decay,
     feedback_momentum: float | None = _D.feedback_momentum,
+    cohort_share: bool = _D.cohort_share,
     sync: bool = _O.sync,
     hold_own: bool = _O.hold_own,
     poll_interval: float = _O.poll_interval,

@@ -28,7 +28,7 @@ from gradientmail.algorithms.merge import (
     weighted_mean,
 )
 from gradientmail.algorithms.outer import rebuild_theta
-from gradientmail.algorithms.rounds import light, span_scales
+from gradientmail.algorithms.rounds import cohort_share, light, span_scales
 from gradientmail.backends import NumpyBackend, TorchBackend
 from gradientmail.backends.base import Backend
 from gradientmail.errors import (
@@ -581,3 +581,67 @@ def test_a_light_round_is_averaged_in_and_keeps_momentum() -> None:
     assert res2.state.momentum["ln.w"] != state.momentum["ln.w"]
     assert light([1.0], [5], 10) is False and light([1.0], [4], 10) is True
     assert light([0.5, 0.5], [30, 0], 10) is False  # over a period counts as one
+
+
+# -- cohort shares -----------------------------------------------------------------------
+
+
+def test_cohort_share_counts_learners_and_their_spans() -> None:
+    assert cohort_share([50] * 8, 50, 8) == 1.0  # everyone on schedule: a full round
+    assert cohort_share([50, 37], 50, 8) == 0.25  # two of eight; an early one counts one
+    assert cohort_share([9], 50, 7) == 1 / 7  # a lone flush of 9 steps
+    assert cohort_share([100, 50, 50], 50, 3) == 4 / 3  # a late learner's two periods
+    assert cohort_share([25] * 4, 50, 4) == 1.0
+    for args, msg in ((([50], 50, 0), "cohort=0 must be an int >= 1"),
+                      (([50, 50], 50, 1), "cohort=1 is smaller than the round's 2"),
+                      (([], 50, 2), "at least one contribution"),
+                      (([0], 50, 2), "steps=0 must be an int >= 1"),
+                      (([5], True, 2), "sync_every=True must be an int >= 1")):
+        with pytest.raises(ConfigError, match=re.escape(msg)):
+            cohort_share(*args)
+
+
+@pytest.mark.parametrize("merge", [WeightedMean(), Rda(direct_pattern=None, min_deltas=2)])
+def test_a_round_short_of_its_cohort_steps_by_its_share(merge: Any) -> None:
+    # Three of five learners: one on schedule, one early (8 steps: all it trained, one
+    # learner) and one two periods late (H = 10, 20 steps): the merge is multiplied by
+    # (1 + 1 + 2)/5, which a plain step (β = 0) shows as it is.
+    cfg = DiLoCo(sync_every=10, fragments=1, in_flight=1, merge=merge, outer_momentum=0.0,
+                 outer_lr=1.0)
+    schema = make_schema()
+    theta = make_theta(schema)
+    cs = [dataclasses.replace(c, steps=n) for c, n in zip(make_contributions(0), (10, 8, 20),
+                                                          strict=True)]
+    agg = cfg.aggregator()
+    state = cfg.initial_state(0, theta)
+    full = agg.close_round(state, cs, schema)
+    share = agg.close_round(state, cs, schema, cohort=5)
+    for name in SHAPES:
+        step = arr(theta[name]) - arr(full.state.theta[name])
+        np.testing.assert_allclose(arr(theta[name]) - arr(share.state.theta[name]),
+                                   step * 4 / 5, rtol=1e-5, atol=1e-7)
+    assert share.participants == full.participants
+    # A cohort of the round's own learners on schedule, no cohort, or the setting off:
+    # the bytes of a full round.
+    punctual = [dataclasses.replace(c, steps=10) for c in make_contributions(0)]
+    plain = agg.close_round(state, punctual, schema)
+    assert digest(agg.close_round(state, punctual, schema, cohort=3).state) == \
+        digest(plain.state)
+    off = dataclasses.replace(cfg, cohort_share=False).aggregator()
+    assert digest(off.close_round(state, cs, schema, cohort=5).state) == digest(full.state)
+
+
+def test_a_lone_final_flush_is_averaged_in_at_its_share() -> None:
+    # The run's other learners have ended: the last one's flush moves the fragment by
+    # 1/N of its delta (the learners' average), not all of it; the momentum stays.
+    cfg = DiLoCo(sync_every=12, fragments=1, in_flight=1)
+    schema = make_schema()
+    state, _ = trajectory(cfg, NP, rounds=2)
+    last = make_contributions(7, final=True)[1:2]
+    res = cfg.aggregator().close_round(state, last, schema, cohort=4)
+    assert res.all_final and res.rule == "average"
+    for name in SHAPES:
+        assert res.state.momentum[name] is state.momentum[name]
+        np.testing.assert_allclose(
+            arr(res.state.theta[name]),
+            arr(state.theta[name]) - arr(last[0].delta[name]) / 4, rtol=1e-5, atol=1e-7)

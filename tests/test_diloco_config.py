@@ -138,13 +138,30 @@ GOLDEN = {
     "overlap_steps": None, "mixing": 0.0, "quorum_size": 1, "outer_lr": 0.7,
     "outer_momentum": 0.9, "merge": {"type": "rda", "direct_pattern": "embed", "min_deltas": 3},
     "partition": {"type": "by_bytes"}, "global_batch_size": None, "delta_dtype": None,
-    "commit_dtype": None, "flush_on_close": True, "checkpoint_every": 20,
+    "commit_dtype": None, "flush_on_close": True, "checkpoint_every": 20, "cohort_share": True,
 }
 
 
 def test_json_is_pinned() -> None:
     assert DiLoCo(sync_every=100, fragments=4).to_json() == GOLDEN
     assert json.dumps(GOLDEN)  # JSON-able as is
+
+
+def test_runs_created_before_cohort_shares_step_every_round_in_full() -> None:
+    # Their records have no cohort_share: it reads as False, written by omission; the
+    # standard and local SGD presets (rounds of every learner) keep it off.
+    before = {k: v for k, v in GOLDEN.items() if k != "cohort_share"}
+    old = DiLoCo.from_json(before)
+    assert old.cohort_share is False and old == DiLoCo(100, 4, cohort_share=False)
+    assert old.to_json() == before and DiLoCo(100, 4).cohort_share is True
+    assert not DiLoCo.standard(10, 4).cohort_share and not DiLoCo.local_sgd(10).cohort_share
+    assert "cohort_share" not in DiLoCo.standard(10, 4).to_json()
+    with pytest.raises(RemoteProtocolError, match="cohort_share=false is recorded by omission"):
+        DiLoCo.from_json({**before, "cohort_share": False})
+    with pytest.raises(RemoteProtocolError, match="cohort_share=1 is not a bool"):
+        DiLoCo.from_json({**before, "cohort_share": 1})
+    with pytest.raises(ConfigError, match="cohort_share='yes' must be a bool"):
+        DiLoCo(cohort_share="yes")  # type: ignore[arg-type]
 
 
 def test_runs_created_before_replication_upload_the_state_with_every_commit() -> None:

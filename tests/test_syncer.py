@@ -212,13 +212,19 @@ def test_a_round_closes_once_the_quorum_is_in_and_merges_exactly_it(mailbox: Mai
         assert [p.learner for p in rec.participants] == ["a", "b"]
         assert (rec.round, rec.fragment, rec.version, rec.closer) == (0, 0, 1, "s1")
         assert rec.arrival == Arrival(window=3.0, latency=3.0, first="a", missed=("c",))
-        # The committed bytes are the aggregator's on the same inputs.
+        # The committed bytes are the aggregator's on the same inputs, with c, awaited in
+        # vain, in the cohort: the round steps 2/3 of the way.
         theta = (await state_at(r.ex, 0, rec)).theta
         names = r.plan[0]
-        want = r.alg.aggregator().close_round(
-            r.alg.initial_state(0, {n: init_tensors()[n] for n in names}),
-            merged(r, 0, ["a", "b"]), SCHEMA).state.theta
+        before = r.alg.initial_state(0, {n: init_tensors()[n] for n in names})
+        agg = r.alg.aggregator()
+        want = agg.close_round(before, merged(r, 0, ["a", "b"]), SCHEMA, cohort=3).state.theta
         assert theta == dict(want)
+        full = agg.close_round(before, merged(r, 0, ["a", "b"]), SCHEMA).state.theta
+        for n in names:
+            was = before.theta[n].to_numpy()
+            np.testing.assert_allclose(theta[n].to_numpy() - was,
+                                       (full[n].to_numpy() - was) * 2 / 3, rtol=1e-4, atol=1e-8)
         closed = r.of(RoundClosed)
         assert [(e.round, e.participants, e.tokens) for e in closed] == [(0, ("a", "b"), 128)]
 

@@ -65,7 +65,8 @@ def audited(merge: Any = None, **kw: Any) -> DiLoCo:
     checkpoint every 2 versions, and every round kept."""
     kw.setdefault("checkpoint_every", 2)
     kw.setdefault("keep_rounds", 1000)
-    return DiLoCo(4, 2, in_flight=1, quorum_size=2, merge=merge or WeightedMean(), **kw)
+    kw.setdefault("quorum_size", 2)
+    return DiLoCo(4, 2, in_flight=1, merge=merge or WeightedMean(), **kw)
 
 
 async def create(r: Run, run_key: str | None = None) -> None:
@@ -145,6 +146,33 @@ def test_every_round_of_an_audited_run_verifies(mailbox: Mailbox, merge: Any,
     assert report.ok and statuses(report) == ["verified"] * 8
     assert report.first_mismatch is None
     assert all(v.bytes > 0 for v in report.rounds)
+
+
+def test_rounds_short_of_their_cohort_verify(mailbox: Mailbox) -> None:
+    """Quorum 1: rounds 2 and 5 close with a alone after the grace window (b awaited in
+    vain), and b's next rounds carry it again. Each round's cohort, a and b, comes from
+    the records (the fragment's previous round, `missed`), so the verifier re-derives
+    the closer's shares byte for byte."""
+
+    async def go() -> list[RoundRecord]:
+        r = Run(mailbox, audited(quorum_size=1))
+        await create(r)
+        s = r.syncer()
+        for rnd in range(8):
+            alone = rnd in (2, 5)
+            for learner in ("a",) if alone else ("a", "b"):
+                await contribute(r, rnd, learner)
+            if alone:
+                assert not await s.poll(live=LIVE)  # b may still come
+                fake(r).advance(60.0)
+            assert await s.poll(live=LIVE)
+        return await r.records()
+
+    recs = run(go())
+    assert [len(rec.participants) for rec in recs] == [2, 2, 1, 2, 2, 1, 2, 2]
+    assert recs[2].arrival is not None and recs[2].arrival.missed == ("b",)
+    report = verify(mailbox)
+    assert report.ok and statuses(report) == ["verified"] * 8
 
 
 @pytest.mark.parametrize("checkpoint_every", [1, 2], ids=["update", "step"])
@@ -518,10 +546,10 @@ def test_a_closer_that_merges_differently_is_caught(
     honest = syncer_module.merge_round
 
     def plausible(alg: Any, state: Any, contributions: Any, schema: Any,
-                  backend: Any = None) -> Any:
+                  backend: Any = None, others: Any = None) -> Any:
         if state.fragment == 0 and state.version == 2:
             alg = dataclasses.replace(alg, merge=WeightedMean())
-        return honest(alg, state, contributions, schema, backend)
+        return honest(alg, state, contributions, schema, backend, others)
 
     monkeypatch.setattr(syncer_module, "merge_round", plausible)
     closed_run(mailbox, audited(Rda(direct_pattern=None, min_deltas=2), checkpoint_every=20))

@@ -231,9 +231,11 @@ class Aggregator(Protocol):
     """Closes rounds of one algorithm over one backend. Pure: no I/O, no clock."""
 
     def close_round(
-        self, state: FragmentState, contributions: Sequence[Contribution], schema: Schema
+        self, state: FragmentState, contributions: Sequence[Contribution], schema: Schema,
+        cohort: int | None = None,
     ) -> RoundResult:
-        """Merge `contributions` into fragment `state`; equal inputs give equal bytes."""
+        """Merge `contributions` into fragment `state`; equal inputs give equal bytes.
+        `cohort`: how many learners train the fragment (None: unknown)."""
         ...
 
 

@@ -41,6 +41,7 @@ from gradientmail.algorithms.partition import (
     plan,
 )
 from gradientmail.algorithms.rounds import (
+    cohort_share,
     grace_window,
     light,
     span_scales,
@@ -156,6 +157,14 @@ class DiLoCo:
     fragments), so `DiLoCo(H, fragments=P)` keeps the τ = 2 it always had for P >= 2,
     and its record.
 
+    `cohort_share` (the default; `standard` and `local_sgd` turn it off, their rounds
+    hold every learner) multiplies a round's merged delta by its share of the fragment's
+    cohort, the learners of its previous round and of this one and those the closer
+    awaited in vain (`rounds.cohort_share`): a round of n of M learners steps n/M of the
+    way, and the one that carries the late learners' deltas the rest, as standard
+    DiLoCo's average of M deltas would. Its JSON writes it only when set: runs created
+    before it stepped every round in full and keep their records.
+
     `keep_rounds` K makes the run auditable while it trains: the sweep keeps the
     contributions (records and payloads) of the newest K rounds and the outer state
     before them, so `gradientmail verify` can re-derive those commits, and its learners
@@ -217,6 +226,9 @@ class DiLoCo:
     feedback_momentum: float | None = _setting(
         None, "μ of the Nesterov momentum each learner keeps on its own deltas before "
         "compressing them (sparse delta_dtype, outer_momentum 0), in (0, 1); None: off")
+    cohort_share: bool = _setting(
+        True, "a round short of its fragment's learners steps by the share of them it "
+        "holds, so each learner's progress weighs alike whichever round it lands in")
 
     def __post_init__(self) -> None:
         _int("sync_every", self.sync_every, 1)
@@ -307,6 +319,8 @@ class DiLoCo:
                     "learners keep the momentum, so the outer step must not keep another; "
                     "set outer_momentum=0")
             object.__setattr__(self, "feedback_momentum", mu)
+        if not isinstance(self.cohort_share, bool):
+            raise ConfigError(f"cohort_share={self.cohort_share!r} must be a bool")
         if self.rebase is not None and not isinstance(self.rebase, bool):
             raise ConfigError(f"rebase={self.rebase!r} must be True, False or None (automatic)")
         if self.rebase and mixing > 0:
@@ -328,7 +342,8 @@ class DiLoCo:
         """Standard DiLoCo: one fragment, a barrier every H steps, quorum = all learners,
         the weighted mean."""
         kw: dict[str, Any] = dict(
-            fragments=1, in_flight=1, overlap_steps=0, quorum_size=learners, merge=WeightedMean()
+            fragments=1, in_flight=1, overlap_steps=0, quorum_size=learners, merge=WeightedMean(),
+            cohort_share=False,
         )
         kw.update(overrides)
         return cls(sync_every, **kw)
@@ -338,7 +353,7 @@ class DiLoCo:
         """Local SGD: parameter averaging (η = 1, β = 0, the weighted mean) every H steps."""
         kw: dict[str, Any] = dict(
             fragments=1, in_flight=1, overlap_steps=0, outer_lr=1.0, outer_momentum=0.0,
-            merge=WeightedMean(),
+            merge=WeightedMean(), cohort_share=False,
         )
         kw.update(overrides)
         return cls(sync_every, **kw)
@@ -422,6 +437,8 @@ class DiLoCo:
                 continue
             if f.name == "checkpoint_every" and v == 1:
                 continue
+            if f.name == "cohort_share" and not v:
+                continue
             out[f.name] = v.to_json() if f.name in ("merge", "partition") else v
         return out
 
@@ -432,7 +449,8 @@ class DiLoCo:
             raise RemoteProtocolError(f"algorithm record {obj!r:.100} must be a JSON object")
         fields = [f.name for f in dataclasses.fields(cls)]
         want = {"type", "version", *fields}
-        missing = sorted(want - set(obj) - _OMITTED_WHEN_NONE - {"checkpoint_every"})
+        missing = sorted(want - set(obj) - _OMITTED_WHEN_NONE
+                         - {"checkpoint_every", "cohort_share"})
         extra = sorted(set(obj) - want)
         if missing or extra:
             raise RemoteProtocolError(
@@ -466,6 +484,12 @@ class DiLoCo:
             raise RemoteProtocolError(
                 "algorithm record: checkpoint_every=1 is recorded by omission"
             )
+        if kw.get("cohort_share") is False:
+            raise RemoteProtocolError(
+                "algorithm record: cohort_share=false is recorded by omission"
+            )
+        # Runs created before cohort shares stepped every round in full.
+        kw.setdefault("cohort_share", False)
         # Runs created before replication carry no such field: every commit held the
         # whole state.
         kw.setdefault("checkpoint_every", 1)
@@ -481,14 +505,14 @@ _JSON_KINDS = {
     "global_batch_size": "int?", "delta_dtype": "str?", "commit_dtype": "str?",
     "flush_on_close": "bool", "outlier_factor": "number", "rebase": "bool",
     "checkpoint_every": "int", "keep_rounds": "int", "delta_density": "number",
-    "feedback_decay": "number", "feedback_momentum": "number",
+    "feedback_decay": "number", "feedback_momentum": "number", "cohort_share": "bool",
 }
 # Fields added after format version 1 was pinned: absent means None, and None is written
 # by leaving them out, so older records stay valid and unchanged. (`rebase` is never None
 # once built: it is left out when it equals `_default_rebase`. `checkpoint_every` is
 # left out when 1, which is what its absence means: runs created before replication.
 # `keep_rounds`, `delta_density` and the feedback settings are written only when set, so runs
-# without them keep their records.)
+# without them keep their records; `cohort_share` only when true, what its absence is not.)
 _OMITTED_WHEN_NONE = frozenset({"outlier_factor", "rebase", "keep_rounds", "delta_density",
                                 "feedback_decay", "feedback_momentum"})
 _JSON_WORDS = {"int": "an integer", "number": "a number", "str": "a string", "bool": "a bool"}
@@ -527,7 +551,8 @@ class DiLoCoAggregator:
         self.backend = backend
 
     def close_round(
-        self, state: FragmentState, contributions: Sequence[Contribution], schema: Schema
+        self, state: FragmentState, contributions: Sequence[Contribution], schema: Schema,
+        cohort: int | None = None,
     ) -> RoundResult:
         """Merge `contributions` into `state` and take the outer step.
 
@@ -537,7 +562,9 @@ class DiLoCoAggregator:
         and for `WeightedMean`); Nesterov moves the fp32 master and the fp32 momentum. A
         round made only of final contributions, or a light one (`light`: under half a
         sync period of progress), moves the master by their weighted mean Δ alone
-        (Θ ← Θ − Δ, whatever the merge) and keeps the momentum. With
+        (Θ ← Θ − Δ, whatever the merge) and keeps the momentum. With `cohort_share`
+        and a `cohort` (the learners training the fragment: see `DiLoCo`), the merged
+        delta is multiplied by `rounds.cohort_share`; None: every round steps in full. With
         `commit_dtype`, the update is the quantized Θ_new − Θ_old and the published theta
         is `rebuild_theta(Θ_old, update)`; the rounding stays in the master and is
         corrected next round.
@@ -560,6 +587,8 @@ class DiLoCoAggregator:
         )
         all_final = all(c.final for c in contribs)
         averaged = all_final or light(shares, [c.steps for c in contribs], cfg.sync_every)
+        share = 1.0 if cohort is None or not cfg.cohort_share else \
+            cohort_share([c.steps for c in contribs], cfg.sync_every, cohort)
         dtypes = [state.theta[n].dtype for n in names]
         fmt = step_format(cfg.commit_dtype, dtypes) if cfg.replicated else "F32"
         m = len(contribs)
@@ -581,6 +610,8 @@ class DiLoCoAggregator:
                 for j in range(m):
                     frag_gram[i][j] += gram[i][j]
             coeffs = self._coefficients(name, gram, shares, spans, averaged)
+            if share != 1.0:  # a full round keeps its bytes
+                coeffs = [k * share for k in coeffs]
             merged = be.lincomb(deltas, coeffs).to_bytes("F32")
             step.update(merged_step(name, merged, fmt))
         # One outer step for both ways of publishing it: what every party of a replicated

@@ -30,6 +30,7 @@ from gradientmail.wire.tensor_bytes import TensorBytes
 __all__ = [
     "CommitRefs",
     "Merged",
+    "cohort_of",
     "merge_round",
     "round_record",
     "screen_round",
@@ -89,23 +90,34 @@ class Merged:
 
 
 def merge_round(alg: Algorithm, state: FragmentState, contributions: Sequence[Contribution],
-                schema: Schema, backend: Backend | None = None) -> Merged:
+                schema: Schema, backend: Backend | None = None,
+                others: Collection[str] | None = None) -> Merged:
     """What a closer commits for `contributions` (already screened) on `state`: outliers
-    left out under the algorithm's `outlier_factor`, then `close_round`. An outer step
+    left out under the algorithm's `outlier_factor`, then `close_round`, whose cohort is
+    the merged learners and `others` (`cohort_of`; None: no cohort). An outer step
     that overflows leaves every contribution out; with none left, the fragment moves one
     version on unchanged (`unchanged`). Pure: equal inputs give equal bytes."""
     out = _outliers(alg, contributions, backend)
     kept = [c for c in contributions if c.learner not in out]
     overflowed: dict[str, str] = {}
     if kept:
+        cohort = None if others is None else len({c.learner for c in kept} | set(others))
         try:
-            result = alg.aggregator(backend).close_round(state, kept, schema)
+            result = alg.aggregator(backend).close_round(state, kept, schema, cohort)
             return Merged(result, out, overflowed)
         except NonFiniteError as exc:
             # Every closer would fail the same way after each takeover, forever: the round
             # commits with its contributions left out instead.
             overflowed = {c.learner: f"outer step overflowed: {exc}" for c in kept}
     return Merged(unchanged(alg, state), out, overflowed)
+
+
+def cohort_of(previous: RoundRecord | None, missed: Collection[str]) -> frozenset[str]:
+    """The learners of a round's cohort besides those it merges: the participants of its
+    fragment's previous round (`previous`; None: the first) and the learners the closer
+    awaited that `missed` it. Both are in the records, so a verifier finds the same."""
+    before = () if previous is None else (p.learner for p in previous.participants)
+    return frozenset(before) | frozenset(missed)
 
 
 def unchanged(alg: Algorithm, state: FragmentState) -> RoundResult:

@@ -51,7 +51,13 @@ from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import Replica, theta_digest
 from gradientmail.syncer.caller import RollCaller
 from gradientmail.syncer.hosted import Host, Offer
-from gradientmail.syncer.merging import CommitRefs, merge_round, round_record, screen_round
+from gradientmail.syncer.merging import (
+    CommitRefs,
+    cohort_of,
+    merge_round,
+    round_record,
+    screen_round,
+)
 from gradientmail.syncer.standalone import Awaiting, CloserLease, Prefetcher, Sighting, arrived
 from gradientmail.syncer.state import (
     PollDecision,
@@ -538,8 +544,10 @@ class Syncer:
         dropped: list[Dropped] = []
         snaps, contributions = await self._gather(r, attempt, fragment, state, offer, dropped,
                                                   sighted)
-        merge = await asyncio.to_thread(merge_round, alg, state, contributions,
-                                        manifest.schema, self.backend)
+        missed = tuple(sorted(expected - {s.learner for s in snaps}))
+        merge = await asyncio.to_thread(
+            merge_round, alg, state, contributions, manifest.schema, self.backend,
+            cohort_of(self._latest.get(fragment), missed))
         keys = {s.learner: s.payload_key for s in snaps}
         for learner, reason in merge.outliers.items():
             self._drop(r, learner, keys.get(learner, f"round {r}"), reason, dropped)
@@ -560,7 +568,7 @@ class Syncer:
                 now - (t_claim if t_quorum is None else t_quorum)),
             arrival=Arrival(window, max(now - (t_claim if t_first is None else t_first), 0.0),
                             watch.first_learner(),
-                            tuple(sorted(expected - {s.learner for s in snaps}))),
+                            missed),
             dropped=dropped, committed_at=round(self.wall_clock(), 3))
         if not await ex.commit(record):
             self.on_event(CommitLost(self.closer_id, r))
