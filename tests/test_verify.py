@@ -545,11 +545,10 @@ def test_a_closer_that_merges_differently_is_caught(
     step and theta digest agree with each other, and not with the inputs."""
     honest = syncer_module.merge_round
 
-    def plausible(alg: Any, state: Any, contributions: Any, schema: Any,
-                  backend: Any = None, others: Any = None) -> Any:
+    def plausible(alg: Any, state: Any, contributions: Any, schema: Any, *cohort: Any) -> Any:
         if state.fragment == 0 and state.version == 2:
             alg = dataclasses.replace(alg, merge=WeightedMean())
-        return honest(alg, state, contributions, schema, backend, others)
+        return honest(alg, state, contributions, schema, *cohort)
 
     monkeypatch.setattr(syncer_module, "merge_round", plausible)
     closed_run(mailbox, audited(Rda(direct_pattern=None, min_deltas=2), checkpoint_every=20))

@@ -126,9 +126,8 @@ class DiLoCo:
     last contribution as final contributions, so a run that ends commits every step it
     trained;
     `outlier_factor` k drops a contribution whose delta norm exceeds k × the round's
-    median (None: off; see
-    `outliers`). Its JSON omits `outlier_factor` when None, so runs created before the
-    field existed keep their records.
+    median (None: off; see `outliers`). Its JSON omits `outlier_factor` when None, so runs
+    created before the field existed keep their records.
 
     `rebase` is how a learner aligns a fragment with a commit. Rebasing sets
     θ ← Θ_new + (θ − base), where base is its own snapshot of that round when it took part
@@ -157,19 +156,15 @@ class DiLoCo:
     fragments), so `DiLoCo(H, fragments=P)` keeps the τ = 2 it always had for P >= 2,
     and its record.
 
-    `cohort_share` (the default; `standard` and `local_sgd` turn it off, their rounds
-    hold every learner) multiplies a round's merged delta by its share of the fragment's
-    cohort, the learners of its previous round and of this one and those the closer
-    awaited in vain (`rounds.cohort_share`): a round of n of M learners steps n/M of the
-    way, and the one that carries the late learners' deltas the rest, as standard
-    DiLoCo's average of M deltas would. Its JSON writes it only when set: runs created
-    before it stepped every round in full and keep their records.
+    `cohort_share` (on; off in `standard` and `local_sgd`, whose rounds hold every
+    learner): a round short of its fragment's learners steps by its share of them
+    (`rounds.cohort_share`), so each learner's progress weighs 1/M whichever round it
+    lands in. The JSON writes it only when on: older runs read as off.
 
     `keep_rounds` K makes the run auditable while it trains: the sweep keeps the
-    contributions (records and payloads) of the newest K rounds and the outer state
-    before them, so `gradientmail verify` can re-derive those commits, and its learners
-    upload every contribution (none is merged from memory unseen). None (the default)
-    sweeps them after each commit; the JSON omits it then.
+    contributions (records and payloads) of the newest K rounds and the outer state before
+    them, so `gradientmail verify` can re-derive those commits, and its learners upload
+    every contribution (none merged from memory unseen). None (the default) sweeps them.
     """
 
     sync_every: int = _setting(100, "H: local steps between two syncs of each fragment")
@@ -480,19 +475,14 @@ class DiLoCo:
                 f"algorithm record: rebase={kw['rebase']!r} is what mixing="
                 f"{kw.get('mixing')!r} implies, and is recorded by omission"
             )
-        if kw.get("checkpoint_every") == 1:
-            raise RemoteProtocolError(
-                "algorithm record: checkpoint_every=1 is recorded by omission"
-            )
-        if kw.get("cohort_share") is False:
-            raise RemoteProtocolError(
-                "algorithm record: cohort_share=false is recorded by omission"
-            )
-        # Runs created before cohort shares stepped every round in full.
-        kw.setdefault("cohort_share", False)
-        # Runs created before replication carry no such field: every commit held the
-        # whole state.
+        for name, implied in (("checkpoint_every", 1), ("cohort_share", False)):
+            if name in kw and kw[name] == implied:  # what the absence means is not written
+                raise RemoteProtocolError(f"algorithm record: {name}={str(implied).lower()} "
+                                          "is recorded by omission")
+        # Runs created before replication carry no checkpoint_every (every commit held the
+        # whole state), and those before cohort shares stepped every round in full.
         kw.setdefault("checkpoint_every", 1)
+        kw.setdefault("cohort_share", False)
         try:
             return cls(**kw)
         except ConfigError as exc:
@@ -511,8 +501,8 @@ _JSON_KINDS = {
 # by leaving them out, so older records stay valid and unchanged. (`rebase` is never None
 # once built: it is left out when it equals `_default_rebase`. `checkpoint_every` is
 # left out when 1, which is what its absence means: runs created before replication.
-# `keep_rounds`, `delta_density` and the feedback settings are written only when set, so runs
-# without them keep their records; `cohort_share` only when true, what its absence is not.)
+# `keep_rounds`, `delta_density`, the feedback settings and `cohort_share` are written only
+# when set, so runs without them keep their records.)
 _OMITTED_WHEN_NONE = frozenset({"outlier_factor", "rebase", "keep_rounds", "delta_density",
                                 "feedback_decay", "feedback_momentum"})
 _JSON_WORDS = {"int": "an integer", "number": "a number", "str": "a string", "bool": "a bool"}
@@ -562,10 +552,9 @@ class DiLoCoAggregator:
         and for `WeightedMean`); Nesterov moves the fp32 master and the fp32 momentum. A
         round made only of final contributions, or a light one (`light`: under half a
         sync period of progress), moves the master by their weighted mean Δ alone
-        (Θ ← Θ − Δ, whatever the merge) and keeps the momentum. With `cohort_share`
-        and a `cohort` (the learners training the fragment: see `DiLoCo`), the merged
-        delta is multiplied by `rounds.cohort_share`; None: every round steps in full. With
-        `commit_dtype`, the update is the quantized Θ_new − Θ_old and the published theta
+        (Θ ← Θ − Δ, whatever the merge) and keeps the momentum. With `cohort_share`, the
+        merged delta is scaled by `rounds.cohort_share` of `cohort` learners (None: not at
+        all). With `commit_dtype`, the update is the quantized Θ_new − Θ_old and the published theta
         is `rebuild_theta(Θ_old, update)`; the rounding stays in the master and is
         corrected next round.
 
@@ -587,8 +576,8 @@ class DiLoCoAggregator:
         )
         all_final = all(c.final for c in contribs)
         averaged = all_final or light(shares, [c.steps for c in contribs], cfg.sync_every)
-        share = 1.0 if cohort is None or not cfg.cohort_share else \
-            cohort_share([c.steps for c in contribs], cfg.sync_every, cohort)
+        share = (1.0 if cohort is None or not cfg.cohort_share
+                 else cohort_share([c.steps for c in contribs], cfg.sync_every, cohort))
         dtypes = [state.theta[n].dtype for n in names]
         fmt = step_format(cfg.commit_dtype, dtypes) if cfg.replicated else "F32"
         m = len(contribs)

@@ -63,7 +63,7 @@ from gradientmail.errors import (
 from gradientmail.run.bounds import check_delta, delta_bound, payload_bound
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import Replica, require_manifest, theta_digest
-from gradientmail.syncer.merging import cohort_of, merge_round, screen_round
+from gradientmail.syncer.merging import merge_round, screen_round
 from gradientmail.wire import compression as codec
 from gradientmail.wire.records import Dropped, Manifest, RoundRecord, SnapshotRecord
 from gradientmail.wire.refs import PayloadRef
@@ -522,7 +522,7 @@ class Verifier:
             return RoundVerdict(r, p, SWEPT, note=f"the payload of {exc} is swept"), None
         missed = () if rec.arrival is None else rec.arrival.missed
         merge = await asyncio.to_thread(merge_round, self.alg, before, contributions, schema,
-                                        self.backend, cohort_of(await self.previous(r), missed))
+                                        self.backend, await self.previous(r), missed)
         for learner, reason in (*merge.outliers.items(), *merge.overflowed.items()):
             drop(learner, "", reason)
         stored, n = await self.stored(rec, names)

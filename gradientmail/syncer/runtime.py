@@ -51,13 +51,7 @@ from gradientmail.run.protocol import Exchange
 from gradientmail.run.replica import Replica, theta_digest
 from gradientmail.syncer.caller import RollCaller
 from gradientmail.syncer.hosted import Host, Offer
-from gradientmail.syncer.merging import (
-    CommitRefs,
-    cohort_of,
-    merge_round,
-    round_record,
-    screen_round,
-)
+from gradientmail.syncer.merging import CommitRefs, merge_round, round_record, screen_round
 from gradientmail.syncer.standalone import Awaiting, CloserLease, Prefetcher, Sighting, arrived
 from gradientmail.syncer.state import (
     PollDecision,
@@ -545,9 +539,8 @@ class Syncer:
         snaps, contributions = await self._gather(r, attempt, fragment, state, offer, dropped,
                                                   sighted)
         missed = tuple(sorted(expected - {s.learner for s in snaps}))
-        merge = await asyncio.to_thread(
-            merge_round, alg, state, contributions, manifest.schema, self.backend,
-            cohort_of(self._latest.get(fragment), missed))
+        merge = await asyncio.to_thread(merge_round, alg, state, contributions, manifest.schema,
+                                        self.backend, self._latest.get(fragment), missed)
         keys = {s.learner: s.payload_key for s in snaps}
         for learner, reason in merge.outliers.items():
             self._drop(r, learner, keys.get(learner, f"round {r}"), reason, dropped)
