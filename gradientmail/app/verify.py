@@ -522,7 +522,8 @@ class Verifier:
             return RoundVerdict(r, p, SWEPT, note=f"the payload of {exc} is swept"), None
         missed = () if rec.arrival is None else rec.arrival.missed
         merge = await asyncio.to_thread(merge_round, self.alg, before, contributions, schema,
-                                        self.backend, await self.previous(r), missed)
+                                        self.backend, await self.previous(r), missed,
+                                        list(dropped))
         for learner, reason in (*merge.outliers.items(), *merge.overflowed.items()):
             drop(learner, "", reason)
         stored, n = await self.stored(rec, names)

@@ -92,19 +92,23 @@ class Merged:
 def merge_round(alg: Algorithm, state: FragmentState, contributions: Sequence[Contribution],
                 schema: Schema, backend: Backend | None = None,
                 previous: RoundRecord | None = None,
-                missed: Collection[str] | None = None) -> Merged:
+                missed: Collection[str] | None = None,
+                screened: Collection[str] = ()) -> Merged:
     """What a closer commits for `contributions` (already screened) on `state`: outliers
     left out under the algorithm's `outlier_factor`, then `close_round`, whose cohort is
     the merged learners and `cohort_of(previous, missed)` (the fragment's previous record,
-    the learners the round awaited in vain; `missed` None: no cohort). An outer step
-    that overflows leaves every contribution out; with none left, the fragment moves one
-    version on unchanged (`unchanged`). Pure: equal inputs give equal bytes."""
+    the learners the round awaited in vain; `missed` None: no cohort) less the learners
+    whose contributions it left out (`screened` out, and the outliers): their progress
+    comes in no later round, so the round is the mean of the others, as in standard
+    DiLoCo. An outer step that overflows leaves every contribution out; with none left,
+    the fragment moves one version on unchanged (`unchanged`). Pure: equal inputs give
+    equal bytes."""
     out = _outliers(alg, contributions, backend)
     kept = [c for c in contributions if c.learner not in out]
     overflowed: dict[str, str] = {}
     if kept:
         cohort = None if missed is None else len(
-            {c.learner for c in kept} | cohort_of(previous, missed))
+            ({c.learner for c in kept} | cohort_of(previous, missed)) - set(screened) - set(out))
         try:
             result = alg.aggregator(backend).close_round(state, kept, schema, cohort)
             return Merged(result, out, overflowed)

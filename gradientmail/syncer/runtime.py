@@ -19,12 +19,7 @@ import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from gradientmail.algorithms.base import (
-    Algorithm,
-    Contribution,
-    FragmentState,
-    RoundResult,
-)
+from gradientmail.algorithms.base import Algorithm, Contribution, FragmentState, RoundResult
 from gradientmail.algorithms.registry import algorithm_from_json
 from gradientmail.algorithms.schedule import RoundSchedule
 from gradientmail.backends.base import Backend
@@ -540,7 +535,8 @@ class Syncer:
                                                   sighted)
         missed = tuple(sorted(expected - {s.learner for s in snaps}))
         merge = await asyncio.to_thread(merge_round, alg, state, contributions, manifest.schema,
-                                        self.backend, self._latest.get(fragment), missed)
+                                        self.backend, self._latest.get(fragment), missed,
+                                        [d.learner for d in dropped])
         keys = {s.learner: s.payload_key for s in snaps}
         for learner, reason in merge.outliers.items():
             self._drop(r, learner, keys.get(learner, f"round {r}"), reason, dropped)
