@@ -218,8 +218,11 @@ def test_two_launches_of_the_example_commit_rounds_together(tmp_path: Path) -> N
 
     manifest = asyncio.run(Exchange(LocalMailbox(box)).read_manifest())
     assert manifest is not None
-    # The file's settings with the variables' overrides made the run's configuration.
-    assert Config.from_json(manifest.algorithm) == Config.standard(5, 2, merge=WeightedMean())
+    # The file's settings with the variables' overrides made the run's configuration:
+    # standard DiLoCo's fields, and the file's cohort share (a round of every learner,
+    # as a barrier's are, steps in full with it or without).
+    assert Config.from_json(manifest.algorithm) == Config.standard(
+        5, 2, merge=WeightedMean(), cohort_share=True)
     for rec in recs:
         assert sorted(p.learner for p in rec.participants) == ["n0", "n1"]
         assert all(p.tokens == 16 * p.steps >= 16 for p in rec.participants)
