@@ -58,6 +58,17 @@ def learner(adapter: Any, url: str, name: str, compression: str = "off",
     )
 
 
+def start_rank(k: int, model: torch.nn.Module, default: Any, side: Any, url: str,
+               **alg: Any) -> tuple[RankSync, ShardedRanks]:
+    """Rank `k` of the two-rank learner "ranked" on `url` (thread ranks `default` and
+    `side`), started."""
+    adapter = ShardedAdapter(model, group_size=RANKS, group_rank=k)
+    sharded_ranks = ShardedRanks(adapter, default[k], side[k], k, url, timeout=TIMEOUT)
+    sync = RankSync(default[k], model, sharded_ranks=sharded_ranks)
+    sync.start(lambda: learner(sharded_ranks.learner_adapter(), url, "ranked", **alg))
+    return sync, sharded_ranks
+
+
 def train_ranked(sync: RankSync, model: torch.nn.Module, ready: threading.Barrier) -> None:
     """A rank of the two-rank learner, started: once the plain learner is in, `ROUNDS`
     rounds on worker 0's data (both ranks train alike, 5 tokens a step each), closed."""
@@ -114,16 +125,14 @@ def test_a_two_rank_learner_mailing_parts_and_a_plain_one_equal_the_oracle(
 
     def rank(k: int) -> None:
         model = models[k]
-        adapter = ShardedAdapter(model, group_size=RANKS, group_rank=k)
-        sharded_ranks = ShardedRanks(adapter, default[k], side[k], k, url, timeout=TIMEOUT)
-        sync = RankSync(default[k], model, sharded_ranks=sharded_ranks)
-        sync.start(lambda: learner(sharded_ranks.learner_adapter(), url, "ranked", **alg))
+        sync, sharded_ranks = start_rank(k, model, default, side, url, **alg)
         train_ranked(sync, model, ready)
         assert sync.rounds_seen == ROUNDS - 1
         # The anchor of the one fragment, and a snapshot kept for rebasing at most: every
         # other snapshot and commit was released on every rank.
         assert sharded_ranks.held <= 2, sharded_ranks.held
         results[f"rank{k}"] = [p.detach().clone() for p in model.parameters()]
+        adapter = sharded_ranks.adapter
         rows[k] = (sharded_ranks.rows_state(0),
                    {n: adapter.local_rows(n) for n in adapter.schema.names})
 

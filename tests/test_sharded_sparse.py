@@ -26,13 +26,13 @@ import pytest
 import torch
 from test_learner_oracle import INNER_LR, ROUNDS, H
 from test_learner_runtime import in_threads
-from test_sharded_ranks import RANKS, TIMEOUT, learner, train_plain, train_ranked
+from test_sharded_ranks import RANKS, TIMEOUT, learner, start_rank, train_plain, train_ranked
 from workers.toy import inner_step, make_model
 
 from gradientmail.adapters import TorchAdapter
 from gradientmail.adapters.sharded import ShardedAdapter, chunk_rows
 from gradientmail.errors import CorruptPayload, GradientmailError, SchemaMismatch
-from gradientmail.integration import RankSync, ThreadRanks
+from gradientmail.integration import ThreadRanks
 from gradientmail.integration.sharded import ShardedRanks
 from gradientmail.learner.feedback import Residuals, join_states, split_state
 from gradientmail.learner.sharded import Sparse
@@ -315,10 +315,7 @@ def test_a_two_rank_learner_mailing_sparse_parts_equals_the_sparse_oracle(
 
     def rank(k: int) -> None:
         model = models[k]
-        adapter = ShardedAdapter(model, group_size=RANKS, group_rank=k)
-        sharded_ranks = ShardedRanks(adapter, default[k], side[k], k, url, timeout=TIMEOUT)
-        sync = RankSync(default[k], model, sharded_ranks=sharded_ranks)
-        sync.start(lambda: learner(sharded_ranks.learner_adapter(), url, "ranked", **alg))
+        sync, sharded_ranks = start_rank(k, model, default, side, url, **alg)
         train_ranked(sync, model, ready)
         results[f"rank{k}"] = [p.detach().clone() for p in model.parameters()]
         if k == 0:
