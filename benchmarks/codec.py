@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import os
 import platform
 import statistics
@@ -30,6 +29,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import zstandard
+from device_timing import best_ms, device_fragment, gpt2_shapes, pinned_copy  # benchmarks/
 
 from gradientmail.wire.compression import decode, encode
 from gradientmail.wire.quantization import FORMATS, dequantize, quantize
@@ -40,36 +40,6 @@ from gradientmail.wire.tensor_bytes import TensorBytes
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 GOALS = {"speed": 0.75, "ratio_F32": 1.18, "ratio_BF16": 1.45, "quantize_MBps": 1000.0,
          "gpu_ms": 10.0}
-
-
-def gpt2_shapes(quick: bool) -> dict[str, tuple[int, ...]]:
-    """GPT-2 small: d=768, 12 blocks, vocabulary 50257, context 1024."""
-    d = 768
-    if quick:
-        return {
-            "wpe.weight": (1024, d),
-            "h.0.ln_1.weight": (d,),
-            "h.0.attn.c_attn.weight": (d, 3 * d),
-            "h.0.attn.c_attn.bias": (3 * d,),
-        }
-    shapes: dict[str, tuple[int, ...]] = {"wte.weight": (50257, d), "wpe.weight": (1024, d)}
-    for i in range(12):
-        p = f"h.{i}."
-        shapes |= {
-            p + "ln_1.weight": (d,),
-            p + "ln_1.bias": (d,),
-            p + "attn.c_attn.weight": (d, 3 * d),
-            p + "attn.c_attn.bias": (3 * d,),
-            p + "attn.c_proj.weight": (d, d),
-            p + "attn.c_proj.bias": (d,),
-            p + "ln_2.weight": (d,),
-            p + "ln_2.bias": (d,),
-            p + "mlp.c_fc.weight": (d, 4 * d),
-            p + "mlp.c_fc.bias": (4 * d,),
-            p + "mlp.c_proj.weight": (4 * d, d),
-            p + "mlp.c_proj.bias": (d,),
-        }
-    return shapes | {"ln_f.weight": (d,), "ln_f.bias": (d,)}
 
 
 def draw(shapes: dict[str, tuple[int, ...]], dtype: str) -> dict[str, TensorBytes]:
@@ -349,32 +319,11 @@ def gpu_rows(reps: int, fragments: int, device: str = "cuda") -> list[dict[str, 
     from gradientmail.wire.quantization import quantized_nbytes
     from gradientmail.wire.quantization_torch import quantize_tensors
 
-    def sync() -> None:
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    gen = torch.Generator(device=device).manual_seed(0)
-    shapes = gpt2_shapes(quick=False)
-    model = {n: torch.randn(s, device=device, generator=gen) * 0.02 for n, s in shapes.items()}
-    total = sum(t.numel() for t in model.values())
-    # Fragment 0 of `fragments`: consecutive parameters up to 1/fragments of the model.
-    fragment: dict[str, Any] = {}
-    for name, t in model.items():
-        if fragment and sum(v.numel() for v in fragment.values()) + t.numel() > total / fragments:
-            break
-        fragment[name] = t
+    fragment = device_fragment(device, False, fragments)
     numel = sum(t.numel() for t in fragment.values())
 
     def timed(fn: Callable[[], Any]) -> float:
-        fn()  # warm-up: kernels compiled, tables on the device, allocator primed
-        best = math.inf
-        for _ in range(reps):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            best = min(best, time.perf_counter() - t0)
-        return best * 1e3
+        return best_ms(fn, reps, device)
 
     rows = []
     for fmt in FORMATS:
@@ -387,13 +336,6 @@ def gpu_rows(reps: int, fragments: int, device: str = "cuda") -> list[dict[str, 
         rows.append({"fmt": fmt, "params": numel, "tensors": len(fragment), "ms": ms,
                      "copy_ms": copy_ms, "gbps": 4 * numel / ms / 1e6, "same": same})
     return rows
-
-
-def pinned_copy(staged: Any) -> Any:
-    """`staged` copied device to host into pinned memory, as the kernels' results are."""
-    import torch
-
-    return torch.empty(staged.shape, dtype=staged.dtype, pin_memory=staged.is_cuda).copy_(staged)
 
 
 def gpu_table(rows: list[dict[str, Any]], fragments: int, device: str) -> str:

@@ -16,12 +16,11 @@ zstandard (the GPU machine has none). Prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import math
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from device_timing import best_ms, device_fragment, pinned_copy  # benchmarks/
 
 from gradientmail.learner.feedback import Residuals
 from gradientmail.wire.sparse import DEFAULT_DENSITY, sparse_nbytes, sparsify
@@ -29,20 +28,6 @@ from gradientmail.wire.sparse_torch import sparsify_tensor
 from gradientmail.wire.tensor_bytes import TensorBytes
 
 GOAL_MS = 10.0  # issue 29: a 124M model's fragment encoded in <= 10 ms on a GPU
-
-
-def gpt2_shapes(quick: bool) -> dict[str, tuple[int, ...]]:
-    """GPT-2 small (d = 768, 12 blocks, vocabulary 50257), or a few of its tensors."""
-    d = 768
-    shapes: dict[str, tuple[int, ...]] = {"wpe.weight": (1024, d)}
-    if not quick:
-        shapes = {"wte.weight": (50257, d), **shapes}
-    for i in range(2 if quick else 12):
-        p = f"h.{i}."
-        shapes |= {p + "ln_1.weight": (d,), p + "attn.c_attn.weight": (d, 3 * d),
-                   p + "attn.c_attn.bias": (3 * d,), p + "attn.c_proj.weight": (d, d),
-                   p + "mlp.c_fc.weight": (d, 4 * d), p + "mlp.c_proj.weight": (4 * d, d)}
-    return shapes
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -58,33 +43,12 @@ def main(argv: list[str] | None = None) -> None:
         print("--device cuda: torch sees no CUDA device here; nothing measured")
         return
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    gen = torch.Generator(device=device).manual_seed(0)
-    model = {n: torch.randn(s, device=device, generator=gen) * 0.02
-             for n, s in gpt2_shapes(args.quick).items()}
-    total = sum(t.numel() for t in model.values())
-    fragment: dict[str, torch.Tensor] = {}
-    for name, t in model.items():  # fragment 0: consecutive tensors up to 1/fragments
-        if fragment and sum(v.numel() for v in fragment.values()) + t.numel() \
-                > total / args.fragments:
-            break
-        fragment[name] = t
+    fragment = device_fragment(device, args.quick, args.fragments)
     numel = sum(t.numel() for t in fragment.values())
     density = args.density
 
     def timed(fn: Callable[[], Any]) -> float:
-        fn()  # warm-up
-        best = math.inf
-        for _ in range(args.reps):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            best = min(best, time.perf_counter() - t0)
-        return best * 1e3
+        return best_ms(fn, args.reps, device)
 
     def encode() -> dict[str, TensorBytes]:
         out: dict[str, TensorBytes] = {}
@@ -113,11 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     nbytes = sum(sparse_nbytes(t.numel(), density) for t in fragment.values())
     staged = torch.empty(nbytes, dtype=torch.uint8, device=device)
 
-    def copy() -> Any:
-        return torch.empty(nbytes, dtype=torch.uint8,
-                           pin_memory=device.type == "cuda").copy_(staged)
-
-    copy_ms = timed(copy)
+    copy_ms = timed(lambda: pinned_copy(staged))
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"{name}, torch {torch.__version__}: fragment 0 of {args.fragments} of GPT-2 "
           f"(124M{', a few tensors' if args.quick else ''}), {numel / 1e6:.1f}M parameters "
