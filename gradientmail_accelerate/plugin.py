@@ -108,6 +108,7 @@ _DILOCO_KINDS = {
     "feedback_decay": "float?",
     "feedback_momentum": "float?",
     "cohort_share": "bool",
+    "stagger": "bool",
 }
 _YAML_KEYS = (*_PLUGIN_KINDS, "diloco")
 _TRUE = ("1", "true", "yes", "on")

@@ -67,6 +67,7 @@ def diloco_callback(
     feedback_decay: float | None = _D.feedback_decay,
     feedback_momentum: float | None = _D.feedback_momentum,
     cohort_share: bool = _D.cohort_share,
+    stagger: bool = _D.stagger,
     sync: bool = _O.sync,
     hold_own: bool = _O.hold_own,
     poll_interval: float = _O.poll_interval,

@@ -223,7 +223,7 @@ def test_unknown_keys_are_named_with_the_valid_ones(tmp_path: Path) -> None:
     assert "unknown keys diloco.sync_evry, diloco.outer_lrr; valid keys: sync_every, " in msg
     assert msg.endswith("delta_dtype, commit_dtype, flush_on_close, outlier_factor, rebase, "
                         "checkpoint_every, keep_rounds, delta_density, feedback_decay, "
-                        "feedback_momentum, cohort_share")
+                        "feedback_momentum, cohort_share, stagger")
     assert "merge, direct_pattern, partition, block_pattern" in msg
     msg = bad_yaml(tmp_path, "mailbox: m\ndiloco:\n  merge: {type: rda, pattern: x}\n")
     assert msg.endswith("diloco.merge: unknown option pattern for rda; its options: direct_pattern")

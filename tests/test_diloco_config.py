@@ -164,6 +164,31 @@ def test_runs_created_before_cohort_shares_step_every_round_in_full() -> None:
         DiLoCo(cohort_share="yes")  # type: ignore[arg-type]
 
 
+def test_a_pipelined_barrier_sends_a_syncs_rounds_at_one_step() -> None:
+    # stagger=False: the P rounds of a sync go out at the same step (gap H, then 0s), all
+    # in flight at once behind the barrier; written only when off, so older runs (and
+    # every staggered one) keep their records.
+    d = DiLoCo.standard(12, 4, fragments=3, stagger=False)
+    assert (d.in_flight, d.overlap_steps) == (3, 0)
+    assert [d.schedule.gap(r) for r in range(7)] == [12, 0, 0, 12, 0, 0, 12]
+    assert [d.schedule.spacing(r) for r in range(4)] == [12, 12, 12, 12]
+    assert d.schedule_for(2).gap(1) == 0 and d.schedule_for(2).in_flight == 2
+    assert d.to_json()["stagger"] is False and DiLoCo.from_json(d.to_json()) == d
+    assert "stagger" not in DiLoCo.standard(12, 4, fragments=3).to_json()
+    assert [DiLoCo(12, 3).schedule.gap(r) for r in range(3)] == [4, 4, 4]
+    assert DiLoCo(12, 3, overlap_steps=0, stagger=False).in_flight == 3
+    with pytest.raises(RemoteProtocolError, match="stagger=true is recorded by omission"):
+        DiLoCo.from_json({**GOLDEN, "stagger": True})
+    with pytest.raises(ConfigError, match=r"stagger=False with in_flight=2, overlap_steps=0: "
+                       r".*need in_flight=3 and overlap_steps=0, as DiLoCo.standard\(H, M, "
+                       r"fragments=3, stagger=False\) sets"):
+        DiLoCo.standard(12, 4, fragments=3, stagger=False, in_flight=2)
+    with pytest.raises(ConfigError, match="stagger=False with in_flight=3, overlap_steps=None"):
+        DiLoCo(12, 3, stagger=False)
+    with pytest.raises(ConfigError, match="stagger='no' must be a bool"):
+        DiLoCo(stagger="no")  # type: ignore[arg-type]
+
+
 def test_runs_created_before_replication_upload_the_state_with_every_commit() -> None:
     # Their records have no checkpoint_every: it reads as 1, which is written by omission.
     before = {k: v for k, v in GOLDEN.items() if k != "checkpoint_every"}

@@ -2,7 +2,9 @@
 
 Two learners train a small model with plain SGD on fixed data; every H steps each mails
 anchor − θ, a closer merges the mean and takes torch's own Nesterov SGD step. The same
-arithmetic written as a synchronous loop must give the same parameters within 1e-6.
+arithmetic written as a synchronous loop must give the same parameters within 1e-6, and
+so must a pipelined barrier (`stagger=False`: the fragments' rounds of a sync go out at
+the same step, one after another), whose outer step is the same elementwise arithmetic.
 """
 
 from __future__ import annotations
@@ -49,15 +51,15 @@ def oracle(learners: int = LEARNERS) -> list[torch.Tensor]:
     return [p.detach().clone() for p in params]
 
 
-def run_learners(mailbox_for: Callable[[], Mailbox | str]) -> list[list[torch.Tensor]]:
-    algorithm = DiLoCo(
-        sync_every=H,
-        fragments=1,
-        in_flight=1,
-        overlap_steps=0,
-        merge=WeightedMean(),
-        quorum_size=LEARNERS,
-    )
+STANDARD = DiLoCo(
+    sync_every=H, fragments=1, in_flight=1, overlap_steps=0, merge=WeightedMean(),
+    quorum_size=LEARNERS,
+)
+
+
+def run_learners(mailbox_for: Callable[[], Mailbox | str],
+                 algorithm: DiLoCo = STANDARD) -> list[list[torch.Tensor]]:
+    per_sync = algorithm.fragments
     results: list[list[torch.Tensor]] = [[] for _ in range(LEARNERS)]
     ready = threading.Barrier(LEARNERS)
 
@@ -81,8 +83,11 @@ def run_learners(mailbox_for: Callable[[], Mailbox | str]) -> list[list[torch.Te
         for step in range(ROUNDS * H):
             inner_step(model, opt, w, step)
             learner.step(5)
+            # Behind the barrier, the step that ends a sync returns with every one of its
+            # fragments' commits applied.
+            assert learner.rounds_seen == (step + 1) // H * per_sync - 1
         learner.close()
-        assert learner.rounds_seen == ROUNDS - 1
+        assert learner.rounds_seen == ROUNDS * per_sync - 1
         results[w] = [p.detach().clone() for p in model.parameters()]
 
     in_threads(*(functools.partial(work, w) for w in range(LEARNERS)))
@@ -108,5 +113,26 @@ def test_standard_diloco_equals_the_synchronous_loop(
     want = oracle()
     for got in run_learners(mailbox_for):
         assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["memory", "s3"])
+def test_a_pipelined_barrier_equals_the_synchronous_loop(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    algorithm = DiLoCo.standard(H, LEARNERS, fragments=2, stagger=False)
+    assert (algorithm.in_flight, algorithm.schedule.gap(4), algorithm.schedule.gap(5)) == (2, H, 0)
+    mailbox_for: Callable[[], Mailbox | str]
+    if kind == "memory":
+        name = f"oracle-{secrets.token_hex(4)}"
+        mailbox_for = lambda: f"memory://{name}"  # noqa: E731
+    else:
+        bucket = request.getfixturevalue("s3_bucket")
+        endpoint = request.getfixturevalue("moto_endpoint")
+        prefix = f"oracle-{secrets.token_hex(4)}"
+        mailbox_for = lambda: S3Mailbox(bucket, prefix=prefix, endpoint_url=endpoint)  # noqa: E731
+    want = oracle()
+    for got in run_learners(mailbox_for, algorithm):
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=0, atol=1e-6)

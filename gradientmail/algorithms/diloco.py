@@ -28,11 +28,7 @@ from gradientmail.algorithms.merge import (
     rda_coefficients,
     weight,
 )
-from gradientmail.algorithms.outer import (
-    apply_step,
-    merged_step,
-    step_format,
-)
+from gradientmail.algorithms.outer import apply_step, merged_step, step_format
 from gradientmail.algorithms.partition import (
     ByBytes,
     Partition,
@@ -40,21 +36,11 @@ from gradientmail.algorithms.partition import (
     partition_from_json,
     plan,
 )
-from gradientmail.algorithms.rounds import (
-    cohort_share,
-    grace_window,
-    light,
-    span_scales,
-)
+from gradientmail.algorithms.rounds import cohort_share, grace_window, light, span_scales
 from gradientmail.algorithms.schedule import RoundSchedule
 from gradientmail.backends.base import Backend, Value
 from gradientmail.backends.numpy_backend import NumpyBackend
-from gradientmail.errors import (
-    ConfigError,
-    NonFiniteError,
-    RemoteProtocolError,
-    SchemaMismatch,
-)
+from gradientmail.errors import ConfigError, NonFiniteError, RemoteProtocolError, SchemaMismatch
 from gradientmail.wire.estimates import Estimates
 from gradientmail.wire.records import Participant
 from gradientmail.wire.serialization import Schema, validate
@@ -102,32 +88,32 @@ def _float(name: str, v: object) -> float:
 class DiLoCo:
     """The DiLoCo family as one frozen configuration (see DESIGN §5).
 
-    H = `sync_every` local steps between syncs of each fragment; P = `fragments`
-    (Streaming DiLoCo); τ = `in_flight` rounds a learner may have unmerged; `overlap_steps`
-    bounds how far it trains past its own publish (0: DiLoCo's barrier, None: never
-    waits); α = `mixing`; `quorum_size` contributions close a round (Decoupled DiLoCo);
-    η = `outer_lr` and β = `outer_momentum` of the Nesterov outer step; `merge` and
-    `partition`; `global_batch_size` split over live learners; `delta_dtype` (None: the
-    model's own precision — BF16 deltas from a fragment held in BF16, else F32; "F32"
-    forces full precision; "TOPK_F8" and "TOPK_Q2", the sparse formats of `wire.sparse`,
-    keep `delta_density` (None: 1/32) of every chunk of 4096 elements, "SIGN1"
-    (`wire.signs`) the signs of a seeded random `delta_density` (None: 1) of the elements,
-    and each learner keeps what it did not send as error feedback, `learner.feedback`, its
-    residual scaled by `feedback_decay` each round, None: 1; with `feedback_momentum` μ
-    each learner keeps the Nesterov momentum of its own deltas and compresses the Nesterov
-    step, and the outer step is plain SGD, outer_momentum=0) and `commit_dtype` (None: full
-    theta) transfer formats; `delta_density` and the feedback settings are written to the
-    JSON only when set;
-    With error feedback the outer momentum belongs with the learners (measured in
-    benchmarks/RESULTS.md, "Sparse and 1-bit deltas"): `DiLoCo.standard(H, M,
-    delta_dtype="SIGN1", feedback_momentum=0.8, outer_momentum=0.0)` for 1 bit an element,
-    or a top-k format with `outer_lr=1.0, outer_momentum=0.0`; `feedback_decay` unset.
-    `flush_on_close` (the default) publishes what a closing learner trained since its
-    last contribution as final contributions, so a run that ends commits every step it
-    trained;
-    `outlier_factor` k drops a contribution whose delta norm exceeds k × the round's
-    median (None: off; see `outliers`). Its JSON omits `outlier_factor` when None, so runs
-    created before the field existed keep their records.
+    H = `sync_every` local steps between syncs of each fragment; P = `fragments` (Streaming
+    DiLoCo: synced in turn; with `stagger=False`, a barrier's P rounds go out at the same
+    step and pipeline, as in `RoundSchedule`); τ = `in_flight` rounds a learner may have
+    unmerged; `overlap_steps` bounds how far it trains past its own publish (0: DiLoCo's
+    barrier, None: never waits); α = `mixing`; `quorum_size` contributions close a round
+    (Decoupled DiLoCo); η = `outer_lr` and β = `outer_momentum` of the Nesterov outer step;
+    `merge` and `partition`; `global_batch_size` split over live learners; `delta_dtype`
+    (None: the model's own precision — BF16 deltas from a fragment held in BF16, else F32;
+    "F32" forces full precision; "TOPK_F8" and "TOPK_Q2", the sparse formats of
+    `wire.sparse`, keep `delta_density` (None: 1/32) of every chunk of 4096 elements,
+    "SIGN1" (`wire.signs`) the signs of a seeded random `delta_density` (None: 1) of the
+    elements, and each learner keeps what it did not send as error feedback,
+    `learner.feedback`, its residual scaled by `feedback_decay` each round, None: 1; with
+    `feedback_momentum` μ each learner keeps the Nesterov momentum of its own deltas and
+    compresses the Nesterov step, and the outer step is plain SGD, outer_momentum=0) and
+    `commit_dtype` (None: full theta) transfer formats; `delta_density` and the feedback
+    settings are written to the JSON only when set; With error feedback the outer momentum
+    belongs with the learners (measured in benchmarks/RESULTS.md, "Sparse and 1-bit
+    deltas"): `DiLoCo.standard(H, M, delta_dtype="SIGN1", feedback_momentum=0.8,
+    outer_momentum=0.0)` for 1 bit an element, or a top-k format with `outer_lr=1.0,
+    outer_momentum=0.0`; `feedback_decay` unset. `flush_on_close` (the default) publishes
+    what a closing learner trained since its last contribution as final contributions, so a
+    run that ends commits every step it trained; `outlier_factor` k drops a contribution
+    whose delta norm exceeds k × the round's median (None: off; see `outliers`). Its JSON
+    omits `outlier_factor` when None, so runs created before the field existed keep their
+    records.
 
     `rebase` is how a learner aligns a fragment with a commit. Rebasing sets
     θ ← Θ_new + (θ − base), where base is its own snapshot of that round when it took part
@@ -172,7 +158,7 @@ class DiLoCo:
         1, "P: fragments the model is cut into, synced in turn (Streaming DiLoCo when > 1)")
     in_flight: int | None = _setting(
         None, "τ: rounds a learner may have published and not yet merged; "
-        "None: min(2, fragments)")
+        "None: min(2, fragments), all of them with stagger false")
     overlap_steps: int | None = _setting(
         None, "steps a learner trains past its own publish before waiting for the commit; "
         "0: DiLoCo's barrier, None: never waits")
@@ -224,13 +210,19 @@ class DiLoCo:
     cohort_share: bool = _setting(
         True, "a round short of its fragment's learners steps by the share of them it "
         "holds, so each learner's progress weighs alike whichever round it lands in")
+    stagger: bool = _setting(
+        True, "fragments sync in turn, spread over H steps; False (behind a barrier): "
+        "all at the same step, one round after another, so one fragment's upload "
+        "overlaps the merge and download of the one before")
 
     def __post_init__(self) -> None:
         _int("sync_every", self.sync_every, 1)
         _int("fragments", self.fragments, 1)
         if self.in_flight is None:
-            # Two rounds in flight where there are two fragments to stream, else one.
-            object.__setattr__(self, "in_flight", min(2, self.fragments))
+            # Two rounds in flight where there are two fragments to stream, else one; a
+            # pipelined barrier has all of a sync's rounds in flight.
+            tau = min(2, self.fragments) if self.stagger else self.fragments
+            object.__setattr__(self, "in_flight", tau)
         _int("in_flight", self.in_flight, 1)
         h, p, tau = self.sync_every, self.fragments, self._in_flight
         if tau > p:
@@ -240,6 +232,15 @@ class DiLoCo:
             raise ConfigError(f"fragments={p} exceeds sync_every={h}; {_RULE}")
         if self.overlap_steps is not None:
             _int("overlap_steps", self.overlap_steps, 0, optional=True)
+        for flag in ("flush_on_close", "cohort_share", "stagger"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"{flag}={getattr(self, flag)!r} must be a bool")
+        if not self.stagger and (tau != p or self.overlap_steps != 0):
+            raise ConfigError(
+                f"stagger=False with in_flight={tau}, overlap_steps={self.overlap_steps}: a "
+                f"pipelined barrier has its {p} rounds in flight at once; need in_flight={p} "
+                f"and overlap_steps=0, as DiLoCo.standard(H, M, fragments={p}, stagger=False) sets"
+            )
         mixing = _float("mixing", self.mixing)
         if not 0.0 <= mixing < 1.0:
             raise ConfigError(f"mixing={self.mixing!r} is out of range; need 0 <= mixing < 1")
@@ -268,8 +269,6 @@ class DiLoCo:
                     f"{name}={v!r} is not a transfer format; use None, "
                     + ", ".join(repr(f) for f in allowed)
                 )
-        if not isinstance(self.flush_on_close, bool):
-            raise ConfigError(f"flush_on_close={self.flush_on_close!r} must be a bool")
         if self.outlier_factor is not None:
             k = _float("outlier_factor", self.outlier_factor)
             if not k > 1.0:
@@ -314,8 +313,6 @@ class DiLoCo:
                     "learners keep the momentum, so the outer step must not keep another; "
                     "set outer_momentum=0")
             object.__setattr__(self, "feedback_momentum", mu)
-        if not isinstance(self.cohort_share, bool):
-            raise ConfigError(f"cohort_share={self.cohort_share!r} must be a bool")
         if self.rebase is not None and not isinstance(self.rebase, bool):
             raise ConfigError(f"rebase={self.rebase!r} must be True, False or None (automatic)")
         if self.rebase and mixing > 0:
@@ -341,6 +338,8 @@ class DiLoCo:
             cohort_share=False,
         )
         kw.update(overrides)
+        if not kw.get("stagger", True) and "in_flight" not in overrides:
+            kw["in_flight"] = kw["fragments"]  # a pipelined barrier: every round in flight
         return cls(sync_every, **kw)
 
     @classmethod
@@ -361,16 +360,16 @@ class DiLoCo:
 
     @property
     def schedule(self) -> RoundSchedule:
-        return RoundSchedule(self.sync_every, self.fragments, self._in_flight, self.overlap_steps)
+        return RoundSchedule(self.sync_every, self.fragments, self._in_flight,
+                             self.overlap_steps, self.stagger)
 
     def schedule_for(self, fragments: int) -> RoundSchedule:
         """The schedule over a plan of `fragments` (≤ the configured number)."""
         _int("fragments", fragments, 1)
         if fragments > self.fragments:
             raise ConfigError(f"a plan of {fragments} fragments exceeds fragments={self.fragments}")
-        return RoundSchedule(
-            self.sync_every, fragments, min(self._in_flight, fragments), self.overlap_steps
-        )
+        return RoundSchedule(self.sync_every, fragments, min(self._in_flight, fragments),
+                             self.overlap_steps, self.stagger)
 
     def plan(self, schema: Schema) -> tuple[tuple[str, ...], ...]:
         return plan(schema, self.fragments, self.partition)
@@ -432,7 +431,7 @@ class DiLoCo:
                 continue
             if f.name == "checkpoint_every" and v == 1:
                 continue
-            if f.name == "cohort_share" and not v:
+            if (f.name == "cohort_share" and not v) or (f.name == "stagger" and v):
                 continue
             out[f.name] = v.to_json() if f.name in ("merge", "partition") else v
         return out
@@ -445,7 +444,7 @@ class DiLoCo:
         fields = [f.name for f in dataclasses.fields(cls)]
         want = {"type", "version", *fields}
         missing = sorted(want - set(obj) - _OMITTED_WHEN_NONE
-                         - {"checkpoint_every", "cohort_share"})
+                         - {"checkpoint_every", "cohort_share", "stagger"})
         extra = sorted(set(obj) - want)
         if missing or extra:
             raise RemoteProtocolError(
@@ -475,7 +474,8 @@ class DiLoCo:
                 f"algorithm record: rebase={kw['rebase']!r} is what mixing="
                 f"{kw.get('mixing')!r} implies, and is recorded by omission"
             )
-        for name, implied in (("checkpoint_every", 1), ("cohort_share", False)):
+        for name, implied in (("checkpoint_every", 1), ("cohort_share", False),
+                              ("stagger", True)):
             if name in kw and kw[name] == implied:  # what the absence means is not written
                 raise RemoteProtocolError(f"algorithm record: {name}={str(implied).lower()} "
                                           "is recorded by omission")
@@ -483,6 +483,7 @@ class DiLoCo:
         # whole state), and those before cohort shares stepped every round in full.
         kw.setdefault("checkpoint_every", 1)
         kw.setdefault("cohort_share", False)
+        kw.setdefault("stagger", True)  # runs before it staggered their fragments
         try:
             return cls(**kw)
         except ConfigError as exc:
@@ -496,13 +497,11 @@ _JSON_KINDS = {
     "flush_on_close": "bool", "outlier_factor": "number", "rebase": "bool",
     "checkpoint_every": "int", "keep_rounds": "int", "delta_density": "number",
     "feedback_decay": "number", "feedback_momentum": "number", "cohort_share": "bool",
+    "stagger": "bool",
 }
-# Fields added after format version 1 was pinned: absent means None, and None is written
-# by leaving them out, so older records stay valid and unchanged. (`rebase` is never None
-# once built: it is left out when it equals `_default_rebase`. `checkpoint_every` is
-# left out when 1, which is what its absence means: runs created before replication.
-# `keep_rounds`, `delta_density`, the feedback settings and `cohort_share` are written only
-# when set, so runs without them keep their records.)
+# Fields added after format version 1 was pinned are written only where they depart from
+# what their absence means (None; `rebase`: `_default_rebase`; `checkpoint_every`: 1;
+# `cohort_share`: off; `stagger`: on), so older records stay valid and unchanged.
 _OMITTED_WHEN_NONE = frozenset({"outlier_factor", "rebase", "keep_rounds", "delta_density",
                                 "feedback_decay", "feedback_momentum"})
 _JSON_WORDS = {"int": "an integer", "number": "a number", "str": "a string", "bool": "a bool"}

@@ -47,14 +47,15 @@ def grace_window(
 
     min(gap·ξ_step, max(ARRIVAL_STEPS·ξ_step, ARRIVAL_POLLS·poll_interval)): learners in
     phase arrive within a few of their steps and a poll or two of each other, so that is
-    what the window covers; never more than one round's gap, after which the next round's
-    contributions are due. Before ξ_step is measured (round 0), the poll floor alone.
+    what the window covers; never more than one round's gap (`RoundSchedule.spacing`),
+    after which the next round's contributions are due. Before ξ_step is measured
+    (round 0), the poll floor alone.
     """
     floor = ARRIVAL_POLLS * poll_interval
     step = estimates.step
     if step is None:
         return floor
-    return min(schedule.gap(round_) * step, max(ARRIVAL_STEPS * step, floor))
+    return min(schedule.spacing(round_) * step, max(ARRIVAL_STEPS * step, floor))
 
 
 #: A round whose contributions carry less than this share of a sync period (token-

@@ -522,6 +522,10 @@ class Learner:
         if r is None:
             return
         self._hand_over(r, final=final)
+        if sch.gap(r + 1) == 0:
+            # A pipelined barrier (stagger=False): the sync's next round goes out now too,
+            # after this one, so its upload overlaps this one's merge and download.
+            self._maybe_publish(final)
 
     def _hand_over(self, r: int, final: bool) -> None:
         state = self._state_now()

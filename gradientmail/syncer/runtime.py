@@ -202,17 +202,21 @@ class Syncer:
             self.exchange, self.closer_id, self.clock, self.lease_timeout, self.on_event)
         try:
             while stop is None or not stop.is_set():
+                committed = False
                 try:
                     if beats is not None:
                         # From the start, before any run exists: learners list the
                         # closers once a lease period, the first time when they join.
                         await beats.beat()
-                    await self.poll()
+                    committed = await self.poll()
                 except asyncio.CancelledError:
                     raise
                 except (GradientmailError, OSError) as exc:
                     self.on_event(PollFailed(self.closer_id, repr(exc)))
-                await self._between_polls(stop)
+                if not committed:
+                    # After a commit, the next round at once: it may be complete already
+                    # (a pipelined barrier's rounds arrive one after another).
+                    await self._between_polls(stop)
         finally:
             if self._prefetch is not None:
                 self._prefetch.close()
