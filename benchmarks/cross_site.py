@@ -36,6 +36,10 @@ standard library, batch 16×128, AdamW 1e-3, H = 20, S = 400 steps, outer Nester
   the closer's plain SGD step and zstd; by default only behind links of 20 Mbit/s or
   less, where these payloads reached the loss they reach sooner than F32 deltas (named
   in `--systems`, it runs on any link);
+- `standard-closer-pipelined`: `standard-closer-zstd` as a pipelined barrier,
+  `DiLoCo.standard(H, M, fragments=P, stagger=False)`: the P fragments' rounds of a sync
+  go out at the same step, one after another, so one fragment's upload overlaps the
+  merge and download of the one before;
 - opt-in: `decoupled-mean` (the weighted mean in every round), `standard-closer-zstd`
   (`standard-closer` with zstd payloads).
 
@@ -99,7 +103,8 @@ __all__ = ["PRESETS", "SYSTEMS", "Links", "main", "parse_rate", "run_system"]
 
 HERE = Path(__file__).resolve().parent
 SYSTEMS = ("ddp", "torchft", "standard", "standard-closer", "decoupled", "decoupled-f4",
-           "decoupled-mean", "standard-closer-zstd", "standard-closer-sign1")
+           "decoupled-mean", "standard-closer-zstd", "standard-closer-sign1",
+           "standard-closer-pipelined")
 #: Systems run only when named (`--systems`): what they measure is a question, not a row of
 #: the default comparison.
 OPT_IN = frozenset({"decoupled-mean", "standard-closer-zstd"})
@@ -118,7 +123,12 @@ LABELS = {
     "standard-closer-zstd": "gradientmail standard DiLoCo, closer next to the bucket, zstd",
     "standard-closer-sign1": "gradientmail standard DiLoCo, closer next to the bucket, SIGN1 "
                              "deltas with the learners' momentum 0.8, zstd",
+    "standard-closer-pipelined": "gradientmail standard DiLoCo, closer next to the bucket, "
+                                 "zstd, pipelined (P fragments, stagger=False)",
 }
+#: Systems whose payloads are compressed (zstd): their floor counts the fragment's F32
+#: bytes, which compression beats.
+COMPRESSED = ("-f4", "-zstd", "-sign1", "-pipelined")
 PRESETS: dict[str, conv.Settings] = {
     "full": vt.BASE,
     # The one-layer model of convergence.py's smoke preset: seconds of training a system,
@@ -262,6 +272,8 @@ def _algorithm(system: str, s: conv.Settings) -> Any:
 
     if system in ("standard", "standard-closer", "standard-closer-zstd"):
         return DiLoCo.standard(s.sync_every, s.learners)
+    if system == "standard-closer-pipelined":
+        return DiLoCo.standard(s.sync_every, s.learners, fragments=s.fragments, stagger=False)
     if system == "standard-closer-sign1":
         # The 1-bit setting of benchmarks/RESULTS.md's sparse section: each learner keeps
         # the Nesterov momentum of its own deltas; the closer steps by plain SGD.
@@ -308,8 +320,7 @@ def _gradientmail_worker(spec: dict[str, Any], s: conv.Settings, model: Any, opt
     # The learners keep their embedded closers (the library's default) in every system:
     # beside a live standalone closer they stand by as its backups.
     options = LearnerOptions(poll_interval=spec["poll"],
-                             compression="zstd" if system.endswith(("-f4", "-zstd", "-sign1"))
-                             else "off")
+                             compression="zstd" if system.endswith(COMPRESSED) else "off")
     learner = Learner(TorchAdapter(model), _algorithm(system, s), box, f"learner-{rank}",
                       on_event=on_event, options=options)
     learner.start()
@@ -478,6 +489,42 @@ def barrier_breakdown(events: dict[int, list[dict[str, Any]]]) -> dict[str, floa
     return out
 
 
+def sync_breakdown(events: dict[int, list[dict[str, Any]]],
+                   per_sync: int) -> dict[str, float] | None:
+    """A pipelined barrier's sync (`stagger=False`, `per_sync` rounds a sync), from the
+    learners' events: medians over the syncs of the last learner's start of its first
+    upload to the last learner aligned with the sync's last round (`boundary_to_aligned_s`,
+    as `barrier_breakdown`'s), and of that learner's uploads' seconds end to end."""
+    import statistics
+
+    # (sync, rank) -> [first upload's start, last upload's end]
+    uploads: dict[tuple[int, int], list[float]] = {}
+    aligned: dict[int, list[float]] = {}
+    for rank, evs in events.items():
+        for e in evs:
+            r = e.get("round")
+            if r is None or rank < 0:
+                continue
+            k, last = divmod(int(r), per_sync)
+            if e["event"] == "SnapshotPublished" and not e.get("held"):
+                span = uploads.setdefault((k, rank), [math.inf, -math.inf])
+                span[0], span[1] = min(span[0], e["t"] - e["seconds"]), max(span[1], e["t"])
+            elif e["event"] == "FragmentAligned" and last == per_sync - 1:
+                aligned.setdefault(k, []).append(e["t"])
+    spans, ups = [], []
+    for k in sorted({k for k, _ in uploads}):
+        mine = {rank: span for (kk, rank), span in uploads.items() if kk == k}
+        if len(aligned.get(k, ())) < len(mine):
+            continue
+        first, end = max(mine.values())  # the learner that started last
+        spans.append(max(aligned[k]) - first)
+        ups.append(end - first)
+    if not spans:
+        return None
+    return {"boundary_to_aligned_s": statistics.median(spans),
+            "upload_s": statistics.median(ups), "rounds": float(len(spans))}
+
+
 @dataclasses.dataclass
 class Run:
     """What one system on one link needs from the main process."""
@@ -576,13 +623,16 @@ def run_system(run: Run) -> dict[str, Any]:
             events = {r: _events(run.workdir / f"{name}-{r}.events") for r in range(m)}
             fragment_bytes = [e["bytes"] for evs in events.values() for e in evs
                               if e["event"] == "SnapshotPublished" and not e.get("held")]
-            if fragment_bytes and not system.endswith(("-zstd", "-sign1")):
+            if fragment_bytes and not system.endswith(COMPRESSED):
                 # The floor moves a fragment's F32 bytes: compressed payloads beat it.
                 row["fragment_bytes"] = max(fragment_bytes)
             if config == "standard":
                 if system.startswith("standard-closer"):
                     events[-1] = closer_events(run.workdir / f"{name}-closer.out")
-                row["breakdown"] = barrier_breakdown(events)
+                if system.endswith("-pipelined"):
+                    row["sync"] = sync_breakdown(events, s.fragments)
+                else:
+                    row["breakdown"] = barrier_breakdown(events)
             recorded = {e["round"]: e["participants"] for evs in events.values() for e in evs
                         if e["event"] == "RoundRecorded"}
             row["short_rounds"] = sorted(r for r, who in recorded.items() if len(who) < m)
@@ -708,6 +758,15 @@ def plot(rows: list[dict[str, Any]], path: Path, target: float) -> bool:
 def _breakdown_lines(rows: list[dict[str, Any]]) -> list[str]:
     out = []
     for r in rows:
+        if r.get("sync"):
+            b = r["sync"]
+            floor = f" ({b['boundary_to_aligned_s'] / r['floor']:.2f}x the floor)" \
+                if "floor" in r else ""
+            out.append(
+                f"{r['system']} @ {r['link']}: a sync's barrier (medians over "
+                f"{b['rounds']:.0f} syncs): the last learner's uploads end to end "
+                f"{b['upload_s']:.2f} s; its first upload's start to every learner aligned "
+                f"with the sync's last round {b['boundary_to_aligned_s']:.2f} s{floor}")
         b = r.get("breakdown")
         if not b:
             continue

@@ -244,3 +244,52 @@ def test_a_sighted_round_lists_its_records_unless_every_one_was_read_in_its_plac
         p.close()
 
     asyncio.run(main())
+
+
+class Deletes(Requests):
+    """`Requests`, and every deletion."""
+
+    async def delete(self, key: str) -> None:
+        self.log.append(("delete", key))
+        await super().delete(key)
+
+
+def test_a_pipelined_barrier_closes_its_syncs_rounds_back_to_back_and_sweeps_after() -> None:
+    """stagger=False: a sync's two rounds are in before the closer starts. It closes the
+    second right after the first (polling at once after a commit: with a 60 s poll
+    interval it would otherwise look a minute later, past the test's 30 s bound), and
+    sweeps only after the sync's last round, not between its rounds (a sweep there is
+    time every waiting learner spends)."""
+
+    async def main() -> list[tuple[str, str]]:
+        alg = algorithm(fragments=2, quorum_size=3, in_flight=2, overlap_steps=0,
+                        stagger=False)
+        r = Run(fresh("pipelined"), alg, clock=MonotonicClock())
+        await r.create()
+        for learner in sorted(LIVE):
+            await r.ex.beat(learner)
+            for rnd in (0, 1):
+                await r.contribute(rnd, learner, base_version=0)
+        logged = Deletes(r.mailbox)
+        s = Syncer.open(logged, closer_id="sync-1",
+                        settings=CloserSettings(poll_interval=60.0, lease_timeout=120.0))
+        stop = asyncio.Event()
+        task = asyncio.create_task(s.run(stop))
+
+        async def swept() -> None:
+            while not any(op == "delete" for op, _ in logged.log):
+                await asyncio.sleep(0.005)
+
+        await asyncio.wait_for(swept(), timeout=30)
+        stop.set()
+        await asyncio.wait_for(task, timeout=30)
+        assert [[p.learner for p in rec.participants] for rec in await r.records()] == [
+            ["a", "b", "c"], ["a", "b", "c"]]
+        return logged.log
+
+    log = asyncio.run(main())
+    first = log.index(("create", "rounds/0000000000.json"))
+    second = log.index(("create", "rounds/0000000001.json"))
+    deletes = [i for i, (op, _) in enumerate(log) if op == "delete"]
+    assert deletes and min(deletes) > second, (first, second, deletes)
+    assert ("delete", "snapshots/0000000000/a.json") in log

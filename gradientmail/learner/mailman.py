@@ -433,6 +433,10 @@ class Mailman:
                     next_leases = now + self.lease_every
                     next_wanted = now + (WANTED_LIST if metered else 0.0)
                 fresh = await self._catch_up()
+                if fresh:
+                    # A fresh wait: a pipelined barrier's next commit is looked for at the
+                    # first wait's pace, not at the cap its wait for this one had reached.
+                    blocked = 0
                 # The embedded closer keeps a cursor of its own (the rounds it has
                 # accepted: it is the class a standalone `gradientmail sync` runs, and it
                 # leads this one when it commits a round); it is fed the records read

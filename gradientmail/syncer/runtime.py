@@ -191,7 +191,8 @@ class Syncer:
     # -- loop ---------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
-        """Poll until `stop` is set (or forever); a failed poll is logged and retried.
+        """Poll until `stop` is set (or forever); a failed poll is logged and retried. After
+        a commit it polls at once: a pipelined barrier's next round may be in already.
 
         A standalone syncer also holds a lease under `closers/` (`CloserLease`: beaten
         from the start, released when `stop` ends the loop): the
@@ -214,8 +215,6 @@ class Syncer:
                 except (GradientmailError, OSError) as exc:
                     self.on_event(PollFailed(self.closer_id, repr(exc)))
                 if not committed:
-                    # After a commit, the next round at once: it may be complete already
-                    # (a pipelined barrier's rounds arrive one after another).
                     await self._between_polls(stop)
         finally:
             if self._prefetch is not None:
@@ -658,10 +657,11 @@ class Syncer:
 
     async def sweep_due(self) -> None:
         """Delete what the newest commit made obsolete, if a commit since the last sweep
-        asks for it. An embedded closer sweeps after its learner took the commit (the
-        learner calls this once it has; else the next poll does): a sweep is a LIST and a
-        DELETE per key, and the learners waiting at a barrier must not wait for it."""
-        if not self._sweep_due:
+        asks for it. A sweep is a LIST and a DELETE per key, and learners waiting at a
+        barrier must not wait for it: an embedded closer sweeps after its learner took the
+        commit (the learner calls this; else the next poll does), and within a pipelined
+        barrier's sync (the open round has gap 0) any closer waits for its last round."""
+        if not self._sweep_due or self._sch().gap(self._cursor + 1) == 0:
             return
         assert self._manifest is not None
         doomed = await self.exchange.sweep(self.keep_versions, latest=self._latest,
