@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
 import torch
 from test_learner_runtime import make_model, train_step
-from test_syncer import Run, algorithm, fake
+from test_syncer import GateClock, Run, algorithm, fake
 
 from gradientmail import events as ev
 from gradientmail.adapters import TorchAdapter
 from gradientmail.algorithms.diloco import DiLoCo
 from gradientmail.learner.runtime import Learner
 from gradientmail.mailbox import Mailbox, MemoryMailbox
+from gradientmail.mailbox.wrappers import FaultPlan, FaultyMailbox
 from gradientmail.run.lease import LeaseTracker
 from gradientmail.run.protocol import Exchange
 from gradientmail.run.rollcall import Call, reply
@@ -298,14 +299,18 @@ def train(clock: FakeClock, learner: Learner, model: torch.nn.Module, steps: int
     return go
 
 
-def pair(clock: FakeClock, rec: Stamped, ids: tuple[str, ...]
+def pair(clock: FakeClock, rec: Stamped, ids: tuple[str, ...], fragments: int = 1,
+         boxes: Mapping[str, Callable[[Mailbox], Mailbox]] | None = None,
          ) -> tuple[MemoryMailbox, list[Learner], list[torch.nn.Module]]:
-    """Learners of standard DiLoCo (H=4), library defaults, joined and through round 0's
-    barrier together, as `wait_for_learners` starts them."""
+    """Learners of standard DiLoCo (H=4; with `fragments` > 1 a pipelined barrier),
+    library defaults, joined and through the first sync's barrier together, as
+    `wait_for_learners` starts them. `boxes` wraps a learner's view of the mailbox."""
     mailbox = MemoryMailbox()
-    alg = DiLoCo.standard(4, len(ids))
+    alg = DiLoCo.standard(4, len(ids), fragments=fragments, stagger=fragments == 1)
     models = [make_model(seed=w) for w in range(len(ids))]
-    learners = [Learner(TorchAdapter(m), alg, mailbox, x, clock=clock, on_event=rec)
+    wrap = boxes or {}
+    learners = [Learner(TorchAdapter(m), alg, wrap.get(x, lambda b: b)(mailbox), x,
+                        clock=clock, on_event=rec)
                 for m, x in zip(models, ids, strict=True)]
     for learner in learners:
         learner.start()
@@ -462,6 +467,40 @@ def test_a_preferred_closer_killed_after_its_contribution_holds_its_peer_for_sec
         assert closed.participants == ("a-survivor", "b-victim")  # its contribution merged
         assert t1 - t0 <= 2.0, f"the round closed {t1 - t0:.1f} fake s after its quorum"
         assert [e for _, e in rec.of(ev.RollCalled) if e.round == 1] == []
+    finally:
+        shut(clock, survivor, victim)
+
+
+def test_a_learner_killed_between_the_rounds_of_a_pipelined_sync_holds_its_peer_seconds(
+        ) -> None:
+    # stagger=False, two fragments: the victim's first round of the sync (2) is in, and
+    # its second (3) hangs mid-upload when it dies. Round 2 closes with both; round 3
+    # waits for it, calls the roll, judges it gone and closes with the survivor alone,
+    # seconds after the survivor's contribution; the survivor's next sync waits for no one.
+    clock = FakeClock()
+    rec = Stamped(clock)
+    stuck = GateClock()  # never opened: the upload of the victim's round 3 never ends
+    hang = FaultPlan().delay("create", "payloads/0000000003/*", 1.0, clock=stuck)
+    _, (survivor, victim), (model_s, model_v) = pair(
+        clock, rec, ("a-survivor", "b-victim"), fragments=2,
+        boxes={"b-victim": lambda box: FaultyMailbox(box, hang)})
+    try:
+        assert survivor.rounds_seen == victim.rounds_seen == 1
+        with clock.busy():
+            background(train(clock, victim, model_v, 4, 100))
+            rec.wait_for(lambda: any(e.round == 2 and e.learner == "b-victim" for _, e in
+                                     rec.events if isinstance(e, ev.SnapshotPublished)))
+            kill(victim)
+        run_until(clock, background(train(clock, survivor, model_s, 4, 200)), limit=60)
+        closed = {e.round: (t, e) for t, e in rec.of(ev.RoundClosed)}
+        assert closed[2][1].participants == ("a-survivor", "b-victim")
+        assert closed[3][1].participants == ("a-survivor",)
+        t0 = max(t for t, e in rec.of(ev.SnapshotPublished) if e.round == 3)
+        assert closed[3][0] - t0 <= 10.0, f"closed {closed[3][0] - t0:.1f} fake s after"
+        [(_, gone)] = rec.of(ev.LearnersGone)
+        assert gone.learners == ("b-victim",)
+        run_until(clock, background(train(clock, survivor, model_s, 4, 300)), limit=10)
+        assert survivor.rounds_seen == 5
     finally:
         shut(clock, survivor, victim)
 

@@ -414,7 +414,7 @@ class Mailman:
         while True:
             assert self._wake is not None
             self._wake.clear()
-            now = self.clock.now()
+            now, again = self.clock.now(), False
             if now >= next_manifest:
                 await self._check_run_exists()
                 next_manifest = now + MANIFEST_EVERY * self.poll_interval
@@ -434,9 +434,10 @@ class Mailman:
                     next_wanted = now + (WANTED_LIST if metered else 0.0)
                 fresh = await self._catch_up()
                 if fresh:
-                    # A fresh wait: a pipelined barrier's next commit is looked for at the
-                    # first wait's pace, not at the cap its wait for this one had reached.
-                    blocked = 0
+                    # Its look for the next record went out as this one's download began:
+                    # a waiting learner looks again at once (a pipelined barrier's next
+                    # commit may have landed meanwhile), then at the first wait's pace.
+                    blocked, again = 0, True
                 # The embedded closer keeps a cursor of its own (the rounds it has
                 # accepted: it is the class a standalone `gradientmail sync` runs, and it
                 # leads this one when it commits a round); it is fed the records read
@@ -459,6 +460,8 @@ class Mailman:
             # Waiting for a commit, or for learners to join (not a wait the closer sees).
             short = len(self.observed.live) < self._want_live
             blocked = blocked + 1 if self._blocked or short else 0
+            if again and self._blocked:
+                continue
             # Woken early when the training thread starts waiting for a commit, or this
             # learner's contribution is in (its closer looks whether it completed the
             # set): neither waits out a poll interval begun before.
