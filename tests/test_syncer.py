@@ -1094,6 +1094,44 @@ def test_an_embedded_backup_takes_over_from_a_standalone_closer_that_died_mid_ro
     run(main())
 
 
+def test_a_standalone_closer_killed_mid_sync_of_a_pipelined_barrier_is_taken_over() -> None:
+    """stagger=False, two fragments: the standalone closer committed the sync's first
+    round, claimed its second and died. The learner's closer takes the second over as for
+    any round (head start, takeover), and the sync commits what a closer that lived
+    commits: the same bytes, participants and weights."""
+    alg = algorithm(fragments=2, quorum_size=2, in_flight=2, overlap_steps=0, stagger=False)
+    live, standalone = frozenset({"a", "b"}), frozenset({"sync-1"})
+
+    async def sync(dies: bool) -> list[RoundRecord]:
+        r = Run(MemoryMailbox(), alg)
+        await r.create()
+        for rnd in (0, 1):
+            for learner in ("a", "b"):
+                await r.contribute(rnd, learner, base_version=0)
+        closer = r.syncer("sync-1", sweep=False)
+        assert await closer.poll(live=live)
+        if not dies:
+            assert await closer.poll(live=live)
+            return await r.records()
+        assert await r.ex.claim_round(1, 0, "sync-1")  # its claim, then SIGKILL
+        s = r.syncer("a", embedded=True, sweep=False)
+        s.host.note(1)
+        t0 = fake(r).now()
+        while not await s.poll(live=live, standalone=standalone):
+            assert fake(r).now() - t0 <= 60.0, "the round was never taken over"
+            fake(r).advance(1.0)
+        [event] = r.of(ClaimSuperseded)
+        assert (event.closer, event.round, event.attempt) == ("a", 1, 1)
+        records = await r.records()
+        assert [rec.closer for rec in records] == ["sync-1", "a"]
+        return records
+
+    lived, died = run(sync(False)), run(sync(True))
+    assert [[p.learner for p in rec.participants] for rec in died] == [["a", "b"]] * 2
+    assert [rec.version for rec in died] == [1, 1]
+    assert fingerprint(died) == fingerprint(lived)
+
+
 def test_a_standalone_closer_gone_without_a_word_costs_a_round_a_backups_head_start(
         mailbox: Mailbox) -> None:
     """Its lease not yet timed out, nobody claims: the learner's closer closes the round
