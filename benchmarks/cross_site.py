@@ -58,8 +58,10 @@ Measured per system and link:
   after (every byte: payloads, HTTP, gloo, heartbeats, retransmissions);
 - barrier per round: Σ (step call − AdamW step) / rounds, as vs_torchft.py measures it
   (gradientmail's close() included), against the transfer floor, one fragment up and one
-  down at the link's rate (payload bytes × 8 / rate × 2); bytes per round through a link
-  against a ring allreduce's 2(M−1)/M × the fragment's bytes each way.
+  down at the link's rate (payload bytes × 8 / rate × 2); and the barrier of the last
+  learner to arrive (the least of the learners' per sync, median over the syncs): the
+  others' also holds their wait for its steps. Bytes per round through a link against a
+  ring allreduce's 2(M−1)/M × the fragment's bytes each way.
 
 Prints a markdown table and a reading, writes a PNG of held-out loss against wall-clock
 (with matplotlib), `--json` the rows, and appends to RESULTS.md unless `--quick`/`--smoke`
@@ -490,6 +492,27 @@ def barrier_breakdown(events: dict[int, list[dict[str, Any]]]) -> dict[str, floa
     return out
 
 
+def last_arrivers_barrier(logs: list[list[tuple[Any, ...]]], h: int) -> float | None:
+    """The barrier of the learner that waited for no one's steps: per window of H steps
+    around a sync (as vs_torchft.py cuts them; the first and the closing one left out),
+    the least time any learner's step calls spent beyond their optimizer steps; the median
+    over the windows. What a sync costs when learners are equal: the others' barrier also
+    holds their wait for the last one's steps (here, learners sharing 2 cores)."""
+    import statistics
+
+    windows: list[list[float]] = []
+    for steps in logs:
+        n = len(steps) // h
+        if n < 3:
+            return None
+        w = [0.0] * (n + 1)
+        for i, (_, call, plain, *_) in enumerate(steps):
+            w[min(max(1, (i + h // 2) // h), n)] += call - plain
+        windows.append(w[2:n])
+    least = [min(w[k] for w in windows) for k in range(min(len(w) for w in windows))]
+    return statistics.median(least) if least else None
+
+
 def sync_breakdown(events: dict[int, list[dict[str, Any]]],
                    per_sync: int) -> dict[str, float] | None:
     """A pipelined barrier's sync (`stagger=False`, `per_sync` rounds a sync), from the
@@ -641,6 +664,8 @@ def run_system(run: Run) -> dict[str, Any]:
             synced = sum(1 for n in results[0]["participants"] if n >= 2)
             # A ring allreduce of the fp32 model per sync, each way.
             row["payload"] = [2 * 2 * (m - 1) / m * n_params * 4 * synced] * m
+    row["barrier_last"] = last_arrivers_barrier(
+        [vt._steps(run.workdir / f"{name}-{r}.log") for r in range(m)], h)
     row.setdefault("fragment_bytes", n_params * 4)
     slowest = min((x for x in run.rates if x is not None), default=None)
     if slowest is not None:
@@ -662,7 +687,8 @@ def _mb(n: float | None) -> str:
 
 def table(rows: list[dict[str, Any]], target: float) -> str:
     lines = [f"| system | link | wall s | final held-out loss | time to {target:.4f} s | "
-             "barrier per round (median) | floor (1 fragment up + down) | MB through each "
+             "barrier per round (median; the last to arrive's) | floor (1 fragment up + "
+             "down) | MB through each "
              "link | MB per round per link (ring allreduce) |",
              "|---|---|---:|---:|---:|---|---:|---|---|"]
     for r in rows:
@@ -674,6 +700,8 @@ def table(rows: list[dict[str, Any]], target: float) -> str:
         capped = (f" ({r['steps']} of {r['settings_steps']} steps)"
                   if r["steps"] < r["settings_steps"] else "")
         med = f" ({r['barrier_median']:.2f})" if "barrier_median" in r else ""
+        if r.get("barrier_last") is not None:
+            med += f"; the last to arrive {r['barrier_last']:.2f}"
         floor = f"{r['floor']:.2f} s" if "floor" in r else "—"
         per_link = " / ".join(f"{b / 1e6:.1f}" for b in r["link_bytes"])
         per_round = " / ".join(f"{b / r['rounds'] / 1e6:.2f}" for b in r["link_bytes"])
