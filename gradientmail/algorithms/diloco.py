@@ -104,7 +104,7 @@ class DiLoCo:
     `feedback_momentum` μ each learner keeps the Nesterov momentum of its own deltas and
     compresses the Nesterov step, and the outer step is plain SGD, outer_momentum=0) and
     `commit_dtype` (None: full theta) transfer formats; `delta_density` and the feedback
-    settings are written to the JSON only when set; With error feedback the outer momentum
+    settings are written to the JSON only when set. With error feedback the outer momentum
     belongs with the learners (measured in benchmarks/RESULTS.md, "Sparse and 1-bit
     deltas"): `DiLoCo.standard(H, M, delta_dtype="SIGN1", feedback_momentum=0.8,
     outer_momentum=0.0)` for 1 bit an element, or a top-k format with `outer_lr=1.0,
