@@ -94,9 +94,15 @@ def run_learners(mailbox_for: Callable[[], Mailbox | str],
     return results
 
 
-@pytest.mark.parametrize("kind", ["memory", "local", "s3"])
+PIPELINED = DiLoCo.standard(H, LEARNERS, fragments=2, stagger=False)
+
+
+@pytest.mark.parametrize(("kind", "algorithm"), [
+    ("memory", STANDARD), ("local", STANDARD), ("s3", STANDARD),
+    ("memory", PIPELINED), ("s3", PIPELINED),
+], ids=["memory", "local", "s3", "pipelined-memory", "pipelined-s3"])
 def test_standard_diloco_equals_the_synchronous_loop(
-    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+    kind: str, algorithm: DiLoCo, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     mailbox_for: Callable[[], Mailbox | str]
     if kind == "memory":
@@ -111,28 +117,8 @@ def test_standard_diloco_equals_the_synchronous_loop(
         # One client per learner, as on separate machines.
         mailbox_for = lambda: S3Mailbox(bucket, prefix=prefix, endpoint_url=endpoint)  # noqa: E731
     want = oracle()
-    for got in run_learners(mailbox_for):
+    for got in run_learners(mailbox_for, algorithm):
         assert len(got) == len(want)
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
 
-
-@pytest.mark.parametrize("kind", ["memory", "s3"])
-def test_a_pipelined_barrier_equals_the_synchronous_loop(
-    kind: str, request: pytest.FixtureRequest
-) -> None:
-    algorithm = DiLoCo.standard(H, LEARNERS, fragments=2, stagger=False)
-    assert (algorithm.in_flight, algorithm.schedule.gap(4), algorithm.schedule.gap(5)) == (2, H, 0)
-    mailbox_for: Callable[[], Mailbox | str]
-    if kind == "memory":
-        name = f"oracle-{secrets.token_hex(4)}"
-        mailbox_for = lambda: f"memory://{name}"  # noqa: E731
-    else:
-        bucket = request.getfixturevalue("s3_bucket")
-        endpoint = request.getfixturevalue("moto_endpoint")
-        prefix = f"oracle-{secrets.token_hex(4)}"
-        mailbox_for = lambda: S3Mailbox(bucket, prefix=prefix, endpoint_url=endpoint)  # noqa: E731
-    want = oracle()
-    for got in run_learners(mailbox_for, algorithm):
-        for g, w in zip(got, want, strict=True):
-            torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
