@@ -104,29 +104,28 @@ def test_the_golden_payload_and_other_shapes_and_dtypes(device: str) -> None:
     assert positions.numel() == 0
 
 
-@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_non_finite_values_are_refused_as_numpy_refuses_them(device: str, bad: float) -> None:
+def _refused(case: str) -> tuple[np.ndarray, list[int], str]:
+    """A tensor numpy's encoder refuses, the indices of what it refuses, and its message."""
+    if case == "overflow":
+        x = np.zeros(CHUNK + 3, np.float32)
+        x[CHUNK + 1] = np.float32(_F32_MAX)  # codes to 2^128: past float32
+        x[7] = np.float32(3e38)  # codes to 240 · 2^120: fine
+        return x, [CHUNK + 1], "overflow to infinity when rounded to TOPK_F8"
     x = np.random.default_rng(3).standard_normal(2 * CHUNK + 5).astype(np.float32)
-    x[[5000, 6000, 8190]] = bad
+    x[[5000, 6000, 8190]] = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}[case]
+    return x, [5000, 6000, 8190], "holds 3 NaN or infinite values (first at flat index 5000)"
+
+
+@pytest.mark.parametrize("case", ["nan", "inf", "-inf", "overflow"])
+def test_what_numpy_refuses_is_refused_with_numpys_message(device: str, case: str) -> None:
+    x, bad, message = _refused(case)
     with pytest.raises(NonFiniteError) as want:
         numpy_entries(x, 0.01)
-    assert "holds 3 NaN or infinite values (first at flat index 5000)" in str(want.value)
+    assert message in str(want.value)
     with pytest.raises(NonFiniteError) as got:
         sparsify_tensor("t", torch.from_numpy(x).to(device), 0.01)
     assert str(got.value) == str(want.value)
-
-
-def test_values_whose_code_overflows_are_refused_as_numpy_refuses_them(device: str) -> None:
-    x = np.zeros(CHUNK + 3, np.float32)
-    x[CHUNK + 1] = np.float32(_F32_MAX)  # codes to 2^128: past float32
-    x[7] = np.float32(3e38)  # codes to 240 · 2^120: fine
-    with pytest.raises(NonFiniteError) as want:
-        numpy_entries(x, 0.01)
-    assert "overflow to infinity when rounded to TOPK_F8" in str(want.value)
-    with pytest.raises(NonFiniteError) as got:
-        sparsify_tensor("t", torch.from_numpy(x).to(device), 0.01)
-    assert str(got.value) == str(want.value)
-    x[CHUNK + 1] = 0
+    x[bad] = 0  # the rest encodes, to numpy's bytes
     assert sparsify_tensor("t", torch.from_numpy(x).to(device), 0.01)[0] == numpy_entries(
         x, 0.01)
 
