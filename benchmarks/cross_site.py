@@ -42,7 +42,8 @@ standard library, batch 16×128, AdamW 1e-3, H = 20, S = 400 steps, outer Nester
   merge and download of the one before; by default only behind links of 100 Mbit/s or
   less (named in `--systems`, on any link);
 - opt-in: `decoupled-mean` (the weighted mean in every round), `standard-closer-zstd`
-  (`standard-closer` with zstd payloads).
+  (`standard-closer` with zstd payloads), `standard-pipelined` (the pipelined barrier
+  with embedded closers only).
 
 Measured per system and link:
 
@@ -107,10 +108,10 @@ __all__ = ["PRESETS", "SYSTEMS", "Links", "main", "parse_rate", "run_system"]
 HERE = Path(__file__).resolve().parent
 SYSTEMS = ("ddp", "torchft", "standard", "standard-closer", "decoupled", "decoupled-f4",
            "decoupled-mean", "standard-closer-zstd", "standard-closer-sign1",
-           "standard-closer-pipelined")
+           "standard-closer-pipelined", "standard-pipelined")
 #: Systems run only when named (`--systems`): what they measure is a question, not a row of
 #: the default comparison.
-OPT_IN = frozenset({"decoupled-mean", "standard-closer-zstd"})
+OPT_IN = frozenset({"decoupled-mean", "standard-closer-zstd", "standard-pipelined"})
 #: Systems the default comparison runs only behind links of at most so many bits/s: the
 #: settings for slow links, which lose where the link is not the bottleneck (1-bit deltas
 #: on time to loss; a pipelined barrier's second round on a fast link).
@@ -126,6 +127,7 @@ LABELS = {
     "standard-closer-zstd": "gradientmail standard DiLoCo, closer next to the bucket, zstd",
     "standard-closer-sign1": "gradientmail standard DiLoCo, closer next to the bucket, SIGN1 "
                              "deltas with the learners' momentum 0.8, zstd",
+    "standard-pipelined": "gradientmail standard DiLoCo, embedded closers, zstd, pipelined",
     "standard-closer-pipelined": "gradientmail standard DiLoCo, closer next to the bucket, "
                                  "zstd, pipelined (P fragments, stagger=False)",
 }
@@ -275,7 +277,7 @@ def _algorithm(system: str, s: conv.Settings) -> Any:
 
     if system in ("standard", "standard-closer", "standard-closer-zstd"):
         return DiLoCo.standard(s.sync_every, s.learners)
-    if system == "standard-closer-pipelined":
+    if system in ("standard-closer-pipelined", "standard-pipelined"):
         return DiLoCo.standard(s.sync_every, s.learners, fragments=s.fragments, stagger=False)
     if system == "standard-closer-sign1":
         # The 1-bit setting of benchmarks/RESULTS.md's sparse section: each learner keeps
