@@ -496,7 +496,7 @@ def barrier_breakdown(events: dict[int, list[dict[str, Any]]]) -> dict[str, floa
 
 def last_arrivers_barrier(logs: list[list[tuple[Any, ...]]], h: int) -> float | None:
     """The barrier of the learner that waited for no one's steps: per window of H steps
-    around a sync (as vs_torchft.py cuts them; the first and the closing one left out),
+    around a sync (`vs_torchft.round_window`; the first and the closing one left out),
     the least time any learner's step calls spent beyond their optimizer steps; the median
     over the windows. What a sync costs when learners are equal: the others' barrier also
     holds their wait for the last one's steps (here, learners sharing 2 cores)."""
@@ -509,7 +509,7 @@ def last_arrivers_barrier(logs: list[list[tuple[Any, ...]]], h: int) -> float | 
             return None
         w = [0.0] * (n + 1)
         for i, (_, call, plain, *_) in enumerate(steps):
-            w[min(max(1, (i + h // 2) // h), n)] += call - plain
+            w[vt.round_window(i, h, n)] += call - plain
         windows.append(w[2:n])
     least = [min(w[k] for w in windows) for k in range(min(len(w) for w in windows))]
     return statistics.median(least) if least else None

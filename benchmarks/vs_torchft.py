@@ -519,6 +519,13 @@ def _quantile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
 
 
+def round_window(step: int, h: int, rounds: int) -> int:
+    """The round (1..`rounds`) whose window holds the 0-based `step`: round k is steps
+    [kH − H/2, kH + H/2); the steps before H/2 count in round 1, and those after the
+    last window (and the close) in round `rounds`."""
+    return min(max(1, (step + h // 2) // h), rounds)
+
+
 def summarize(arm: Arm, s: conv.Settings, jobs: list[Job], wall: float,
               t_kill: float | None, loss: float, allreduce_bytes: int) -> dict[str, Any]:
     """One table row from the workers' logs and results."""
@@ -534,14 +541,12 @@ def summarize(arm: Arm, s: conv.Settings, jobs: list[Job], wall: float,
     for j in finished:
         steps = _steps(j.path("log"))
         result = results[j.rank]
-        # Round k (1..R) is steps [kH − H/2, kH + H/2); the steps before H/2 count in round
-        # 1 and the close in round R.
         windows = [0.0] * (rounds + 1)
         ups = [0] * (rounds + 1)
         downs = [0] * (rounds + 1)
         last_up = last_down = 0
         for i, (_, call, plain, _, up, down) in enumerate(steps):
-            k = min(max(1, (i + h // 2) // h), rounds)
+            k = round_window(i, h, rounds)
             windows[k] += call - plain
             ups[k] += up - last_up
             downs[k] += down - last_down
